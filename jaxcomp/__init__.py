@@ -1,1 +1,30 @@
-"""jaxcomp."""
+"""jaxcomp: gradient compression inside JAX data-parallel collectives.
+
+The public API: :func:`compressed_mean` (an Optax transform), the helpers
+that run it under ``jax.shard_map`` (:func:`per_device_grad`,
+:func:`init_sharded`, :func:`shard_train_step`), and :func:`collective_traffic`
+to read what a compiled step sends.
+"""
+
+from jaxcomp import bucketing
+from jaxcomp import collectives
+from jaxcomp import compressors
+from jaxcomp import feedback
+from jaxcomp.hlo import CollectiveOp
+from jaxcomp.hlo import Traffic
+from jaxcomp.hlo import collective_traffic
+from jaxcomp.sharding import init_sharded
+from jaxcomp.sharding import per_device_grad
+from jaxcomp.sharding import per_device_value_and_grad
+from jaxcomp.sharding import shard_train_step
+from jaxcomp.sharding import state_partition_specs
+from jaxcomp.sharding import to_global
+from jaxcomp.sharding import to_local
+from jaxcomp.sharding import to_varying
+from jaxcomp.sharding import varying_axes
+from jaxcomp.transform import CompressedMeanState
+from jaxcomp.transform import CompressionStats
+from jaxcomp.transform import compressed_mean
+from jaxcomp.transform import get_stats
+
+__version__ = "0.1.0"

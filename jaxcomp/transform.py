@@ -1,0 +1,274 @@
+"""The public transform: compressed gradient averaging over a mesh axis."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from jaxcomp import bucketing as bucketing_lib
+from jaxcomp import collectives as collectives_lib
+from jaxcomp import compressors as compressors_lib
+from jaxcomp import feedback as feedback_lib
+from jaxcomp.sharding import AxisName, _axes, check_axis_bound, to_varying
+
+NONFINITE_POLICIES = ("skip", "zero", "propagate")
+
+
+class CompressionStats(NamedTuple):
+  """Per-step statistics, carried in the state (read with :func:`get_stats`).
+
+  Bytes are what one device contributes as collective operands in one step
+  (the compressor payloads plus the exact leaves in float32); ``dense_bytes``
+  is the float32 all-reduce of the whole gradient.
+  """
+
+  bytes_sent: jax.Array  # shape=(), float32, bytes per device per step
+  dense_bytes: jax.Array  # shape=(), float32, bytes of a float32 all-reduce
+  compression_ratio: jax.Array  # shape=(), float32, dense_bytes / bytes_sent
+  residual_norm: jax.Array  # shape=(), float32, this device's L2 residual
+  skipped_steps: jax.Array  # shape=(), int32, steps skipped for non-finite
+
+
+class CompressedMeanState(NamedTuple):
+  """State of :func:`compressed_mean`."""
+
+  count: jax.Array  # shape=(), int32, steps taken (skipped ones included)
+  key: jax.Array  # shape=(2,), uint32, raw PRNG key shared by all devices
+  feedback: tuple  # per bucket: the feedback state (residual float32 (n,),
+  #                  varying over the axis), or () without error feedback
+  compressor_state: tuple  # per bucket: the compressor's own state, or ()
+  stats: CompressionStats
+
+
+def _check_leaves(leaves, what: str) -> None:
+  for i, leaf in enumerate(leaves):
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"compressed_mean: {what} leaf {i} has dtype {dtype}; only floating "
+          "gradients can be averaged. Exclude integer and boolean leaves "
+          "(e.g. with optax.masked) or make them floats.")
+
+
+def compressed_mean(
+    compressor: str | compressors_lib.Compressor = "identity",
+    axis_name: AxisName = "data",
+    *,
+    collective: str | collectives_lib.Collective | None = None,
+    error_feedback: str | bool | feedback_lib.Feedback | None = None,
+    bucketing: str = "layerwise",
+    min_compress_size: int = 0,
+    bucket_elements: int | None = None,
+    plan: Sequence[Sequence[int]] | None = None,
+    nonfinite: str = "skip",
+    seed: int = 0,
+    **compressor_kwargs,
+) -> optax.GradientTransformation:
+  """Averages per-device gradients over ``axis_name``, compressed.
+
+  Run ``init`` and ``update`` inside ``jax.shard_map`` (or ``jax.pmap``) over
+  ``axis_name``, with per-device gradients (see
+  :func:`jaxcomp.per_device_grad`). ``update`` returns the mean over the axis
+  of what every device sent, identical on every device, in each leaf's own
+  dtype; chain an optimizer after it::
+
+    tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.01),
+                     optax.adam(1e-3))
+
+  Each bucket of leaves (see ``bucketing``) is flattened to one float32
+  buffer, corrected by error feedback, encoded, exchanged by the collective
+  and decoded.
+
+  Args:
+    compressor: a registered name (``jaxcomp.compressors.names()``) or a
+      Compressor instance.
+    axis_name: the data-parallel axis name, or a tuple of names.
+    collective: ``"psum"`` (linear compressors; their default),
+      ``"allgather"`` (the others' default), another registered collective,
+      or a Collective instance.
+    error_feedback: ``None`` (residual error feedback for biased compressors,
+      none for unbiased ones), ``True``/``"residual"``, ``False``/``"none"``,
+      or a Feedback instance.
+    bucketing: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one
+      bucket) or ``"fixed"`` (``bucket_elements`` per bucket).
+    min_compress_size: leaves with fewer elements skip compression and go
+      through an exact float32 ``pmean``.
+    bucket_elements: bucket size in elements for ``bucketing="fixed"``.
+    plan: explicit buckets as lists of leaf indices (``jax.tree.leaves``
+      order); overrides ``bucketing``.
+    nonfinite: what a NaN or Inf in any device's gradient does to the step.
+      ``"skip"`` (default): the update is zero and the error-feedback state
+      is left unchanged on every device (one extra scalar all-reduce);
+      ``"zero"``: non-finite entries are replaced by 0 before compression;
+      ``"propagate"``: the update is NaN on every device (so that
+      ``optax.apply_if_finite`` can skip the step) and the error-feedback
+      state is left unchanged. No policy lets NaN into the residual.
+    seed: seed of the key shared by all devices (random-block placement,
+      QSGD rounding, ...).
+    **compressor_kwargs: hyperparameters of a compressor given by name.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is
+    :class:`CompressedMeanState`.
+
+  Raises:
+    ValueError: at construction, for an unknown compressor, collective,
+      feedback, bucketing or nonfinite policy, a bad hyperparameter, an empty
+      ``axis_name``, or a collective that cannot carry the compressor.
+    TypeError: in ``init``/``update``, for integer or boolean leaves.
+    NameError: in ``init``/``update``, when ``axis_name`` is not bound
+      (called outside ``shard_map``/``pmap``).
+  """
+  axes = _axes(axis_name) if axis_name is not None else ()
+  if not axes or not all(isinstance(a, str) and a for a in axes):
+    raise ValueError(
+        f"axis_name must be a non-empty mesh axis name, got {axis_name=}")
+  comp = compressors_lib.get(compressor, **compressor_kwargs)
+  coll = collectives_lib.get(collective, comp)
+  fb = feedback_lib.get(error_feedback, comp.biased)
+  if nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(
+        f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite=}")
+  if min_compress_size < 0:
+    raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
+  # Validate the bucketing configuration now, on a dummy shape.
+  bucketing_lib.plan_buckets([1], strategy=bucketing, min_size=0,
+                             bucket_elements=bucket_elements,
+                             plan=None)
+
+  def make_plan(leaves):
+    sizes = [math.prod(jnp.shape(x)) for x in leaves]
+    return sizes, bucketing_lib.plan_buckets(
+        sizes, strategy=bucketing, min_size=min_compress_size,
+        bucket_elements=bucket_elements, plan=plan)
+
+  def bucket_sizes(sizes, bplan):
+    return [sum(sizes[i] for i in b) for b in bplan.buckets]
+
+  def static_stats(sizes, bplan):
+    n_total = sum(sizes)
+    sent = sum(comp.payload_bytes(n) for n in bucket_sizes(sizes, bplan))
+    sent += 4 * sum(sizes[i] for i in bplan.exact)
+    return float(sent), float(4 * n_total)
+
+  def init_fn(params):
+    leaves = jax.tree.leaves(params)
+    _check_leaves(leaves, "params")
+    check_axis_bound(axis_name, "compressed_mean.init")
+    sizes, bplan = make_plan(leaves)
+    for n in bucket_sizes(sizes, bplan):
+      comp.check_size(n)
+    key = jax.random.key_data(jax.random.key(seed))
+    sent, dense = static_stats(sizes, bplan)
+    return CompressedMeanState(
+        count=jnp.zeros((), jnp.int32),
+        key=key,
+        feedback=tuple(fb.init(n, axis_name)
+                       for n in bucket_sizes(sizes, bplan)),
+        compressor_state=tuple(() for _ in bplan.buckets),
+        stats=CompressionStats(
+            bytes_sent=jnp.asarray(sent, jnp.float32),
+            dense_bytes=jnp.asarray(dense, jnp.float32),
+            compression_ratio=jnp.asarray(dense / max(sent, 1.0), jnp.float32),
+            residual_norm=to_varying(jnp.zeros((), jnp.float32), axis_name),
+            skipped_steps=jnp.zeros((), jnp.int32)))
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    _check_leaves(leaves, "gradient")
+    check_axis_bound(axis_name, "compressed_mean.update")
+    sizes, bplan = make_plan(leaves)
+    if len(bplan.buckets) != len(state.feedback):
+      raise ValueError(
+          f"the gradient has {len(bplan.buckets)} buckets but the state was "
+          f"initialised for {len(state.feedback)}; initialise the state with "
+          "parameters of the same structure as the gradients")
+    flat = [x.reshape(-1).astype(jnp.float32) for x in leaves]
+
+    local_bad = jnp.zeros((), jnp.bool_)
+    for x in flat:
+      local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
+    if nonfinite == "zero":
+      flat = [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat]
+      any_bad = jnp.zeros((), jnp.bool_)
+    else:
+      any_bad = lax.psum(local_bad.astype(jnp.int32), axis_name) > 0
+      if nonfinite == "skip":
+        # Compress zeros instead, so no NaN travels or reaches any state.
+        flat = [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat]
+      else:
+        flat = [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat]
+
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
+                                  state.count)
+    out = [None] * len(leaves)
+    if bplan.exact:
+      xs = jnp.concatenate([flat[i] for i in bplan.exact])
+      mean = lax.pmean(xs, axis_name)
+      _scatter(out, mean, bplan.exact, sizes)
+    new_fb = []
+    sq_residual = jnp.zeros((), jnp.float32)
+    for bi, bucket in enumerate(bplan.buckets):
+      xs = jnp.concatenate([flat[i] for i in bucket])
+      key = jax.random.fold_in(step_key, bi)
+      if comp.randomness == "independent":
+        key = jax.random.fold_in(key, lax.axis_index(axis_name))
+
+      def exchange(v, key=key):
+        return coll.exchange(comp, v, key, axis_name)
+
+      mean, fstate = fb.apply(xs, state.feedback[bi], exchange)
+      if nonfinite != "zero":
+        # A skipped step sends nothing and leaves no trace in the state.
+        fstate = jax.tree.map(lambda new, old: jnp.where(any_bad, old, new),
+                              fstate, state.feedback[bi])
+        if nonfinite == "skip":
+          mean = jnp.where(any_bad, 0.0, mean)
+      new_fb.append(fstate)
+      r = fb.residual(fstate)
+      if r is not None:
+        sq_residual = sq_residual + jnp.sum(r * r)
+      _scatter(out, mean, bucket, sizes)
+
+    mean_leaves = []
+    for i, (m, leaf) in enumerate(zip(out, leaves)):
+      if nonfinite == "propagate":
+        m = jnp.where(any_bad, jnp.nan, m)
+      mean_leaves.append(m.reshape(jnp.shape(leaf)).astype(leaf.dtype))
+    stats = state.stats._replace(
+        residual_norm=to_varying(jnp.sqrt(sq_residual), axis_name),
+        skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
+    new_state = CompressedMeanState(
+        count=state.count + 1, key=state.key, feedback=tuple(new_fb),
+        compressor_state=state.compressor_state, stats=stats)
+    return jax.tree.unflatten(treedef, mean_leaves), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scatter(out, flat_mean, indices, sizes) -> None:
+  offset = 0
+  for i in indices:
+    out[i] = flat_mean[offset:offset + sizes[i]]
+    offset += sizes[i]
+
+
+def get_stats(state) -> CompressionStats | None:
+  """The :class:`CompressionStats` of the first :func:`compressed_mean` found
+  in an optimizer state (e.g. the state of an ``optax.chain``), or None."""
+  found = []
+
+  def visit(x):
+    if isinstance(x, CompressedMeanState):
+      found.append(x.stats)
+      return True
+    return False
+
+  jax.tree.map(lambda x: None, state, is_leaf=visit)
+  return found[0] if found else None
