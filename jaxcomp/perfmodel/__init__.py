@@ -1,0 +1,55 @@
+"""When does compression pay? Alpha-beta performance model of jaxcomp's exchanges.
+
+See docs/perfmodel.md. References: Agarwal et al., *On the Utility of Gradient
+Compression in Distributed Training Systems*, MLSys 2022; Zhang et al., *Is
+Network the Bottleneck of Distributed Training?*, NetAI 2020; Shi et al.,
+*MG-WFBP*, INFOCOM 2019.
+"""
+
+from jaxcomp.perfmodel.costs import COLLECTIVES
+from jaxcomp.perfmodel.costs import Link
+from jaxcomp.perfmodel.costs import Network
+from jaxcomp.perfmodel.costs import allgather_time
+from jaxcomp.perfmodel.costs import allreduce_time
+from jaxcomp.perfmodel.costs import alltoall_time
+from jaxcomp.perfmodel.costs import collective_time
+from jaxcomp.perfmodel.costs import reduce_scatter_time
+from jaxcomp.perfmodel.mgwfbp import mgwfbp_plan
+from jaxcomp.perfmodel.mgwfbp import wfbp_finish_time
+from jaxcomp.perfmodel.model import CodecCost
+from jaxcomp.perfmodel.model import Compressor
+from jaxcomp.perfmodel.model import DenseCompressor
+from jaxcomp.perfmodel.model import IdealCompressor
+from jaxcomp.perfmodel.model import ModelProfile
+from jaxcomp.perfmodel.model import Prediction
+from jaxcomp.perfmodel.model import bucket_plan
+from jaxcomp.perfmodel.model import compare
+from jaxcomp.perfmodel.model import load_profile_file
+from jaxcomp.perfmodel.model import predict
+from jaxcomp.perfmodel.model import save_profile
+from jaxcomp.perfmodel.profiles import BUILTIN_PROFILES
+from jaxcomp.perfmodel.profiles import builtin_profile
+from jaxcomp.perfmodel.profiles import load_profile
+from jaxcomp.perfmodel.simulate import DEFAULT_WORKERS
+from jaxcomp.perfmodel.simulate import required_ratio
+from jaxcomp.perfmodel.simulate import stops_paying
+from jaxcomp.perfmodel.simulate import sweep_bandwidth
+from jaxcomp.perfmodel.simulate import sweep_workers
+
+
+def measure_codec(*args, **kwargs):
+  """See :func:`jaxcomp.perfmodel.codec.measure_codec` (imports JAX lazily)."""
+  from jaxcomp.perfmodel import codec
+  return codec.measure_codec(*args, **kwargs)
+
+
+def profile_model(*args, **kwargs):
+  """See :func:`jaxcomp.perfmodel.profiling.profile_model` (imports JAX lazily)."""
+  from jaxcomp.perfmodel import profiling as pm
+  return pm.profile_model(*args, **kwargs)
+
+
+def profile_flax(*args, **kwargs):
+  """See :func:`jaxcomp.perfmodel.profiling.profile_flax` (imports JAX lazily)."""
+  from jaxcomp.perfmodel import profiling as pm
+  return pm.profile_flax(*args, **kwargs)

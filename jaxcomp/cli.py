@@ -1,0 +1,308 @@
+"""The ``jaxcomp`` command line: a dispatcher of subcommands.
+
+Subcommands register themselves with :func:`register_subcommand`; ``whatif``
+(the performance model) is the first. To add one::
+
+    def _add_mycmd(subparsers):
+        p = subparsers.add_parser("mycmd", help="...")
+        p.add_argument(...)
+        p.set_defaults(func=_run_mycmd)   # _run_mycmd(args) -> exit code
+
+    register_subcommand("mycmd", _add_mycmd)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import os
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec"]
+
+_SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+
+
+def register_subcommand(name: str, add_parser: Callable) -> None:
+  """Registers ``add_parser(subparsers)``, which adds subcommand ``name``.
+
+  The parser it adds must ``set_defaults(func=...)`` with ``func(args) -> int``.
+  """
+  if name in _SUBCOMMANDS:
+    raise ValueError(f"subcommand {name!r} is already registered")
+  _SUBCOMMANDS[name] = add_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="jaxcomp", description="Gradient compression for JAX data-parallel training.")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+  sub.required = True
+  for add in _SUBCOMMANDS.values():
+    add(sub)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of the ``jaxcomp`` console script; returns the exit code."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    return int(args.func(args) or 0)
+  except (ValueError, FileNotFoundError, TypeError) as e:
+    parser.exit(2, f"jaxcomp {args.command}: error: {e}\n")
+
+
+# ---------------------------------------------------------------- whatif ---
+
+DEFAULT_COMPRESSORS = ("bf16", "topk:ratio=0.01", "random_block:ratio=0.01", "qsgd:levels=16")
+
+
+def _positive_float(what: str, unit: str):
+  def parse(s: str) -> float:
+    try:
+      v = float(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{what} must be a number ({unit}), got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+      raise argparse.ArgumentTypeError(f"{what} must be > 0 {unit}, got {s}")
+    return v
+  return parse
+
+
+def _nonneg_float(what: str, unit: str):
+  def parse(s: str) -> float:
+    try:
+      v = float(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{what} must be a number ({unit}), got {s!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+      raise argparse.ArgumentTypeError(f"{what} must be >= 0 {unit}, got {s}")
+    return v
+  return parse
+
+
+def _workers(s: str) -> int:
+  try:
+    v = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"workers must be an integer >= 1, got {s!r}") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"workers must be an integer >= 1, got {v}")
+  return v
+
+
+def parse_compressor_spec(spec: str) -> tuple[str, dict]:
+  """``"topk:ratio=0.01,..."`` -> ``("topk", {"ratio": 0.01})``."""
+  name, _, rest = spec.partition(":")
+  kwargs = {}
+  for item in filter(None, rest.split(",")):
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"bad compressor option {item!r} in {spec!r}; expected name:key=value,...")
+    try:
+      kwargs[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      kwargs[key] = value
+  return name, kwargs
+
+
+def _build_compressors(specs: Sequence[str]):
+  from jaxcomp import compressors
+  out = {}
+  for spec in specs:
+    name, kwargs = parse_compressor_spec(spec)
+    out[spec] = compressors.get(name, **kwargs)
+  return out
+
+
+def _codecs(args, comps):
+  import json
+  from jaxcomp import perfmodel
+  if args.codec == "none":
+    return {}, "encode/decode: not counted (--codec none)"
+  if args.codec == "measure":
+    codecs = {name: perfmodel.measure_codec(c) for name, c in comps.items()}
+    dev = next(iter(codecs.values())).device if codecs else "-"
+    return codecs, f"encode/decode: measured on this machine ({dev}), affine fit in size"
+  if not os.path.isfile(args.codec):
+    raise FileNotFoundError(f"codec file {args.codec!r} does not exist "
+                            "(--codec takes 'measure', 'none' or a JSON file)")
+  with open(args.codec) as f:
+    d = json.load(f)
+  missing = [n for n in comps if n not in d]
+  if missing:
+    raise ValueError(f"codec file {args.codec!r} has no entry for {missing}")
+  return ({n: perfmodel.CodecCost.from_dict(d[n]) for n in comps},
+          f"encode/decode: from {args.codec}")
+
+
+def _network(args, workers=None):
+  from jaxcomp import perfmodel
+  link = perfmodel.Link.from_bandwidth(args.bandwidth, args.latency * 1e-6)
+  if args.algorithm == "hierarchical":
+    intra = perfmodel.Link.from_bandwidth(args.intra_bandwidth, args.intra_latency * 1e-6)
+    return perfmodel.Network(workers or args.workers, link, "hierarchical",
+                             args.workers_per_node, intra)
+  return perfmodel.Network(workers or args.workers, link)
+
+
+def _buckets(s: str):
+  if s in ("layer", "single", "mgwfbp"):
+    return s
+  try:
+    mb = float(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--buckets takes layer, single, mgwfbp or a bucket size in MB, got {s!r}") from None
+  if not mb > 0:
+    raise argparse.ArgumentTypeError(f"bucket size must be > 0 MB, got {s}")
+  return mb * 1e6
+
+
+def _fmt_row(cells, widths):
+  return "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                   for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def _print_table(header, rows, out):
+  widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+  print(_fmt_row(header, widths), file=out)
+  print("  ".join("-" * w for w in widths), file=out)
+  for r in rows:
+    print(_fmt_row(r, widths), file=out)
+
+
+def _run_whatif(args) -> int:
+  from jaxcomp import perfmodel
+  out = sys.stdout
+  profile = perfmodel.load_profile(args.profile, tflops=args.tflops)
+  network = _network(args)
+  comps = _build_compressors(args.compressors)
+  codecs, codec_note = _codecs(args, comps)
+  kw = dict(codecs=codecs, buckets=args.buckets, overlap=not args.no_overlap)
+  res = perfmodel.compare(profile, comps, network, **kw)
+
+  print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
+        f"{len(profile.layer_sizes)} tensors; compute {profile.compute_time * 1e3:.1f} ms/step "
+        f"({profile.meta.get('timing', 'measured')})", file=out)
+  print(f"network: {network.workers} workers, {args.bandwidth:g} Gbit/s, "
+        f"{args.latency:g} us per message, {network.algorithm}"
+        + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
+           if network.algorithm == "hierarchical" else "")
+        + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
+        + ("; no overlap" if args.no_overlap else "; overlap with backward (WFBP)"), file=out)
+  print(codec_note, file=out)
+  print(file=out)
+  rows = []
+  for name, pr in res.items():
+    kind = "allreduce" if name == "dense" or comps[name].linear else "allgather"
+    rows.append([name, kind, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
+                 f"{pr.comm_time * 1e3:.1f}", f"{pr.exposed_comm * 1e3:.1f}",
+                 f"{pr.codec_time * 1e3:.1f}", f"{pr.scaling_factor:.3f}", f"{pr.speedup:.2f}x"])
+  _print_table(["compressor", "collective", "MB/worker", "step_ms", "comm_ms", "exposed_ms",
+                "codec_ms", "scaling", "speedup"], rows, out)
+  r = perfmodel.required_ratio(profile, network, target_scaling=args.target_scaling,
+                               buckets=args.buckets, overlap=not args.no_overlap)
+  print(f"\nan ideal linear compressor (free encode/decode) needs ratio "
+        f"{'>1e4 (start-up costs dominate)' if math.isinf(r) else f'{r:.2f}x'} "
+        f"for scaling factor >= {args.target_scaling:g}", file=out)
+
+  if args.simulate:
+    workers = [p for p in perfmodel.DEFAULT_WORKERS
+               if network.algorithm == "ring" or p % network.workers_per_node == 0]
+    sweep = perfmodel.sweep_workers(profile, comps, network, workers, **kw)
+    print(f"\ntrace-based simulation, {workers[0]} to {workers[-1]} workers "
+          "(speedup over dense; dense column: scaling factor)", file=out)
+    names = list(comps)
+    rows = [[str(p), f"{sweep[p]['dense'].scaling_factor:.3f}"]
+            + [f"{sweep[p][n].speedup:.2f}" for n in names] for p in workers]
+    _print_table(["workers", "dense_scaling"] + names, rows, out)
+    for n in names:
+      k = perfmodel.stops_paying(sweep, n)
+      paid = [p for p in workers if sweep[p][n].speedup >= 1]
+      if k is None:
+        verdict = f"pays at every worker count from {workers[0]} to {workers[-1]}"
+      elif not paid:
+        verdict = "never pays in this range"
+      else:
+        verdict = f"stops paying at {k} workers"
+        if any(p > k for p in paid):
+          verdict += f" (pays again from {min(p for p in paid if p > k)})"
+      print(f"  {n}: {verdict}", file=out)
+
+  if args.plot:
+    _plot(args, profile, comps, network, kw)
+    print(f"\nwrote {args.plot}", file=out)
+  return 0
+
+
+def _plot(args, profile, comps, network, kw):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from jaxcomp import perfmodel
+  gbps = [0.1 * 10 ** (i / 8) for i in range(0, 30)]  # 0.1 .. ~560 Gbit/s
+  sweep = perfmodel.sweep_bandwidth(profile, comps, network, gbps, **kw)
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in comps:
+    ax.plot(gbps, [sweep[g][name].speedup for g in gbps], label=name)
+  ax.axhline(1.0, color="k", lw=0.8, ls="--", label="dense")
+  ax.set_xscale("log")
+  ax.set_xlabel("bandwidth (Gbit/s)")
+  ax.set_ylabel("predicted speedup over dense")
+  ax.set_title(f"{profile.name}, {network.workers} workers, {args.latency:g} us latency")
+  ax.legend(fontsize=8)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(args.plot, dpi=110)
+  plt.close(fig)
+
+
+def _add_whatif(sub):
+  p = sub.add_parser(
+      "whatif", help="predict whether compression pays for a model and cluster",
+      description="Predict step time, speedup over dense and scaling factor of compressors "
+      "with the alpha-beta model of jaxcomp.perfmodel.")
+  p.add_argument("--profile", default="resnet50",
+                 help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
+                 "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
+  p.add_argument("--workers", "-p", type=_workers, default=16, help="data-parallel workers (default 16)")
+  p.add_argument("--bandwidth", "-b", type=_positive_float("bandwidth", "Gbit/s"), default=10.0,
+                 help="link bandwidth, Gbit/s (default 10)")
+  p.add_argument("--latency", "-l", type=_nonneg_float("latency", "microseconds"), default=50.0,
+                 help="start-up cost per message (alpha), microseconds (default 50)")
+  p.add_argument("--algorithm", choices=("ring", "hierarchical"), default="ring")
+  p.add_argument("--workers-per-node", type=_workers, default=8,
+                 help="hierarchical: workers per node (default 8)")
+  p.add_argument("--intra-bandwidth", type=_positive_float("intra-node bandwidth", "Gbit/s"),
+                 default=1200.0, help="hierarchical: bandwidth inside a node, Gbit/s (default 1200)")
+  p.add_argument("--intra-latency", type=_nonneg_float("intra-node latency", "microseconds"),
+                 default=5.0, help="hierarchical: latency inside a node, microseconds (default 5)")
+  p.add_argument("--compressors", "-c", nargs="+", default=list(DEFAULT_COMPRESSORS),
+                 metavar="NAME[:K=V,...]",
+                 help=f"compressors from jaxcomp.compressors (default: {' '.join(DEFAULT_COMPRESSORS)})")
+  p.add_argument("--codec", default="measure",
+                 help="encode/decode time: 'measure' (micro-benchmark on this device, default), "
+                 "'none', or a JSON file {compressor spec: CodecCost fields}")
+  p.add_argument("--buckets", type=_buckets, default="mgwfbp",
+                 help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, single, or a bucket size in MB")
+  p.add_argument("--no-overlap", action="store_true",
+                 help="communication does not overlap the backward pass")
+  p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
+                 help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
+  p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,
+                 help="scaling factor for the required-compression line (default 0.9)")
+  p.add_argument("--simulate", action="store_true",
+                 help="also simulate 4 to 2048 workers and say where each compressor stops paying")
+  p.add_argument("--plot", metavar="PNG", help="write speedup against bandwidth to this PNG")
+  p.set_defaults(func=_run_whatif)
+
+
+register_subcommand("whatif", _add_whatif)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

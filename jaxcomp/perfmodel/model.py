@@ -1,0 +1,394 @@
+"""Step-time model of compressed data-parallel training.
+
+One training step on each of ``p`` workers is modelled as two streams:
+
+* the **compute stream** runs the forward pass, the backward pass layer by layer
+  from the output towards the input, the compressor's *encode* of each bucket as
+  soon as the bucket's last gradient exists, the *decode* of each bucket once its
+  communication has arrived, and the optimizer update;
+* the **network** carries one bucket at a time, in order: a bucket's collective
+  starts at ``max(its encode has finished, the previous bucket's collective has
+  finished)`` (wait-free backpropagation, WFBP; Zhang et al. 2017, Shi et al.
+  2019). With ``overlap=False`` no collective starts before the backward pass
+  has finished (what a runtime that runs collectives synchronously does).
+
+Linear compressors (``compressor.linear``) are summed in flight by an
+all-reduce of their payload and decoded once; the others are exchanged with an
+all-gather and every worker decodes all ``p`` payloads (Agarwal et al. 2022:
+the all-gather cost and the decode both grow with ``p``).
+
+The outputs (:class:`Prediction`): step time, communication time (sum of the
+collectives), exposed communication (step time minus compute-stream busy
+time), scaling factor (throughput of ``p`` workers over ``p`` times one
+worker's: ``T_1 / T_p`` with ``T_1`` = forward + backward + update) and
+speedup over dense (uncompressed float32 all-reduce with the same buckets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+from jaxcomp.perfmodel import costs
+from jaxcomp.perfmodel import mgwfbp as _mgwfbp
+
+__all__ = [
+    "Compressor",
+    "ModelProfile",
+    "CodecCost",
+    "Prediction",
+    "DenseCompressor",
+    "IdealCompressor",
+    "predict",
+    "compare",
+    "bucket_plan",
+    "save_profile",
+    "load_profile_file",
+]
+
+
+@runtime_checkable
+class Compressor(Protocol):
+  """What the model needs from a compressor (``jaxcomp.compressors`` provide it).
+
+  ``payload_bytes(n)``: bytes one worker puts on the wire for an ``n``-element
+  float32 buffer. ``linear``: True when payloads can be summed by an all-reduce.
+  """
+
+  linear: bool
+
+  def payload_bytes(self, n: int) -> int:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCompressor:
+  """The dense baseline: the float32 gradient itself, summed by all-reduce."""
+
+  linear: bool = True
+  bytes_per_element: int = 4
+
+  def payload_bytes(self, n: int) -> int:
+    return self.bytes_per_element * int(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class IdealCompressor:
+  """A hypothetical linear compressor with ratio ``ratio`` and free encode/decode.
+
+  Used to ask how much compression a link needs (Zhang et al. 2020).
+  """
+
+  ratio: float
+  linear: bool = True
+
+  def __post_init__(self):
+    if not self.ratio >= 1:
+      raise ValueError(f"ratio must be >= 1, got {self.ratio=}")
+
+  def payload_bytes(self, n: int) -> int:
+    return 4.0 * int(n) / self.ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+  """Encode/decode time of a compressor, affine in the buffer size.
+
+  ``encode(n) = encode_fixed + encode_per_element·n`` seconds, likewise decode.
+  Fit on the user's device by :func:`jaxcomp.perfmodel.measure_codec`.
+  """
+
+  encode_fixed: float = 0.0
+  encode_per_element: float = 0.0
+  decode_fixed: float = 0.0
+  decode_per_element: float = 0.0
+  device: str = ""
+
+  def encode(self, n: int) -> float:
+    return self.encode_fixed + self.encode_per_element * n
+
+  def decode(self, n: int) -> float:
+    return self.decode_fixed + self.decode_per_element * n
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "CodecCost":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - fields
+    if unknown:
+      raise ValueError(f"unknown CodecCost fields {sorted(unknown)}; expected {sorted(fields)}")
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+  """Gradient sizes and compute times of one model on one device.
+
+  Attributes:
+    name: label.
+    layer_sizes: elements of each gradient tensor (float32), in forward order
+      (index 0 is used first in the forward pass; its gradient is ready last).
+    backward_times: seconds of backward pass attributed to each tensor, same
+      order. The backward pass runs from the last index to index 0.
+    forward_time: seconds of the forward pass (and loss).
+    update_time: seconds of the optimizer update after the exchange.
+    meta: free-form description (device, batch, how it was measured).
+  """
+
+  name: str
+  layer_sizes: tuple[int, ...]
+  backward_times: tuple[float, ...]
+  forward_time: float
+  update_time: float = 0.0
+  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    object.__setattr__(self, "layer_sizes", tuple(int(n) for n in self.layer_sizes))
+    object.__setattr__(self, "backward_times", tuple(float(t) for t in self.backward_times))
+    if not self.layer_sizes:
+      raise ValueError("a profile needs at least one layer")
+    if len(self.layer_sizes) != len(self.backward_times):
+      raise ValueError(
+          f"layer_sizes and backward_times differ in length: "
+          f"{len(self.layer_sizes)} != {len(self.backward_times)}")
+    if any(n < 0 for n in self.layer_sizes):
+      raise ValueError("layer_sizes must be >= 0 elements")
+    if any(not (t >= 0 and math.isfinite(t)) for t in self.backward_times):
+      raise ValueError("backward_times must be finite seconds >= 0")
+    if not (self.forward_time >= 0 and self.update_time >= 0):
+      raise ValueError(f"forward_time and update_time must be >= 0, got "
+                       f"{self.forward_time=}, {self.update_time=}")
+
+  @property
+  def num_params(self) -> int:
+    return sum(self.layer_sizes)
+
+  @property
+  def backward_time(self) -> float:
+    return sum(self.backward_times)
+
+  @property
+  def compute_time(self) -> float:
+    """One worker's step without communication: forward + backward + update."""
+    return self.forward_time + self.backward_time + self.update_time
+
+  def scaled(self, factor: float) -> "ModelProfile":
+    """The same model on a device ``factor`` times slower (times multiplied)."""
+    return dataclasses.replace(
+        self,
+        backward_times=tuple(t * factor for t in self.backward_times),
+        forward_time=self.forward_time * factor,
+        update_time=self.update_time * factor)
+
+  def to_dict(self) -> dict:
+    return {
+        "name": self.name,
+        "layer_sizes": list(self.layer_sizes),
+        "backward_times": list(self.backward_times),
+        "forward_time": self.forward_time,
+        "update_time": self.update_time,
+        "meta": dict(self.meta),
+    }
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelProfile":
+    missing = {"name", "layer_sizes", "backward_times", "forward_time"} - set(d)
+    if missing:
+      raise ValueError(f"profile is missing fields {sorted(missing)}")
+    return cls(name=d["name"], layer_sizes=d["layer_sizes"],
+               backward_times=d["backward_times"], forward_time=d["forward_time"],
+               update_time=d.get("update_time", 0.0), meta=d.get("meta", {}))
+
+
+def save_profile(profile: ModelProfile, path: str | os.PathLike) -> None:
+  """Writes ``profile`` as JSON (read back by :func:`load_profile_file`)."""
+  with open(path, "w") as f:
+    json.dump(profile.to_dict(), f, indent=1)
+
+
+def load_profile_file(path: str | os.PathLike) -> ModelProfile:
+  """Reads a profile written by :func:`save_profile`.
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: the file is not a profile.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"profile file {os.fspath(path)!r} does not exist")
+  with open(path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"profile file {os.fspath(path)!r} is not JSON: {e}") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"profile file {os.fspath(path)!r} does not hold a JSON object")
+  return ModelProfile.from_dict(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Predicted timings of one training step, seconds."""
+
+  step_time: float
+  comm_time: float
+  exposed_comm: float
+  compute_time: float  # busy time of the compute stream (incl. encode/decode)
+  codec_time: float  # encode + decode part of compute_time
+  scaling_factor: float  # T_1 / T_p
+  bytes_per_worker: float  # payload bytes each worker sends into collectives
+  num_buckets: int
+  speedup: float = float("nan")  # over dense; set by compare()
+
+
+def _comm_kind(compressor, collective: str | None) -> str:
+  if collective is not None:
+    if collective not in ("allreduce", "allgather"):
+      raise ValueError(f"collective must be 'allreduce' or 'allgather', got {collective!r}")
+    return collective
+  return "allreduce" if compressor.linear else "allgather"
+
+
+def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], float] | None = None,
+                alpha: float = 0.0, beta: float = 0.0) -> list[list[int]]:
+  """Resolves a bucket plan to lists of layer indices in communication order.
+
+  Args:
+    plan: ``"layer"`` (one bucket per tensor), ``"single"`` (one bucket),
+      ``"mgwfbp"`` (:func:`jaxcomp.perfmodel.mgwfbp_plan` with ``comm_time`` or
+      ``alpha``/``beta``), a number (fixed-size buckets of at least that many
+      bytes, as in PyTorch DDP / Horovod fusion), or an explicit list of
+      buckets, each a list of consecutive layer indices, the bucket holding the
+      last layer first.
+    profile: the model.
+
+  Raises:
+    ValueError: the plan does not cover every layer exactly once in backward order.
+  """
+  L = len(profile.layer_sizes)
+  if isinstance(plan, str):
+    if plan == "layer":
+      return [[i] for i in reversed(range(L))]
+    if plan == "single":
+      return [list(range(L))]
+    if plan == "mgwfbp":
+      return _mgwfbp.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
+                                 alpha, beta, comm_time=comm_time)
+    raise ValueError(f"unknown bucket plan {plan!r}; expected 'layer', 'single', 'mgwfbp', "
+                     "a bucket size in bytes, or a list of buckets")
+  if isinstance(plan, (int, float)) and not isinstance(plan, bool):
+    if not plan > 0:
+      raise ValueError(f"bucket size must be > 0 bytes, got {plan!r}")
+    buckets, cur, size = [], [], 0
+    for i in reversed(range(L)):
+      cur.append(i)
+      size += 4 * profile.layer_sizes[i]
+      if size >= plan:
+        buckets.append(sorted(cur))
+        cur, size = [], 0
+    if cur:
+      buckets.append(sorted(cur))
+    return buckets
+  buckets = [sorted(int(i) for i in b) for b in plan]
+  order = [i for b in buckets for i in sorted(b, reverse=True)]
+  if order != list(reversed(range(L))) or any(not b for b in buckets):
+    raise ValueError(
+        f"bucket plan must cover layers {L - 1}..0 once each, in backward order, with "
+        f"consecutive non-empty buckets; got {plan!r}")
+  return buckets
+
+
+def predict(profile: ModelProfile, compressor: Compressor, network: costs.Network, *,
+            codec: CodecCost | None = None, buckets="layer", overlap: bool = True,
+            collective: str | None = None) -> Prediction:
+  """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
+
+  Args:
+    profile: gradient sizes and compute times.
+    compressor: anything with ``payload_bytes(n)`` and ``linear``
+      (``jaxcomp.compressors.get(...)``, :class:`DenseCompressor`, ...).
+    network: workers, links, ring or hierarchical.
+    codec: encode/decode cost on this device; ``None`` means free.
+    buckets: bucket plan, see :func:`bucket_plan` (``"mgwfbp"`` plans with this
+      compressor's own communication cost).
+    overlap: whether communication may overlap the backward pass (WFBP).
+    collective: force ``"allreduce"`` or ``"allgather"`` instead of the one
+      ``compressor.linear`` implies.
+
+  Returns:
+    A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
+  """
+  if not isinstance(network, costs.Network):
+    raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
+  codec = codec or CodecCost()
+  kind = _comm_kind(compressor, collective)
+  p = network.workers
+  sizes = profile.layer_sizes
+
+  def bucket_comm(n: int) -> float:
+    return costs.collective_time(kind, compressor.payload_bytes(n), network)
+
+  plan = bucket_plan(buckets, profile,
+                     comm_time=lambda nbytes: bucket_comm(int(nbytes) // 4))
+
+  decodes_per_bucket = p if kind == "allgather" else 1
+  t = profile.forward_time
+  net_free = 0.0
+  comm_total = codec_total = sent = 0.0
+  arrivals = []
+  for b in plan:
+    n = sum(sizes[i] for i in b)
+    t += sum(profile.backward_times[i] for i in b)
+    if p > 1 and n > 0:
+      enc = codec.encode(n)
+      t += enc
+      codec_total += enc
+      c = bucket_comm(n)
+      sent += compressor.payload_bytes(n)
+      comm_total += c
+      start = max(t if overlap else -1.0, net_free)
+      net_free = start + c
+      arrivals.append((net_free, n))
+  if not overlap:
+    # No collective starts before the backward pass (and its encodes) ends.
+    net_free, shifted = t, []
+    for _, n in arrivals:
+      net_free += bucket_comm(n)
+      shifted.append((net_free, n))
+    arrivals = shifted
+  for arrive, n in arrivals:
+    dec = decodes_per_bucket * codec.decode(n)
+    t = max(t, arrive) + dec
+    codec_total += dec
+  t += profile.update_time
+  busy = profile.compute_time + codec_total
+  return Prediction(
+      step_time=t,
+      comm_time=comm_total,
+      exposed_comm=max(0.0, t - busy),
+      compute_time=busy,
+      codec_time=codec_total,
+      scaling_factor=profile.compute_time / t if t > 0 else 1.0,
+      bytes_per_worker=sent,
+      num_buckets=len(plan))
+
+
+def compare(profile: ModelProfile, compressors: Mapping[str, Compressor], network: costs.Network,
+            *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
+            overlap: bool = True) -> dict[str, Prediction]:
+  """Predicts every compressor and the dense baseline; fills ``speedup``.
+
+  The result maps ``"dense"`` and each name in ``compressors`` to a
+  :class:`Prediction`; ``speedup`` is dense step time over that step time.
+  """
+  codecs = codecs or {}
+  dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap)
+  out = {"dense": dataclasses.replace(dense, speedup=1.0)}
+  for name, c in compressors.items():
+    pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap)
+    out[name] = dataclasses.replace(pr, speedup=dense.step_time / pr.step_time)
+  return out

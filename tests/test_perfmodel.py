@@ -1,0 +1,407 @@
+"""Tests of jaxcomp.perfmodel: closed-form costs, the step model, MG-WFBP,
+profiles, the micro-benchmarks, and the namespace benchmark's refusal checks."""
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from jaxcomp import perfmodel as pm
+from jaxcomp.perfmodel import costs
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeCompressor:
+  """Payload = ratio of the float32 bytes; linear or not."""
+  ratio: float = 1.0
+  linear: bool = True
+
+  def payload_bytes(self, n):
+    return int(math.ceil(4 * n * self.ratio))
+
+
+ALPHA, BETA = 1e-4, 1e-9
+LINK = pm.Link(ALPHA, BETA)
+
+
+# ------------------------------------------------------------------ costs --
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64])
+def test_ring_costs_closed_form(p):
+  m = 3_000_000.0
+  assert pm.allreduce_time(m, p, LINK) == pytest.approx(
+      2 * (p - 1) * ALPHA + 2 * (p - 1) / p * m * BETA)
+  assert pm.allgather_time(m, p, LINK) == pytest.approx((p - 1) * ALPHA + (p - 1) * m * BETA)
+  assert pm.reduce_scatter_time(m, p, LINK) == pytest.approx(
+      (p - 1) * ALPHA + (p - 1) / p * m * BETA)
+  assert pm.alltoall_time(m, p, LINK) == pytest.approx((p - 1) * ALPHA + (p - 1) / p * m * BETA)
+  # all-reduce = reduce-scatter + all-gather of the 1/p shards
+  assert pm.allreduce_time(m, p, LINK) == pytest.approx(
+      pm.reduce_scatter_time(m, p, LINK) + pm.allgather_time(m / p, p, LINK))
+
+
+def test_one_worker_costs_nothing():
+  for f in (pm.allreduce_time, pm.allgather_time, pm.reduce_scatter_time, pm.alltoall_time):
+    assert f(1e9, 1, LINK) == 0.0
+
+
+def test_link_from_bandwidth():
+  link = pm.Link.from_bandwidth(10, 5e-6)
+  assert link.beta == pytest.approx(8 / 10e9)
+  assert link.alpha == 5e-6
+  assert link.gbps == pytest.approx(10)
+
+
+@pytest.mark.parametrize("gbps", [0, -1, float("nan"), float("inf")])
+def test_bad_bandwidth(gbps):
+  with pytest.raises(ValueError, match="bandwidth must be > 0"):
+    pm.Link.from_bandwidth(gbps)
+
+
+@pytest.mark.parametrize("p", [0, -3, 2.5, True])
+def test_bad_workers(p):
+  with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+    pm.Network(p, LINK)
+
+
+def test_hierarchical_reduces_to_ring_and_intra():
+  m = 1e7
+  slow, fast = pm.Link.from_bandwidth(10, 1e-5), pm.Link.from_bandwidth(1000, 1e-6)
+  ring = pm.Network(16, slow)
+  one_per_node = pm.Network(16, slow, "hierarchical", workers_per_node=1, intra=fast)
+  one_node = pm.Network(8, slow, "hierarchical", workers_per_node=8, intra=fast)
+  for kind in pm.COLLECTIVES:
+    assert pm.collective_time(kind, m, one_per_node) == pytest.approx(
+        pm.collective_time(kind, m, ring))
+  # One node: only the fast link is used.
+  assert pm.collective_time("allreduce", m, one_node) == pytest.approx(
+      pm.allreduce_time(m, 8, fast))
+  # Hierarchical all-reduce with a fast intra link beats a flat ring on the slow one.
+  hier = pm.Network(16, slow, "hierarchical", workers_per_node=8, intra=fast)
+  assert pm.collective_time("allreduce", m, hier) < pm.collective_time("allreduce", m, ring)
+  with pytest.raises(ValueError, match="dividing workers"):
+    pm.Network(12, slow, "hierarchical", workers_per_node=8, intra=fast)
+  with pytest.raises(ValueError, match="intra"):
+    pm.Network(16, slow, "hierarchical", workers_per_node=8)
+  with pytest.raises(ValueError, match="unknown collective"):
+    pm.collective_time("broadcast", m, ring)
+
+
+# ------------------------------------------------------------- the model --
+
+def _profile(sizes, bwd, fwd=0.01, update=0.0):
+  return pm.ModelProfile("t", sizes, bwd, fwd, update)
+
+
+def test_dense_single_bucket_no_overlap_is_sum():
+  prof = _profile([1000, 2_000_000, 30], [1e-3, 2e-3, 3e-3], fwd=4e-3, update=1e-3)
+  net = pm.Network(8, LINK)
+  pr = pm.predict(prof, pm.DenseCompressor(), net, buckets="single", overlap=False)
+  comm = pm.allreduce_time(4 * prof.num_params, 8, LINK)
+  assert pr.step_time == pytest.approx(prof.compute_time + comm)
+  assert pr.comm_time == pytest.approx(comm)
+  assert pr.exposed_comm == pytest.approx(comm)
+  assert pr.scaling_factor == pytest.approx(prof.compute_time / (prof.compute_time + comm))
+
+
+def test_wfbp_overlap_hand_example():
+  # Two layers, backward runs layer 1 then layer 0. Layer 1's all-reduce
+  # starts when its gradient exists and overlaps layer 0's backward.
+  prof = _profile([250_000, 250_000], [0.010, 0.010], fwd=0.0)  # 1 MB each
+  net = pm.Network(2, pm.Link(0.0, 1e-8))  # all-reduce of 1 MB on 2 workers: 10 ms
+  pr = pm.predict(prof, pm.DenseCompressor(), net, buckets="layer")
+  # layer 1 comm: 10..20 ms; layer 0 ready at 20 ms, comm 20..30 ms.
+  assert pr.step_time == pytest.approx(0.030)
+  assert pr.comm_time == pytest.approx(0.020)
+  assert pr.exposed_comm == pytest.approx(0.010)
+  no = pm.predict(prof, pm.DenseCompressor(), net, buckets="layer", overlap=False)
+  assert no.step_time == pytest.approx(0.040)
+
+
+def test_one_worker_is_compute_only():
+  prof = _profile([10, 20], [1e-3, 1e-3])
+  pr = pm.predict(prof, FakeCompressor(0.1), pm.Network(1, LINK),
+                  codec=pm.CodecCost(1.0, 1.0, 1.0, 1.0))
+  assert pr.step_time == pytest.approx(prof.compute_time)
+  assert pr.scaling_factor == pytest.approx(1.0)
+
+
+def test_nonlinear_uses_allgather_and_decodes_p_payloads():
+  n = 1_000_000
+  prof = _profile([n], [0.0], fwd=0.0)
+  p = 8
+  net = pm.Network(p, LINK)
+  codec = pm.CodecCost(encode_fixed=1e-3, decode_fixed=2e-3)
+  c = FakeCompressor(0.01, linear=False)
+  pr = pm.predict(prof, c, net, codec=codec, buckets="single")
+  assert pr.comm_time == pytest.approx(pm.allgather_time(c.payload_bytes(n), p, LINK))
+  assert pr.codec_time == pytest.approx(1e-3 + p * 2e-3)
+  assert pr.step_time == pytest.approx(1e-3 + pr.comm_time + p * 2e-3)
+  lin = pm.predict(prof, FakeCompressor(0.01, linear=True), net, codec=codec, buckets="single")
+  assert lin.comm_time == pytest.approx(pm.allreduce_time(c.payload_bytes(n), p, LINK))
+  assert lin.codec_time == pytest.approx(3e-3)
+
+
+def test_monotone_in_bandwidth_and_workers():
+  prof = pm.builtin_profile("resnet50")
+  c = FakeCompressor(0.25)
+  prev = None
+  for g in (0.1, 1, 10, 100, 1000):
+    net = pm.Network(16, pm.Link.from_bandwidth(g, 1e-5))
+    t = pm.predict(prof, c, net, buckets="layer").step_time
+    assert prev is None or t <= prev + 1e-12
+    prev = t
+  prev = None
+  for p in (1, 2, 4, 16, 256):
+    s = pm.predict(prof, pm.DenseCompressor(), pm.Network(p, LINK), buckets="layer").scaling_factor
+    assert s <= 1.0 + 1e-12 and (prev is None or s <= prev + 1e-12)
+    prev = s
+
+
+def test_compare_speedup_and_codec_cost_hurts():
+  prof = pm.builtin_profile("bert-base")
+  net = pm.Network(16, pm.Link.from_bandwidth(1, 1e-5))
+  comps = {"half": FakeCompressor(0.5), "tenth": FakeCompressor(0.1)}
+  res = pm.compare(prof, comps, net, buckets="layer")
+  assert res["dense"].speedup == 1.0
+  for name in comps:
+    assert res[name].speedup == pytest.approx(res["dense"].step_time / res[name].step_time)
+  assert res["tenth"].speedup > res["half"].speedup > 1.0
+  slow = pm.compare(prof, comps, net, buckets="layer",
+                    codecs={"tenth": pm.CodecCost(encode_per_element=1e-8)})
+  assert slow["tenth"].speedup < res["tenth"].speedup
+
+
+def test_bucket_plans():
+  prof = _profile([1, 2, 3, 4], [0, 0, 0, 0])
+  assert pm.bucket_plan("layer", prof) == [[3], [2], [1], [0]]
+  assert pm.bucket_plan("single", prof) == [[0, 1, 2, 3]]
+  assert pm.bucket_plan(20, prof) == [[2, 3], [0, 1]]  # 16+12 bytes, then 8+4
+  assert pm.bucket_plan([[2, 3], [0, 1]], prof) == [[2, 3], [0, 1]]
+  for bad in ([[0, 1], [2, 3]], [[3], [1], [0]], [[3, 1], [2, 0]], "foo", -1):
+    with pytest.raises(ValueError):
+      pm.bucket_plan(bad, prof)
+
+
+def test_profile_validation_and_roundtrip(tmp_path):
+  with pytest.raises(ValueError, match="differ in length"):
+    _profile([1, 2], [0.1])
+  prof = pm.builtin_profile("gpt2-small")
+  path = tmp_path / "p.json"
+  pm.save_profile(prof, path)
+  back = pm.load_profile(str(path))
+  assert back.layer_sizes == prof.layer_sizes
+  assert back.backward_times == pytest.approx(prof.backward_times)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    pm.load_profile(str(tmp_path / "missing.json"))
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="not JSON"):
+    pm.load_profile(str(bad))
+  bad.write_text(json.dumps({"name": "x"}))
+  with pytest.raises(ValueError, match="missing fields"):
+    pm.load_profile(str(bad))
+  with pytest.raises(ValueError, match="unknown profile 'vgg'"):
+    pm.load_profile("vgg")
+
+
+def test_builtin_profiles_match_architectures():
+  # Parameter counts of the reference implementations.
+  expected = {"resnet50": 25_557_032, "bert-base": 109_482_240, "gpt2-small": 124_439_808}
+  for name, n in expected.items():
+    prof = pm.builtin_profile(name)
+    assert prof.num_params == n
+    assert all(t >= 0 for t in prof.backward_times)
+    # Backward FLOPs are twice the forward's.
+    assert prof.backward_time == pytest.approx(2 * prof.forward_time)
+    # Twice the device speed halves every time.
+    fast = pm.builtin_profile(name, tflops=2 * pm.profiles.DEFAULT_TFLOPS)
+    assert fast.compute_time == pytest.approx(prof.compute_time / 2)
+
+
+# -------------------------------------------------------------- MG-WFBP --
+
+def _partitions(L):
+  for cuts in itertools.product([False, True], repeat=L - 1):
+    buckets, group = [], [L - 1]
+    for l, cut in zip(range(L - 1, 0, -1), cuts):
+      if cut:
+        buckets.append(sorted(group))
+        group = []
+      group.append(l - 1)
+    buckets.append(sorted(group))
+    yield buckets
+
+
+def test_mgwfbp_extremes():
+  # Start-up cost dwarfs everything: merge all.
+  assert pm.mgwfbp_plan([4] * 5, [1e-3] * 5, alpha=1.0, beta=0.0) == [[0, 1, 2, 3, 4]]
+  # Communication finishes before the next gradient exists: never merge.
+  assert pm.mgwfbp_plan([4] * 4, [1.0] * 4, alpha=1e-6, beta=1e-9) == [[3], [2], [1], [0]]
+
+
+def test_mgwfbp_hand_example():
+  # Backward order: layer 2 (ready t=1), layer 1 (t=2), layer 0 (t=2.1).
+  # tc = 0.5 + m. Layer 2's comm runs 1..1.5+m2, finishes before layer 1 is
+  # ready -> no merge. Layer 1's comm would start at 2 and layer 0 is ready at
+  # 2.1 < 2 + 0.5 + m1; it waits 0.1 < alpha -> merge layers 1 and 0.
+  plan = pm.mgwfbp_plan([0.1, 0.1, 0.1], [0.1, 1.0, 1.0], alpha=0.5, beta=1.0)
+  assert plan == [[2], [0, 1]]
+  t = pm.wfbp_finish_time(plan, [0.1] * 3, [0.1, 1.0, 1.0], 0.5, 1.0)
+  assert t == pytest.approx(2.1 + 0.5 + 0.2)
+
+
+def test_mgwfbp_beats_per_layer_and_single_on_many_small_layers():
+  # Paper-style: a deep network of many small layers (biases, norms) between
+  # a few big ones, on 10 GbE constants from the MG-WFBP repository.
+  sizes, bwd = [], []
+  for i in range(60):
+    big = i % 10 == 0
+    sizes.append(2_000_000 if big else 2_000)
+    bwd.append(2e-3 if big else 5e-5)
+  prof = pm.ModelProfile("deep", sizes, bwd, forward_time=0.02)
+  alpha, beta_link = 0.91e-3, 0.74e-9
+  net = pm.Network(16, pm.Link(alpha / 30, beta_link / (30 / 16)))
+  plan = pm.mgwfbp_plan([4 * n for n in sizes], bwd, alpha, beta_link)
+  assert 1 < len(plan) < len(sizes)
+  times = {b: pm.predict(prof, pm.DenseCompressor(), net, buckets=b).step_time
+           for b in ("mgwfbp", "layer", "single")}
+  times["plan"] = pm.predict(prof, pm.DenseCompressor(), net, buckets=plan).step_time
+  assert times["mgwfbp"] < times["layer"]
+  assert times["mgwfbp"] < times["single"]
+  assert times["plan"] < times["layer"] and times["plan"] < times["single"]
+
+
+def test_mgwfbp_never_worse_than_layer_or_single_random():
+  rng = random.Random(0)
+  for _ in range(300):
+    L = rng.randint(1, 12)
+    lb = [rng.choice([1e3, 1e4, 1e5, 1e6, 4e6]) for _ in range(L)]
+    tb = [rng.uniform(0, 3e-3) for _ in range(L)]
+    a, b = rng.choice([1e-5, 1e-4, 1e-3]), rng.choice([1e-10, 7.4e-10, 4e-9])
+    plan = pm.mgwfbp_plan(lb, tb, a, b)
+    assert [i for g in plan for i in reversed(g)] == list(reversed(range(L)))
+    assert all(g == list(range(g[0], g[-1] + 1)) for g in plan)
+    t = pm.wfbp_finish_time(plan, lb, tb, a, b)
+    assert t <= pm.wfbp_finish_time([[i] for i in reversed(range(L))], lb, tb, a, b) * (1 + 1e-12)
+    assert t <= pm.wfbp_finish_time([list(range(L))], lb, tb, a, b) * (1 + 1e-12)
+    if L <= 6:  # and never far from the best partition
+      best = min(pm.wfbp_finish_time(q, lb, tb, a, b) for q in _partitions(L))
+      assert t <= 1.5 * best
+
+
+def test_mgwfbp_errors():
+  with pytest.raises(ValueError, match="differ in length"):
+    pm.mgwfbp_plan([1, 2], [1], 0, 0)
+  with pytest.raises(ValueError, match="alpha and beta"):
+    pm.mgwfbp_plan([1], [1], -1, 0)
+
+
+# ------------------------------------------------------------ simulation --
+
+def test_required_ratio_grows_as_bandwidth_falls():
+  prof = pm.builtin_profile("resnet50")
+  ratios = [pm.required_ratio(prof, pm.Network(16, pm.Link.from_bandwidth(g, 1e-6)),
+                              buckets="mgwfbp") for g in (1000, 10, 1)]
+  assert ratios[0] == 1.0
+  assert 1.0 < ratios[1] < ratios[2] < math.inf
+  # The returned ratio reaches the target and a clearly smaller one does not.
+  net = pm.Network(16, pm.Link.from_bandwidth(1, 1e-6))
+  s = lambda r: pm.predict(prof, pm.IdealCompressor(r), net, buckets="mgwfbp").scaling_factor
+  assert s(ratios[2]) >= 0.9 > s(ratios[2] / 1.1)
+
+
+def test_sweeps_and_stops_paying():
+  prof = pm.builtin_profile("resnet50")
+  net = pm.Network(4, pm.Link.from_bandwidth(10, 5e-5))
+  comps = {"ag": FakeCompressor(0.01, linear=False)}
+  sweep = pm.sweep_workers(prof, comps, net, (4, 16, 256, 2048), buckets="single")
+  assert set(sweep) == {4, 16, 256, 2048}
+  # An all-gather's cost grows with p while the dense all-reduce's saturates:
+  k = pm.stops_paying(sweep, "ag")
+  assert k is not None and sweep[k]["ag"].speedup < 1 <= sweep[4]["ag"].speedup
+  bw = pm.sweep_bandwidth(prof, comps, net, [0.1, 1, 10, 100, 1000], buckets="single")
+  speedups = [bw[g]["ag"].speedup for g in sorted(bw)]
+  assert speedups == sorted(speedups, reverse=True)
+
+
+# ------------------------------------------------- measured on the device --
+
+def test_measure_codec_fake_jax_compressor():
+  import jax.numpy as jnp
+
+  class Cast:
+    linear = True
+
+    def payload_bytes(self, n):
+      return 2 * n
+
+    def encode(self, x, key):
+      del key
+      return x.astype(jnp.bfloat16)
+
+    def decode(self, payload, n, key):
+      del key
+      return payload.astype(jnp.float32).reshape(n)
+
+  cost = pm.measure_codec(Cast(), sizes=(1 << 10, 1 << 16), repeats=2)
+  assert cost.device.startswith("cpu")
+  for v in (cost.encode_fixed, cost.encode_per_element, cost.decode_fixed, cost.decode_per_element):
+    assert v >= 0 and math.isfinite(v)
+  assert cost.encode(1 << 16) > 0
+  with pytest.raises(ValueError, match="sizes"):
+    pm.measure_codec(Cast(), sizes=())
+
+
+def test_profile_model_orders_layers_and_times_backward():
+  import jax
+  import jax.numpy as jnp
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  # Names sort opposite to execution order: "z_in" runs first.
+  params = {"z_in": jax.random.normal(k1, (64, 128)), "a_out": jax.random.normal(k2, (128, 8))}
+  x = jnp.ones((32, 64))
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["z_in"]) @ p["a_out"]) ** 2
+
+  prof = pm.profile_model(loss, params, x, max_groups=2, repeats=2)
+  assert prof.layer_sizes == (64 * 128, 128 * 8)
+  assert prof.meta["paths"] == ["['z_in']", "['a_out']"]
+  assert prof.forward_time > 0
+  assert prof.backward_time == pytest.approx(prof.meta["backward_total"])
+
+
+def test_profile_flax_nnx():
+  import jax.numpy as jnp
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.b = nnx.Linear(16, 32, rngs=rngs)
+      self.a = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.a(nnx.relu(self.b(x)))
+
+  prof = pm.profile_flax(Net(nnx.Rngs(0)), jnp.ones((8, 16)), jnp.zeros((8,), jnp.int32),
+                         max_groups=2, repeats=1)
+  assert prof.layer_sizes == (16 * 32, 32, 32 * 4, 4)
+  assert prof.name == "Net"
+
+
+# ------------------------------------------- the namespace benchmark's guards --
+
+def test_netns_refuses_without_root_or_tc(monkeypatch):
+  from jaxcomp import netns
+  monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+  with pytest.raises(netns.NetnsUnavailable, match="root"):
+    netns.check_prerequisites()
+  monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+  real_which = netns.shutil.which
+  monkeypatch.setattr(netns.shutil, "which", lambda c: None if c == "tc" else real_which(c))
+  with pytest.raises(netns.NetnsUnavailable, match="tc"):
+    netns.check_prerequisites()

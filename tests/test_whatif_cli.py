@@ -1,0 +1,108 @@
+"""Tests of the `jaxcomp whatif` command line."""
+
+import json
+import re
+
+import pytest
+
+from jaxcomp import cli
+from jaxcomp import perfmodel as pm
+
+FAST = ["--codec", "none"]
+
+
+def _table(out):
+  """Rows of the first table: {compressor: {column: text}}."""
+  lines = out.splitlines()
+  i = next(k for k, line in enumerate(lines) if line.startswith("compressor"))
+  header = lines[i].split()
+  rows = {}
+  for line in lines[i + 2:]:
+    if not line.strip():
+      break
+    cells = line.split()
+    rows[cells[0]] = dict(zip(header, cells))
+  return rows
+
+
+def test_whatif_table(capsys):
+  assert cli.main(["whatif", "--profile", "resnet50", "--workers", "16", "--bandwidth", "1",
+                   "-c", "bf16", "topk:ratio=0.01", *FAST]) == 0
+  out = capsys.readouterr().out
+  rows = _table(out)
+  assert set(rows) == {"dense", "bf16", "topk:ratio=0.01"}
+  assert rows["dense"]["speedup"] == "1.00x"
+  assert rows["bf16"]["collective"] == "allreduce"
+  assert rows["topk:ratio=0.01"]["collective"] == "allgather"
+  # The table agrees with the library.
+  from jaxcomp import compressors
+  net = pm.Network(16, pm.Link.from_bandwidth(1, 50e-6))
+  res = pm.compare(pm.builtin_profile("resnet50"), {"bf16": compressors.get("bf16")}, net,
+                   buckets="mgwfbp")
+  assert float(rows["bf16"]["step_ms"]) == pytest.approx(res["bf16"].step_time * 1e3, abs=0.051)
+  # Halving the bytes on a 1 Gbit/s link must pay.
+  assert float(rows["bf16"]["speedup"].rstrip("x")) > 1.0
+  assert "ideal linear compressor" in out
+
+
+def test_whatif_faster_link_means_less_speedup(capsys):
+  speedups = []
+  for bw in ("0.5", "5", "500"):
+    cli.main(["whatif", "-b", bw, "-c", "bf16", *FAST])
+    speedups.append(float(_table(capsys.readouterr().out)["bf16"]["speedup"].rstrip("x")))
+  assert speedups[0] > speedups[1] > speedups[2]
+
+
+def test_whatif_simulate_and_plot(tmp_path, capsys):
+  png = tmp_path / "s.png"
+  assert cli.main(["whatif", "--simulate", "--plot", str(png), "-c", "qsgd:levels=16",
+                   *FAST]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"^4\s", out, re.M) and re.search(r"^2048\s", out, re.M)
+  assert "qsgd:levels=16:" in out
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_whatif_saved_profile_and_hierarchical(tmp_path, capsys):
+  prof = pm.ModelProfile("mine", [1000, 200_000], [1e-3, 2e-3], 1e-3)
+  path = tmp_path / "mine.json"
+  pm.save_profile(prof, path)
+  assert cli.main(["whatif", "--profile", str(path), "-p", "16", "--algorithm", "hierarchical",
+                   "--workers-per-node", "4", "-c", "bf16", *FAST]) == 0
+  out = capsys.readouterr().out
+  assert "profile mine" in out and "hierarchical" in out
+
+
+def test_whatif_codec_file(tmp_path, capsys):
+  codec = tmp_path / "codec.json"
+  codec.write_text(json.dumps({"bf16": pm.CodecCost(encode_fixed=0.5).to_dict()}))
+  cli.main(["whatif", "-c", "bf16", "--codec", str(codec)])
+  rows = _table(capsys.readouterr().out)
+  assert float(rows["bf16"]["codec_ms"]) >= 500.0  # 0.5 s per bucket encode, in ms
+  assert float(rows["bf16"]["speedup"].rstrip("x")) < 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bandwidth", "0"], "bandwidth must be > 0"),
+    (["--bandwidth", "-3"], "bandwidth must be > 0"),
+    (["--bandwidth", "fast"], "bandwidth must be a number"),
+    (["--workers", "0"], "workers must be an integer >= 1"),
+    (["--latency", "-1"], "latency must be >= 0"),
+    (["--profile", "vgg19"], "unknown profile 'vgg19'"),
+    (["--profile", "/nonexistent/p.json"], "does not exist"),
+    (["--codec", "/nonexistent/c.json"], "does not exist"),
+    (["-c", "nosuch"], "unknown compressor"),
+    (["--algorithm", "hierarchical", "-p", "12", "--workers-per-node", "8"], "dividing workers"),
+])
+def test_whatif_bad_input(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["whatif", *FAST[:0], *argv] + ([] if "--codec" in argv else FAST))
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_subcommand_registry():
+  with pytest.raises(ValueError, match="already registered"):
+    cli.register_subcommand("whatif", lambda sub: None)
+  with pytest.raises(SystemExit):
+    cli.main([])  # a subcommand is required
