@@ -116,6 +116,23 @@ class Traffic:
     return "\n".join(rows)
 
 
+def _split_top(args: str) -> list[str]:
+  """Splits an operand list at commas outside brackets."""
+  out, depth, cur = [], 0, []
+  for ch in args:
+    if ch in "[{(":
+      depth += 1
+    elif ch in "]})":
+      depth -= 1
+    if ch == "," and depth == 0:
+      out.append("".join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  out.append("".join(cur))
+  return out
+
+
 def _ring_bytes(kind: str, operand: int, g: int) -> float:
   if g <= 1:
     return 0.0
@@ -152,6 +169,7 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     text = compiled.as_text(dialect="hlo")
   else:
     text = compiled.as_text()
+  text = re.sub(r"/\*.*?\*/", "", text)  # e.g. /*index=5*/ in long tuples
   shapes: dict[str, str] = {}
   for line in text.splitlines():
     m = _DEF_RE.match(line)
@@ -172,7 +190,7 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
         break
     args, attrs = rest[:args_end], rest[args_end + 1:]
     operand = 0
-    for arg in filter(None, (a.strip() for a in args.split(","))):
+    for arg in filter(None, (a.strip() for a in _split_top(args))):
       if "[" in arg:  # typed operand, e.g. "f32[8]{0} %x"
         operand += _shape_bytes(arg)
       else:

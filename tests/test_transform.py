@@ -1,0 +1,253 @@
+"""compressed_mean under shard_map and pmap: exactness, error feedback,
+randomness, non-finite policy and bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from tests.helpers import run_pmap, run_shard_map
+
+P_DEV = 8
+
+
+def grads_tree(seed=0, shapes=((37, 11), (5,), (300,))):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {f"l{i}": jax.random.normal(k, (P_DEV, *s))
+          for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+def test_identity_equals_pmean_bitwise_shard_map(mesh8):
+  g = grads_tree()
+  u, ref, _, _ = run_shard_map(jaxcomp.compressed_mean("identity", "data"), g, mesh8)
+  for k in g:
+    np.testing.assert_array_equal(np.asarray(u[k]), np.asarray(ref[k]))
+
+
+def test_identity_equals_pmean_bitwise_pmap(mesh8):
+  g = grads_tree(1)
+  u, ref, _ = run_pmap(jaxcomp.compressed_mean("identity", "data"), g)
+  for k in g:
+    np.testing.assert_array_equal(np.asarray(u[k]), np.asarray(ref[k]))
+
+
+@pytest.mark.parametrize("name,kwargs", [("cast", {"dtype": "float32"}),
+                                         ("topk", {"ratio": 1.0})])
+@pytest.mark.parametrize("runner", ["shard_map", "pmap"])
+def test_exact_compressors_match_pmean(mesh8, name, kwargs, runner):
+  g = grads_tree(2)
+  tx = jaxcomp.compressed_mean(name, "data", **kwargs)
+  if runner == "shard_map":
+    u, ref, _, _ = run_shard_map(tx, g, mesh8)
+  else:
+    u, ref, _ = run_pmap(tx, g)
+  for k in g:
+    np.testing.assert_allclose(np.asarray(u[k]), np.asarray(ref[k]),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_topk_ratio_one_leaves_zero_residual(mesh8):
+  g = grads_tree(3)
+  _, _, state, _ = run_shard_map(
+      jaxcomp.compressed_mean("topk", "data", ratio=1.0), g, mesh8)
+  for r in state.feedback:
+    np.testing.assert_array_equal(np.asarray(r), 0.0)
+
+
+@pytest.mark.parametrize("name,kwargs", [("topk", {"ratio": 0.05}),
+                                         ("random_block", {"ratio": 0.1}),
+                                         ("qsgd", {"levels": 2})])
+def test_error_feedback_conserves_mass(mesh8, name, kwargs):
+  """Over a run, p * sum_t mean_t == sum_devices (sum_t g_t - e_T): what was
+  sent plus what is left equals what came in (e_0 = 0)."""
+  tx = jaxcomp.compressed_mean(name, "data", error_feedback=True,
+                               bucketing="whole", **kwargs)
+  steps = [grads_tree(10 + t, shapes=((64,), (40,))) for t in range(4)]
+  sent_total = None
+  state = None
+  params = {k: jnp.zeros(v.shape[1:]) for k, v in steps[0].items()}
+  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  from jax.sharding import PartitionSpec as P
+  from tests.helpers import stacked
+
+  def body(g, s):
+    g = jax.tree.map(lambda x: x[0], g)
+    u, s = tx.update(g, jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  for g in steps:
+    u, state = f(stacked(g, mesh8), state)
+    flat_u = jnp.concatenate([u["l0"], u["l1"]])
+    sent_total = flat_u if sent_total is None else sent_total + flat_u
+  g_total = sum(jnp.concatenate([g["l0"], g["l1"]], axis=1) for g in steps)
+  residual = state.feedback[0]  # (devices, n)
+  lhs = P_DEV * sent_total
+  rhs = jnp.sum(g_total - residual, axis=0)
+  np.testing.assert_allclose(np.asarray(lhs), np.asarray(rhs), rtol=1e-5,
+                             atol=1e-4)
+  assert float(jnp.max(jnp.abs(residual))) > 0  # something was held back
+
+
+def test_qsgd_unbiased_and_variance_bound():
+  comp = jaxcomp.compressors.get("qsgd", levels=4, bucket_size=256)
+  n, trials = 600, 4000
+  x = jax.random.normal(jax.random.key(0), (n,))
+  keys = jax.random.split(jax.random.key(1), trials)
+  q = jax.jit(jax.vmap(lambda k: comp.decode(comp.encode(x, k), n, k)))(keys)
+  mean = jnp.mean(q, axis=0)
+  # Per element, the level rounding is Bernoulli: variance <= (norm/s)^2 / 4.
+  norms = np.asarray(comp.encode(x, keys[0])["norms"])
+  norm_el = np.repeat(norms, 256)[:n]
+  sigma = norm_el / comp.levels / 2 / math.sqrt(trials)
+  assert np.all(np.abs(np.asarray(mean - x)) <= 6 * sigma + 1e-6)
+  # Lemma 3.1: E||Q(x) - x||^2 <= min(d/s^2, sqrt(d)/s) ||x_b||^2 per bucket.
+  err = jnp.mean(jnp.sum((q - x[None, :]) ** 2, axis=1))
+  d, s = 256, comp.levels
+  bound = min(d / s**2, math.sqrt(d) / s) * float(jnp.sum(x * x))
+  assert float(err) <= bound
+  assert float(err) > 0
+
+
+def test_random_block_same_block_on_every_device_and_covers(mesh8):
+  n, ratio = 100, 0.1
+  tx = jaxcomp.compressed_mean("random_block", "data", ratio=ratio,
+                               error_feedback=False)
+  # Device i sends (i + 1) everywhere: the mean on the block is 4.5 only if
+  # every device picked the same block.
+  g = {"w": jnp.broadcast_to(jnp.arange(1, P_DEV + 1, dtype=jnp.float32)[:, None],
+                             (P_DEV, n))}
+  params = {"w": jnp.zeros((n,))}
+  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  from jax.sharding import PartitionSpec as P
+  from tests.helpers import stacked
+
+  def body(g, s):
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  covered = np.zeros(n, bool)
+  starts = set()
+  gs = stacked(g, mesh8)
+  for _ in range(100):
+    u, state = f(gs, state)
+    w = np.asarray(u["w"])
+    support = np.flatnonzero(w)
+    assert len(support) == math.ceil(ratio * n)
+    np.testing.assert_array_equal(w[support], 4.5)
+    # Contiguous modulo n: exactly one wrap-around gap.
+    gaps = np.diff(np.concatenate([support, support[:1] + n]))
+    assert np.sum(gaps != 1) == 1
+    starts.add(int(support[np.argmax(np.roll(gaps, 1) != 1)]))
+    covered[support] = True
+  assert covered.all()
+  assert len(starts) > 50  # the block moves from step to step
+
+
+@pytest.mark.parametrize("policy", ["skip", "zero", "propagate"])
+def test_nonfinite_never_reaches_the_residual(mesh8, policy):
+  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1, nonfinite=policy)
+  good = grads_tree(5, shapes=((50,),))
+  bad = jax.tree.map(lambda x: x.at[3, 7].set(jnp.nan).at[5, 2].set(jnp.inf),
+                     good)
+  u, _, state, _ = run_shard_map(tx, [good, bad], mesh8)
+  assert np.isfinite(np.asarray(state.feedback[0])).all()
+  if policy == "skip":
+    np.testing.assert_array_equal(np.asarray(u["l0"]), 0.0)
+    assert int(state.stats.skipped_steps) == 1
+  elif policy == "propagate":
+    assert np.isnan(np.asarray(u["l0"])).all()
+  else:
+    assert np.isfinite(np.asarray(u["l0"])).all()
+  # The step after is normal again and its residual is finite.
+  u2, _, state2, _ = run_shard_map(tx, [good, bad, good], mesh8)
+  assert np.isfinite(np.asarray(u2["l0"])).all()
+  assert np.isfinite(np.asarray(state2.feedback[0])).all()
+
+
+def test_skip_leaves_state_unchanged(mesh8):
+  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1)
+  good = grads_tree(6, shapes=((50,),))
+  bad = jax.tree.map(lambda x: x.at[0, 0].set(jnp.nan), good)
+  _, _, s1, _ = run_shard_map(tx, [good], mesh8)
+  _, _, s2, _ = run_shard_map(tx, [good, bad], mesh8)
+  np.testing.assert_array_equal(np.asarray(s1.feedback[0]),
+                                np.asarray(s2.feedback[0]))
+
+
+def test_bf16_and_fp16_gradients_keep_their_dtype(mesh8):
+  for dtype in (jnp.bfloat16, jnp.float16):
+    g = {"w": jax.random.normal(jax.random.key(0), (P_DEV, 64)).astype(dtype)}
+    for name, kw in [("topk", {"ratio": 0.5}), ("qsgd", {}), ("bf16", {}),
+                     ("fp16", {}), ("random_block", {"ratio": 0.5})]:
+      u, ref, _, _ = run_shard_map(jaxcomp.compressed_mean(name, "data", **kw),
+                                   g, mesh8)
+      assert u["w"].dtype == dtype, (name, dtype)
+      assert np.isfinite(np.asarray(u["w"], np.float32)).all()
+
+
+def test_fp16_prescale_avoids_overflow(mesh8):
+  # 8 devices x 20000 overflows float16 (max 65504) if summed before dividing.
+  g = {"w": jnp.full((P_DEV, 16), 20000.0)}
+  u, _, _, _ = run_shard_map(jaxcomp.compressed_mean("fp16", "data"), g, mesh8)
+  np.testing.assert_allclose(np.asarray(u["w"]), 20000.0, rtol=1e-3)
+
+
+class TestBadInput:
+
+  @pytest.mark.parametrize("ratio", [0.0, -0.1, 1.5])
+  def test_ratio(self, ratio):
+    for name in ("topk", "random_block"):
+      with pytest.raises(ValueError, match="ratio"):
+        jaxcomp.compressed_mean(name, "data", ratio=ratio)
+
+  def test_levels(self):
+    with pytest.raises(ValueError, match="levels"):
+      jaxcomp.compressed_mean("qsgd", "data", levels=0)
+
+  @pytest.mark.parametrize("axis", ["", (), None])
+  def test_empty_axis_name(self, axis):
+    with pytest.raises(ValueError, match="axis_name"):
+      jaxcomp.compressed_mean("identity", axis)
+
+  def test_unknown_compressor(self):
+    with pytest.raises(ValueError, match="unknown compressor 'nope'"):
+      jaxcomp.compressed_mean("nope", "data")
+
+  def test_unknown_keyword(self):
+    with pytest.raises(TypeError, match="levels"):
+      jaxcomp.compressed_mean("topk", "data", levels=3)
+
+  def test_psum_needs_linear(self):
+    with pytest.raises(ValueError, match="linear"):
+      jaxcomp.compressed_mean("topk", "data", collective="psum")
+
+  def test_bad_policy(self):
+    with pytest.raises(ValueError, match="nonfinite"):
+      jaxcomp.compressed_mean("identity", "data", nonfinite="ignore")
+
+  def test_integer_and_bool_leaves(self, mesh8):
+    tx = jaxcomp.compressed_mean("identity", "data")
+    for bad in (jnp.zeros((P_DEV, 3), jnp.int32), jnp.zeros((P_DEV, 3), bool)):
+      with pytest.raises(TypeError, match="only floating"):
+        run_shard_map(tx, {"w": bad}, mesh8)
+
+  def test_unbound_axis(self):
+    tx = jaxcomp.compressed_mean("identity", "data")
+    with pytest.raises(NameError, match="inside jax.shard_map"):
+      tx.init({"w": jnp.zeros(3)})
+    with pytest.raises(NameError, match="inside jax.shard_map"):
+      jax.jit(lambda g: tx.update(g, None))({"w": jnp.zeros(3)})
+
+  def test_init_sharded_unknown_axis(self, mesh8):
+    tx = jaxcomp.compressed_mean("identity", "batch")
+    with pytest.raises(ValueError, match="not in the mesh"):
+      jaxcomp.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, "batch")
