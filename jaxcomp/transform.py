@@ -41,7 +41,8 @@ class CompressedMeanState(NamedTuple):
   key: jax.Array  # shape=(2,), uint32, raw PRNG key shared by all devices
   feedback: tuple  # per bucket: the feedback state (residual float32 (n,),
   #                  varying over the axis), or () without error feedback
-  compressor_state: tuple  # per bucket: the compressor's own state, or ()
+  exchange_state: tuple  # per bucket: the collective's state (e.g. PowerSGD's
+  #                        Q or a second-phase residual), or ()
   stats: CompressionStats
 
 
@@ -152,7 +153,9 @@ def compressed_mean(
 
   def static_stats(sizes, bplan):
     n_total = sum(sizes)
-    sent = sum(comp.payload_bytes(n) for n in bucket_sizes(sizes, bplan))
+    p = _axis_devices(axis_name)
+    sent = sum(coll.payload_bytes(comp, n, p)
+               for n in bucket_sizes(sizes, bplan))
     sent += 4 * sum(sizes[i] for i in bplan.exact)
     return float(sent), float(4 * n_total)
 
@@ -170,7 +173,8 @@ def compressed_mean(
         key=key,
         feedback=tuple(fb.init(n, axis_name)
                        for n in bucket_sizes(sizes, bplan)),
-        compressor_state=tuple(() for _ in bplan.buckets),
+        exchange_state=tuple(coll.init_state(comp, n, axis_name)
+                             for n in bucket_sizes(sizes, bplan)),
         stats=CompressionStats(
             bytes_sent=jnp.asarray(sent, jnp.float32),
             dense_bytes=jnp.asarray(dense, jnp.float32),
@@ -212,25 +216,31 @@ def compressed_mean(
       xs = jnp.concatenate([flat[i] for i in bplan.exact])
       mean = lax.pmean(xs, axis_name)
       _scatter(out, mean, bplan.exact, sizes)
-    new_fb = []
+    new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
     for bi, bucket in enumerate(bplan.buckets):
       xs = jnp.concatenate([flat[i] for i in bucket])
       key = jax.random.fold_in(step_key, bi)
       if comp.randomness == "independent":
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
+      holder = {}
 
-      def exchange(v, key=key):
-        return coll.exchange(comp, v, key, axis_name)
+      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder):
+        mean, local, holder["state"] = coll.exchange(comp, v, key, axis_name,
+                                                     old)
+        return mean, local
 
       mean, fstate = fb.apply(xs, state.feedback[bi], exchange)
+      estate = holder["state"]
       if nonfinite != "zero":
         # A skipped step sends nothing and leaves no trace in the state.
-        fstate = jax.tree.map(lambda new, old: jnp.where(any_bad, old, new),
-                              fstate, state.feedback[bi])
+        fstate, estate = jax.tree.map(
+            lambda new, old: jnp.where(any_bad, old, new), (fstate, estate),
+            (state.feedback[bi], state.exchange_state[bi]))
         if nonfinite == "skip":
           mean = jnp.where(any_bad, 0.0, mean)
       new_fb.append(fstate)
+      new_exchange.append(estate)
       r = fb.residual(fstate)
       if r is not None:
         sq_residual = sq_residual + jnp.sum(r * r)
@@ -246,10 +256,14 @@ def compressed_mean(
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(
         count=state.count + 1, key=state.key, feedback=tuple(new_fb),
-        compressor_state=state.compressor_state, stats=stats)
+        exchange_state=tuple(new_exchange), stats=stats)
     return jax.tree.unflatten(treedef, mean_leaves), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _axis_devices(axis_name) -> int:
+  return lax.axis_size(axis_name)
 
 
 def _scatter(out, flat_mean, indices, sizes) -> None:

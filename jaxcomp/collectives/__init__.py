@@ -2,6 +2,7 @@
 
 from jaxcomp.collectives.base import AllGatherMean
 from jaxcomp.collectives.base import Collective
+from jaxcomp.collectives.base import OwnExchange
 from jaxcomp.collectives.base import PsumMean
 from jaxcomp.collectives.base import decode_sum
 from jaxcomp.collectives.base import default_for

@@ -1,13 +1,23 @@
 """Collectives: how compressed payloads travel over a mesh axis.
 
 A collective knows the compressor *interface* (``encode``, ``decode``,
-``linear``), never a particular compressor. ``exchange`` runs inside
-``jax.shard_map`` / ``jax.pmap`` and returns two float32 buffers:
+``linear``), never a particular compressor. Per bucket it keeps a state
+(``init_state``; ``()`` for stateless ones), and ``exchange(compressor, x,
+key, axis_name, state)`` runs inside ``jax.shard_map`` / ``jax.pmap`` and
+returns ``(mean, local, state)``:
 
-* ``mean``: the average over the axis of what every device sent, typed
-  *invariant* (identical on every device, checked by ``check_vma``);
-* ``local``: what this device contributed to that mean, in the units of its
-  input, so that error feedback can keep ``x - local`` as its residual.
+* ``mean``: float32 ``(n,)``, the average over the axis of what every device
+  sent, typed *invariant* (identical on every device, checked by
+  ``check_vma``);
+* ``local``: float32 ``(n,)``, what this device contributed to that mean, in
+  the units of its input, so that error feedback can keep ``x - local`` as
+  its residual;
+* ``state``: the collective's new state for this bucket.
+
+Compressors whose exchange is not one encode/transfer/decode round (PowerSGD's
+two all-reduces, TernGrad's shared scale) set ``own_exchange = True`` and
+implement ``init_state`` and ``exchange`` themselves; :class:`OwnExchange`
+(the default for them) calls those.
 """
 
 from __future__ import annotations
@@ -49,10 +59,26 @@ class Collective:
 
   def check(self, compressor: Compressor) -> None:
     """Raises ValueError if this collective cannot carry ``compressor``."""
+    if compressor.own_exchange:
+      raise ValueError(
+          f"compressor {compressor.name!r} runs its own exchange; use "
+          f"collective=None or 'compressor', not {self.name!r}")
+
+  def init_state(self, compressor: Compressor, n: int, axis_name: AxisName):
+    """State for one bucket of ``n`` elements (inside shard_map/pmap)."""
+    del compressor, n, axis_name
+    return ()
 
   def exchange(self, compressor: Compressor, x: jax.Array, key: jax.Array,
-               axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+               axis_name: AxisName, state=()):
+    """Returns ``(mean, local, state)``; see the module docstring."""
     raise NotImplementedError
+
+  def payload_bytes(self, compressor: Compressor, n: int,
+                    num_devices: int) -> int:
+    """Operand bytes one device hands to collectives for ``n`` elements."""
+    del num_devices
+    return compressor.payload_bytes(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +96,24 @@ class PsumMean(Collective):
   name: ClassVar[str] = "psum"
 
   def check(self, compressor):
+    super().check(compressor)
     if not compressor.linear:
       raise ValueError(
           f"collective='psum' needs a linear compressor; {compressor.name!r} "
           "is not (its payloads cannot be summed in flight). Use "
           "collective='allgather'.")
 
-  def exchange(self, compressor, x, key, axis_name):
+  def exchange(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     if getattr(compressor, "prescale", False):
       payload = compressor.encode(x / p, key)
       mean = compressor.decode(lax.psum(payload, axis_name), n, key)
       local = compressor.decode(payload, n, key) * p
-      return mean, local
+      return mean, local, state
     payload = compressor.encode(x, key)
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
-    return mean, compressor.decode(payload, n, key)
+    return mean, compressor.decode(payload, n, key), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,19 +129,44 @@ class AllGatherMean(Collective):
 
   name: ClassVar[str] = "allgather"
 
-  def exchange(self, compressor, x, key, axis_name):
+  def exchange(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     payload = compressor.encode(x, key)
     gathered = jax.tree.map(
         lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
     mean = decode_sum(compressor, gathered, n, key) / p
-    return mean, compressor.decode(payload, n, key)
+    return mean, compressor.decode(payload, n, key), state
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnExchange(Collective):
+  """Lets a compressor with ``own_exchange`` run its own rounds (e.g.
+  PowerSGD's all-reduces of P and Q); its state is the compressor's."""
+
+  name: ClassVar[str] = "compressor"
+
+  def check(self, compressor):
+    if not compressor.own_exchange:
+      raise ValueError(
+          f"collective='compressor' needs a compressor that runs its own "
+          f"exchange; {compressor.name!r} does not")
+
+  def init_state(self, compressor, n, axis_name):
+    return compressor.init_state(n, axis_name)
+
+  def exchange(self, compressor, x, key, axis_name, state=()):
+    return compressor.exchange(x, key, axis_name, state)
+
+  def payload_bytes(self, compressor, n, num_devices):
+    del num_devices
+    return compressor.payload_bytes(n)
 
 
 _REGISTRY: dict[str, Callable[[], Collective]] = {
     PsumMean.name: PsumMean,
     AllGatherMean.name: AllGatherMean,
+    OwnExchange.name: OwnExchange,
 }
 
 
@@ -131,7 +183,10 @@ def names() -> list[str]:
 
 
 def default_for(compressor: Compressor) -> Collective:
-  """psum for linear compressors, all-gather for the others."""
+  """The compressor's own exchange where it has one, psum for linear
+  compressors, all-gather for the others."""
+  if compressor.own_exchange:
+    return OwnExchange()
   return PsumMean() if compressor.linear else AllGatherMean()
 
 

@@ -35,12 +35,18 @@ class Compressor:
     randomness: ``"none"``; ``"shared"`` (the key passed to ``encode`` is the
       same on every device, e.g. random-block); or ``"independent"`` (the key
       differs per device, e.g. QSGD's stochastic rounding).
+    own_exchange: True for compressors whose exchange is not a single
+      encode / transfer / decode (PowerSGD, TernGrad's shared scale). They
+      implement ``init_state`` and ``exchange`` and are run by
+      ``jaxcomp.collectives.OwnExchange``; ``encode``/``decode`` may then be
+      unused.
   """
 
   name: ClassVar[str] = ""
   linear: ClassVar[bool] = False
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
+  own_exchange: ClassVar[bool] = False
 
   def encode(self, x: jax.Array, key: jax.Array) -> Payload:
     """Encodes ``x`` (float32, shape ``(n,)``) into a payload pytree."""
@@ -53,6 +59,21 @@ class Compressor:
     place values; others ignore it).
     """
     raise NotImplementedError
+
+  def init_state(self, n: int, axis_name) -> Any:
+    """Per-bucket state of an ``own_exchange`` compressor (e.g. PowerSGD's Q).
+
+    Called inside shard_map/pmap; per-device leaves must be created varying
+    over ``axis_name`` (``lax.pcast``), shared ones invariant.
+    """
+    del n, axis_name
+    return ()
+
+  def exchange(self, x: jax.Array, key: jax.Array, axis_name,
+               state: Any) -> tuple[jax.Array, jax.Array, Any]:
+    """``own_exchange`` compressors: returns ``(mean, local, state)`` as
+    :class:`jaxcomp.collectives.Collective.exchange` does."""
+    raise NotImplementedError(f"{self.name} has no exchange of its own")
 
   def payload_bytes(self, n: int) -> int:
     """Bytes one device puts on the wire for an ``n``-element buffer.
