@@ -1,0 +1,310 @@
+"""Starts an N-process JAX job on this machine, for trying multi-host code.
+
+  python -m jaxcomp.launch -n 2 --devices-per-process 2 -- \\
+      python examples/multihost/train_mlp.py --steps 20
+
+Every child gets ``JAXCOMP_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
+``JAXCOMP_NUM_PROCESSES`` and ``JAXCOMP_PROCESS_ID``, which
+:func:`jaxcomp.distributed.initialize_from_env` reads. Output lines are
+prefixed with ``[p<i>]``.
+
+The job is torn down as a whole: when one process exits with an error or is
+killed, the launcher reports which one and its exit code, gives the others
+``--grace`` seconds to stop on their own (JAX's heartbeat makes them fail
+with an error rather than hang), then terminates them (SIGTERM, and SIGKILL
+after 5 s), and exits non-zero. Exit status: 0 when every process exited 0;
+the failing process's code (128 + signal number if it was killed by a
+signal); 124 on ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+from jaxcomp import distributed
+
+_KILL_AFTER_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that is free now (bind to port 0 and read it back).
+
+  Another program may take it before the coordinator binds it; the window is
+  short, and each call returns a different port where several jobs start at
+  once.
+  """
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class JobResult:
+  """What :func:`launch` observed.
+
+  Attributes:
+    returncode: the job's exit status (see the module docstring).
+    returncodes: each process's exit code (negative: killed by that signal;
+      None: still running when the launcher gave up, then killed).
+    failed: index of the first process that failed, or None.
+    exit_times: seconds from the start to each process's exit (as seen by
+      the launcher, which polls every 50 ms).
+    terminated: indices of the processes the launcher had to terminate
+      (SIGTERM/SIGKILL) rather than seeing them exit by themselves.
+    seconds: wall time from start to the last process's exit.
+    message: a one-line summary.
+  """
+
+  returncode: int
+  returncodes: list[int | None]
+  failed: int | None
+  exit_times: list[float | None]
+  terminated: list[int]
+  seconds: float
+  message: str
+
+
+def _describe_code(code: int) -> str:
+  if code < 0:
+    try:
+      return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+      return f"killed by signal {-code}"
+  return f"exit code {code}"
+
+
+def _exit_status(code: int) -> int:
+  return 128 - code if code < 0 else code
+
+
+def _pump(stream, prefix: str, out) -> None:
+  for line in iter(stream.readline, b""):
+    try:
+      out.write(prefix + line.decode(errors="replace"))
+      out.flush()
+    except (ValueError, OSError):  # the output was closed
+      break
+  stream.close()
+
+
+def _set_pdeathsig():  # runs in the child before exec (Linux only)
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
+def launch(command: Sequence[str], num_processes: int, *,
+           devices_per_process: int | None = None,
+           port: int | None = None,
+           grace: float = 0.0,
+           timeout: float | None = None,
+           heartbeat_timeout: int | None = None,
+           env: dict[str, str] | None = None,
+           stdout=None) -> JobResult:
+  """Runs ``command`` as ``num_processes`` processes of one JAX job.
+
+  Args:
+    command: the program and its arguments, e.g. ``["python", "train.py"]``.
+    num_processes: how many processes (>= 1).
+    devices_per_process: simulate this many CPU devices in each process
+      (sets ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS=
+      --xla_force_host_platform_device_count=D``); None leaves the platform
+      alone (on a GPU host, give each process its GPUs yourself, e.g. with
+      ``CUDA_VISIBLE_DEVICES``).
+    port: coordinator port on 127.0.0.1; default a free one.
+    grace: seconds the other processes get to stop on their own after one
+      fails, before they are terminated.
+    timeout: seconds for the whole job; then every process is killed and
+      the status is 124.
+    heartbeat_timeout: seconds after which JAX declares a silent process
+      dead (``JAXCOMP_HEARTBEAT_TIMEOUT``); default JAX's.
+    env: extra environment variables for every process.
+    stdout: where the prefixed output goes (default ``sys.stdout``).
+
+  Returns:
+    A :class:`JobResult`.
+
+  Raises:
+    ValueError: an empty command or a bad count or time.
+  """
+  if not command:
+    raise ValueError("command is empty; put it after '--', e.g. "
+                     "python -m jaxcomp.launch -n 2 -- python train.py")
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes=}")
+  if devices_per_process is not None and devices_per_process < 1:
+    raise ValueError(
+        f"devices_per_process must be >= 1, got {devices_per_process=}")
+  if grace < 0 or (timeout is not None and timeout <= 0):
+    raise ValueError(f"need grace >= 0 and timeout > 0, got {grace=}, "
+                     f"{timeout=}")
+  out = stdout or sys.stdout
+  port = port or free_port()
+  base = dict(os.environ)
+  base.update(env or {})
+  base[distributed.ENV_COORDINATOR] = f"127.0.0.1:{port}"
+  base[distributed.ENV_NUM_PROCESSES] = str(num_processes)
+  if heartbeat_timeout is not None:
+    base[distributed.ENV_HEARTBEAT] = str(int(heartbeat_timeout))
+  if devices_per_process is not None:
+    base["JAX_PLATFORMS"] = "cpu"
+    flags = [f for f in base.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    base["XLA_FLAGS"] = " ".join(flags)
+  base["PYTHONUNBUFFERED"] = "1"
+
+  t0 = time.monotonic()
+  procs, pumps = [], []
+  for i in range(num_processes):
+    child_env = dict(base)
+    child_env[distributed.ENV_PROCESS_ID] = str(i)
+    p = subprocess.Popen(list(command), env=child_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=_set_pdeathsig)
+    procs.append(p)
+  # Output threads start after every fork (preexec_fn and threads don't mix).
+  for i, p in enumerate(procs):
+    t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}] ", out),
+                         daemon=True)
+    t.start()
+    pumps.append(t)
+
+  def say(msg):
+    print(f"jaxcomp.launch: {msg}", file=sys.stderr, flush=True)
+
+  def signal_all(sig, which):
+    for p in which:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, sig)
+        except ProcessLookupError:
+          pass
+
+  interrupted = []
+  old_handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      old_handlers[sig] = signal.signal(
+          sig, lambda s, f: interrupted.append(s))
+
+  failed = None
+  status = 0
+  deadline_kill = None  # when to start terminating the rest
+  terminated_at = None
+  message = ""
+  exit_times: list[float | None] = [None] * num_processes
+  terminated: list[int] = []
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      now = time.monotonic()
+      for i, c in enumerate(codes):
+        if c is not None and exit_times[i] is None:
+          exit_times[i] = now - t0
+      if failed is None and deadline_kill is None:
+        for i, c in enumerate(codes):
+          if c not in (None, 0):
+            failed, status = i, _exit_status(c)
+            alive = sum(c2 is None for c2 in codes)
+            message = (f"process {i} (pid {procs[i].pid}) failed with "
+                       f"{_describe_code(c)}")
+            say(f"{message}; stopping the other {alive} process(es)"
+                + (f" (after up to {grace:g} s)" if grace and alive else ""))
+            deadline_kill = now + grace
+            break
+      if all(c is not None for c in codes):
+        break
+      if interrupted and deadline_kill is None:
+        say(f"interrupted by {signal.Signals(interrupted[0]).name}; stopping "
+            "the job")
+        status, message = 128 + interrupted[0], "interrupted"
+        deadline_kill = now
+      if timeout is not None and now - t0 > timeout and deadline_kill is None:
+        say(f"the job ran past --timeout {timeout:g} s; stopping it")
+        status, message = 124, f"timed out after {timeout:g} s"
+        deadline_kill = now
+      if deadline_kill is not None and now >= deadline_kill:
+        if terminated_at is None:
+          terminated.extend(i for i, p in enumerate(procs) if p.poll() is None)
+          signal_all(signal.SIGTERM, procs)
+          terminated_at = now
+        elif now - terminated_at > _KILL_AFTER_S:
+          signal_all(signal.SIGKILL, procs)
+      time.sleep(0.05)
+  finally:
+    for sig, h in old_handlers.items():
+      signal.signal(sig, h)
+    signal_all(signal.SIGKILL, [p for p in procs if p.poll() is None])
+    for p in procs:
+      p.wait()
+    for t in pumps:
+      t.join(timeout=5)
+  seconds = time.monotonic() - t0
+  codes = [p.returncode for p in procs]
+  exit_times = [seconds if t is None else t for t in exit_times]
+  if failed is not None:
+    others = ", ".join(
+        f"process {i}: {_describe_code(c)}"
+        + (" (terminated by the launcher)" if i in terminated else "")
+        + f" at {exit_times[i] - exit_times[failed]:+.1f} s"
+        for i, c in enumerate(codes) if i != failed)
+    message += f"; {others}" if others else ""
+    say(f"job failed in {seconds:.1f} s: {message}")
+  elif status == 0:
+    message = f"all {num_processes} processes exited 0 in {seconds:.1f} s"
+  return JobResult(status, codes, failed, exit_times, terminated, seconds,
+                   message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--" in argv:
+    cut = argv.index("--")
+    own, command = argv[:cut], argv[cut + 1:]
+  else:
+    own, command = argv, []
+  p = argparse.ArgumentParser(
+      prog="python -m jaxcomp.launch", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("-n", "--num-processes", type=int, required=True)
+  p.add_argument("--devices-per-process", type=int, default=None,
+                 help="simulated CPU devices per process (sets "
+                 "JAX_PLATFORMS=cpu); omit on GPU hosts")
+  p.add_argument("--port", type=int, default=None,
+                 help="coordinator port (default: a free one)")
+  p.add_argument("--grace", type=float, default=0.0,
+                 help="seconds the others get to stop by themselves after "
+                 "one process fails (default 0)")
+  p.add_argument("--timeout", type=float, default=None,
+                 help="seconds for the whole job (exit status 124)")
+  p.add_argument("--heartbeat-timeout", type=int, default=None,
+                 help="seconds of silence before JAX declares a process dead")
+  args = p.parse_args(own)
+  if not command:
+    p.error("no command: put it after '--', e.g. python -m jaxcomp.launch "
+            "-n 2 -- python examples/multihost/train_mlp.py")
+  try:
+    result = launch(command, args.num_processes,
+                    devices_per_process=args.devices_per_process,
+                    port=args.port, grace=args.grace, timeout=args.timeout,
+                    heartbeat_timeout=args.heartbeat_timeout)
+  except ValueError as e:
+    p.error(str(e))
+  return result.returncode
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,243 @@
+"""Multi-process jobs with real processes: 2 processes x 2 CPU devices over
+gloo, launched by jaxcomp.launch, against 1 process x 4 devices; checkpoint,
+kill and resume; a killed process stops the job; cross-process collectives
+and the consistency check.
+
+Every subprocess runs under a timeout, so no test can hang.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxcomp import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "multihost", "train_mlp.py")
+STEPS = 12
+SAVE_EVERY = 5
+JOB_TIMEOUT = 240  # seconds; a job that runs longer fails the test
+BASE = ["--steps", str(STEPS), "--compressor", "topk", "--ratio", "0.1",
+        "--error-feedback", "on", "--batch-size", "32"]
+
+
+def _clean_env():
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOMP_")}
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+class _Out:
+  """Collects the launcher's prefixed output (written from threads)."""
+
+  def __init__(self):
+    self.parts = []
+
+  def write(self, s):
+    self.parts.append(s)
+
+  def flush(self):
+    pass
+
+  @property
+  def text(self):
+    return "".join(self.parts)
+
+
+def _job(args, n=2, devices=2, **kw):
+  out = _Out()
+  kw.setdefault("timeout", JOB_TIMEOUT)
+  res = launch.launch([sys.executable, SCRIPT, *args], n,
+                      devices_per_process=devices, env=_clean_env(),
+                      stdout=out, **kw)
+  return res, out.text
+
+
+def _params(folder, pid):
+  with np.load(os.path.join(folder, f"params.p{pid}.npz")) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _assert_bitwise_equal(a, b):
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """2 processes x 2 devices, STEPS steps, consistency checked every 4."""
+  out = str(tmp_path_factory.mktemp("uninterrupted"))
+  res, log = _job([*BASE, "--output", out, "--check-every", "4"])
+  assert res.returncode == 0, log
+  return out, log
+
+
+def test_two_processes_agree_and_match_one_process(uninterrupted, tmp_path):
+  out, log = uninterrupted
+  assert log.count("consistency check passed") == 2 * (STEPS // 4), log
+  p0, p1 = _params(out, 0), _params(out, 1)
+  _assert_bitwise_equal(p0, p1)  # every process holds the same parameters
+  # The same steps on 1 process x 4 devices (same mesh order, same batches).
+  env = _clean_env()
+  env.update(JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  single = str(tmp_path / "single")
+  r = subprocess.run([sys.executable, SCRIPT, *BASE, "--output", single],
+                     env=env, capture_output=True, text=True,
+                     timeout=JOB_TIMEOUT)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "mesh {'hosts': 1, 'devices': 4}" in r.stdout
+  ref = _params(single, 0)
+  for k in ref:  # float32, only the reduction order may differ
+    np.testing.assert_allclose(p0[k], ref[k], rtol=1e-5, atol=1e-6,
+                               err_msg=k)
+
+
+def test_kill_every_process_then_resume_is_bit_exact(uninterrupted, tmp_path):
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+  args = [*BASE, "--checkpoint-dir", ckpt, "--save-every", str(SAVE_EVERY),
+          "--output", out]
+  crash = SAVE_EVERY + 3  # after the checkpoint of step 5, before step 10's
+  res, log = _job([*args, "--crash-at-step", str(crash)])
+  assert res.returncode != 0, log
+  assert all(c is not None and c != 0 for c in res.returncodes), res
+  assert sorted(os.listdir(ckpt)) == [str(SAVE_EVERY)], os.listdir(ckpt)
+  assert not os.path.exists(out)
+  res, log = _job([*args, "--resume"])
+  assert res.returncode == 0, log
+  assert log.count(f"resumed from step {SAVE_EVERY}") == 2, log
+  _assert_bitwise_equal(_params(out, 0), _params(uninterrupted[0], 0))
+  _assert_bitwise_equal(_params(out, 1), _params(uninterrupted[0], 1))
+
+
+def test_kill_one_process_survivor_stops_checkpoint_resumes(uninterrupted,
+                                                            tmp_path):
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+  args = [*BASE, "--checkpoint-dir", ckpt, "--save-every", str(SAVE_EVERY),
+          "--output", out]
+  # Process 1 dies; the launcher waits up to 60 s for process 0 to stop by
+  # itself (JAX's heartbeat, 10 s here) before it would terminate it.
+  res, log = _job([*args, "--crash-at-step", "7", "--crash-process", "1"],
+                  grace=60, heartbeat_timeout=10)
+  assert res.returncode == 128 + 9, (res, log)
+  assert res.failed == 1 and res.returncodes[1] == -9, res
+  assert res.returncodes[0] not in (0, None), res
+  assert res.terminated == [], res  # it stopped on its own, with an error
+  assert res.exit_times[0] - res.exit_times[1] < 60, res
+  assert "another task died" in log or "unhealthy" in log, log
+  assert "process 1 (pid" in res.message and "SIGKILL" in res.message
+  assert sorted(os.listdir(ckpt)) == [str(SAVE_EVERY)]
+  res, log = _job([*args, "--resume"])
+  assert res.returncode == 0, log
+  _assert_bitwise_equal(_params(out, 0), _params(uninterrupted[0], 0))
+
+
+def test_launcher_cli_tears_down_the_job_when_one_process_dies():
+  child = ("import os, sys, time\n"
+           "pid = int(os.environ['JAXCOMP_PROCESS_ID'])\n"
+           "assert os.environ['JAXCOMP_NUM_PROCESSES'] == '3'\n"
+           "assert os.environ['JAXCOMP_COORDINATOR_ADDRESS'].startswith("
+           "'127.0.0.1:')\n"
+           "time.sleep(0.5)\n"
+           "sys.exit(3) if pid == 1 else time.sleep(600)\n")
+  r = subprocess.run(
+      [sys.executable, "-m", "jaxcomp.launch", "-n", "3", "--", sys.executable,
+       "-c", child], capture_output=True, text=True, timeout=60,
+      env=_clean_env())
+  assert r.returncode == 3, r.stderr
+  assert "process 1 (pid" in r.stderr and "exit code 3" in r.stderr, r.stderr
+  assert "terminated by the launcher" in r.stderr, r.stderr
+
+
+def test_launcher_timeout_and_success():
+  ok = launch.launch([sys.executable, "-c", "print('hi')"], 2, stdout=_Out(),
+                     env=_clean_env(), timeout=60)
+  assert ok.returncode == 0 and ok.returncodes == [0, 0], ok
+  slow = launch.launch([sys.executable, "-c", "import time; time.sleep(60)"],
+                       2, stdout=_Out(), env=_clean_env(), timeout=1)
+  assert slow.returncode == 124 and slow.seconds < 30, slow
+  assert slow.terminated == [0, 1]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_processes=0), "num_processes"),
+    (dict(devices_per_process=0), "devices_per_process"),
+    (dict(grace=-1), "grace"),
+])
+def test_launcher_bad_input(kw, match):
+  kw = {"num_processes": 2, **kw}
+  with pytest.raises(ValueError, match=match):
+    launch.launch(["true"], kw.pop("num_processes"), **kw)
+  with pytest.raises(ValueError, match="command is empty"):
+    launch.launch([], 2)
+
+
+WORKER = textwrap.dedent("""
+    import jax, numpy as np
+    from jax import lax
+    from jax.experimental import multihost_utils
+    from jax.sharding import PartitionSpec as P
+    from jaxcomp import distributed
+
+    assert distributed.initialize_from_env(heartbeat_timeout_seconds=10)
+    mesh = distributed.global_mesh(("hosts", "devices"))
+    axes = ("hosts", "devices")
+    n = mesh.devices.size
+    # Integer-valued floats: any summation order gives the exact result.
+    x = np.arange(n * n * 3, dtype=np.float32).reshape(n, n * 3) * 3 - 7
+    xs = distributed.global_array(x, mesh, P(axes))
+
+    def body(v):
+      v = v[0]
+      s = lax.psum(v, axes)
+      rs = lax.psum_scatter(v, axes, scatter_dimension=0, tiled=True)
+      a2a = lax.all_to_all(v.reshape(n, 3), axes, 0, 0, tiled=True)
+      ag = lax.all_gather(v, axes)
+      return s[None], rs[None], a2a.reshape(-1)[None], ag[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes),
+                              out_specs=(P(axes),) * 4))
+    outs = [np.asarray(multihost_utils.process_allgather(
+        o, tiled=True)) for o in f(xs)]
+    total = x.sum(0)
+    np.testing.assert_array_equal(outs[0], np.broadcast_to(total, (n, n * 3)))
+    np.testing.assert_array_equal(outs[1].reshape(-1), total)  # jax#40830
+    np.testing.assert_array_equal(
+        outs[2], x.reshape(n, n, 3).transpose(1, 0, 2).reshape(n, n * 3))
+    np.testing.assert_array_equal(outs[3], np.broadcast_to(x, (n, n, n * 3)))
+    print("collectives exact", flush=True)
+
+    tree = {"w": distributed.global_array(np.ones((3, 2), np.float32), mesh),
+            "r": distributed.global_array(x, mesh, P(axes))}
+    assert distributed.check_consistency(tree) == 1
+    w = tree["w"]
+    bump = 1.0 if jax.process_index() == 1 else 0.0
+    shards = [jax.device_put(s.data + bump, s.device)
+              for s in w.addressable_shards]
+    tree["w"] = jax.make_array_from_single_device_arrays(w.shape, w.sharding,
+                                                         shards)
+    try:
+      distributed.check_consistency(tree, name="state")
+    except distributed.ConsistencyError as e:
+      assert "state['w'] diverged across processes" in str(e), e
+      assert "processes [0]" in str(e) and "processes [1]" in str(e), e
+      print("divergence detected", flush=True)
+    else:
+      raise SystemExit("divergence not detected")
+""")
+
+
+def test_collectives_exact_and_divergence_detected_across_processes(tmp_path):
+  worker = tmp_path / "worker.py"
+  worker.write_text(WORKER)
+  out = _Out()
+  res = launch.launch([sys.executable, str(worker)], 2, devices_per_process=2,
+                      env=_clean_env(), stdout=out, timeout=JOB_TIMEOUT)
+  assert res.returncode == 0, out.text
+  assert out.text.count("collectives exact") == 2, out.text
+  assert out.text.count("divergence detected") == 2, out.text

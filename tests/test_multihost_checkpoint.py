@@ -1,0 +1,285 @@
+"""jaxcomp.distributed in one process (8 simulated devices): checkpoint
+round trip, refusal of mismatched checkpoints, device-count changes, the
+consistency check, the global mesh and start-up arguments."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import distributed
+
+AXES = ("hosts", "devices")
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+  # optax.adam mixes int32 counts and floats, which strict promotion rejects.
+  with jax.numpy_dtype_promotion("standard"):
+    yield
+
+
+def _mesh(n):
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices")
+  explicit = jax.sharding.AxisType.Explicit
+  return Mesh(np.asarray(jax.devices()[:n], dtype=object).reshape(1, n), AXES,
+              axis_types=(explicit, explicit))
+
+
+def _loss(p, x, y):
+  h = jax.nn.relu(x @ p["w1"])
+  return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+_SETUPS = {}
+
+
+def _setup(n, compressor, hidden, ef, kw):
+  """Mesh, initial state and jitted step, built once per configuration (the
+  step is not donated, so the cached initial arrays stay valid)."""
+  key = (n, compressor, hidden, ef, tuple(sorted(kw.items())))
+  if key not in _SETUPS:
+    mesh = _mesh(n)
+    rng = np.random.default_rng(0)
+    host = {"w1": rng.standard_normal((6, hidden)).astype(np.float32),
+            "w2": rng.standard_normal((hidden, 1)).astype(np.float32)}
+    params = distributed.global_array(host, mesh)
+    tx = optax.chain(jaxcomp.compressed_mean(compressor, AXES,
+                                             error_feedback=ef, **kw),
+                     optax.adam(1e-2))
+    opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, AXES)
+
+    def step(p, s, batch):
+      g = jaxcomp.per_device_grad(_loss, AXES)(p, *batch)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s, jnp.zeros(())
+
+    _SETUPS[key] = (mesh, params, opt_state, jax.jit(jaxcomp.shard_train_step(
+        step, mesh=mesh, state_specs=specs, batch_spec=P(AXES))))
+  return _SETUPS[key]
+
+
+class Run:
+  """A tiny regression MLP trained with compressed_mean on ``n`` devices."""
+
+  def __init__(self, n, compressor="topk", hidden=8, ef=True, **kw):
+    (self.mesh, self.params, self.opt_state,
+     self._step) = _setup(n, compressor, hidden, ef, kw)
+    self.fresh = {"params": self.params, "opt_state": self.opt_state}
+    self.t = 0
+
+  def steps(self, k):
+    for _ in range(k):
+      rng = np.random.default_rng(100 + self.t)
+      batch = (rng.standard_normal((16, 6)).astype(np.float32),
+               rng.standard_normal((16, 1)).astype(np.float32))
+      self.params, self.opt_state, _ = self._step(
+          self.params, self.opt_state,
+          distributed.global_array(batch, self.mesh, P(AXES)))
+      self.t += 1
+    return self
+
+  @property
+  def state(self):
+    return {"params": self.params, "opt_state": self.opt_state}
+
+
+CONFIG = {"compressor": "topk", "ratio": 0.25, "error_feedback": True}
+
+
+def _leaves_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_is_bit_exact_and_continues_identically(tmp_path):
+  run = Run(4, ratio=0.25).steps(3)
+  residuals = np.asarray(run.opt_state[0].feedback[0])
+  assert residuals.shape[0] == 4 and np.abs(residuals).sum() > 0
+  assert not np.array_equal(residuals[0], residuals[1])  # per device
+  with distributed.Checkpointer(tmp_path, config=CONFIG) as ckpt:
+    ckpt.save(3, run.state)
+    assert ckpt.all_steps() == [3]
+    meta = ckpt.metadata()
+    assert meta["config"] == CONFIG and meta["device_count"] == 4
+    assert meta["mesh"] == {"hosts": 1, "devices": 4}
+    assert "P(('hosts', 'devices'),)" in {l["spec"] for l in meta["leaves"]}
+    other = Run(4, ratio=0.25)  # fresh state: zero residuals, count 0
+    step, state = ckpt.restore(other.fresh)
+  assert step == 3
+  _leaves_equal(state, run.state)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(run.state)):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  other.params, other.opt_state, other.t = (state["params"],
+                                            state["opt_state"], 3)
+  other.steps(2)
+  run.steps(2)
+  _leaves_equal(other.state, run.state)
+
+
+def test_other_compressor_config_is_refused_naming_it(tmp_path):
+  run = Run(4, ratio=0.25).steps(1)
+  distributed.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
+  ckpt = distributed.Checkpointer(tmp_path, config={**CONFIG, "ratio": 0.5})
+  with pytest.raises(distributed.CheckpointMismatchError,
+                     match=r"ratio: 0.25 in the checkpoint .*, 0.5 in this "
+                     "run"):
+    ckpt.restore(Run(4, ratio=0.5).fresh)
+  qsgd = {"compressor": "qsgd", "levels": 4, "error_feedback": False}
+  with pytest.raises(distributed.CheckpointMismatchError,
+                     match="compressor: 'topk' in the checkpoint .*'qsgd' in "
+                     "this run"):
+    distributed.Checkpointer(tmp_path, config=qsgd).restore(
+        Run(4, "qsgd", ef=False, levels=4).fresh)
+
+
+def test_other_state_structure_is_refused(tmp_path):
+  run = Run(4, ratio=0.25).steps(1)
+  distributed.Checkpointer(tmp_path).save(1, run.state)
+  # Same (empty) config, but no error feedback: the residual leaves are absent.
+  with pytest.raises(distributed.CheckpointMismatchError,
+                     match=r"another state structure.*only in the checkpoint: "
+                     r"\[\"\['opt_state'\]\[0\]\.feedback\[0\]\""):
+    distributed.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
+
+
+def test_other_shape_is_refused_naming_the_leaf(tmp_path):
+  run = Run(4, ratio=0.25, hidden=8).steps(1)
+  distributed.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
+  with pytest.raises(distributed.CheckpointMismatchError,
+                     match=r"leaf \['params'\]\['w1'\] is float32\[6, 8\], "
+                     r"this run expects float32\[6, 16\]"):
+    distributed.Checkpointer(tmp_path, config=CONFIG).restore(
+        Run(4, ratio=0.25, hidden=16).fresh)
+
+
+def test_other_device_count_is_refused_or_averaged(tmp_path):
+  run = Run(4, ratio=0.25).steps(3)
+  distributed.Checkpointer(tmp_path, config=CONFIG).save(3, run.state)
+  ckpt = distributed.Checkpointer(tmp_path, config=CONFIG)
+  target = Run(8, ratio=0.25).fresh
+  with pytest.raises(distributed.CheckpointMismatchError,
+                     match=r"per-device compression state .* for 4 devices .*"
+                     r"this run has 8 devices"):
+    ckpt.restore(target)
+  step, state = ckpt.restore(target, on_topology_change="average")
+  assert step == 3
+  old = np.asarray(run.opt_state[0].feedback[0])
+  new = np.asarray(state["opt_state"][0].feedback[0])
+  assert old.shape[0] == 4 and new.shape[0] == 8
+  # Every new device holds the mean residual: the pending mean update is kept.
+  np.testing.assert_allclose(new, np.broadcast_to(old.mean(0), new.shape),
+                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(new.mean(0), old.mean(0), rtol=1e-6, atol=1e-7)
+  assert state["opt_state"][0].feedback[0].sharding.spec[0] == AXES
+  # Replicated leaves (params, key, count, Adam moments) are exact.
+  _leaves_equal(state["params"], run.params)
+  np.testing.assert_array_equal(np.asarray(state["opt_state"][0].key),
+                                np.asarray(run.opt_state[0].key))
+  _leaves_equal(state["opt_state"][1], run.opt_state[1])
+  with pytest.raises(ValueError, match="on_topology_change"):
+    ckpt.restore(target, on_topology_change="reshard")
+
+
+def test_device_count_change_without_per_device_state_restores(tmp_path):
+  run = Run(4, "identity", ef=False).steps(2)
+  distributed.Checkpointer(tmp_path).save(2, run.state)
+  step, state = distributed.Checkpointer(tmp_path).restore(
+      Run(8, "identity", ef=False).fresh)
+  assert step == 2
+  _leaves_equal(state["params"], run.params)
+  _leaves_equal(state["opt_state"][1], run.opt_state[1])
+  got, want = state["opt_state"][0], run.opt_state[0]
+  np.testing.assert_array_equal(np.asarray(got.key), np.asarray(want.key))
+  assert int(got.count) == int(want.count) == 2
+  # The per-device residual norm (a statistic that the next step rewrites)
+  # now has one row per new device.
+  assert got.stats.residual_norm.shape == (8,)
+
+
+def test_missing_and_duplicate_steps(tmp_path):
+  ckpt = distributed.Checkpointer(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+    ckpt.restore(Run(4).fresh)
+  run = Run(4).steps(1)
+  ckpt.save(1, run.state)
+  with pytest.raises(FileNotFoundError, match=r"saved steps: \[1\]"):
+    ckpt.restore(run.fresh, step=7)
+  with pytest.raises(ValueError, match="step 1 is already saved"):
+    ckpt.save(1, run.state)
+
+
+def test_check_consistency_names_the_diverged_leaf():
+  run = Run(4, ratio=0.25).steps(2)
+  # Residuals differ per device and are skipped; replicated leaves agree.
+  n = distributed.check_consistency(run.state)
+  assert n == len([x for x in jax.tree.leaves(run.state)
+                   if x.sharding.is_fully_replicated])
+  w = run.params["w2"]
+  shards = [jax.device_put(s.data + (1e-6 if i == 2 else 0.0), s.device)
+            for i, s in enumerate(
+                sorted(w.addressable_shards, key=lambda s: s.device.id))]
+  bad = {**run.params, "w2": jax.make_array_from_single_device_arrays(
+      w.shape, w.sharding, shards)}
+  with pytest.raises(distributed.ConsistencyError,
+                     match=r"params\['w2'\] differs between devices"):
+    distributed.check_consistency(bad, name="params")
+
+
+def test_global_mesh_shapes_and_bad_names():
+  n = jax.device_count()
+  mesh = distributed.global_mesh()
+  assert mesh.axis_names == AXES and dict(mesh.shape) == {"hosts": 1,
+                                                          "devices": n}
+  assert dict(distributed.global_mesh(("data",)).shape) == {"data": n}
+  for bad in [(), ("a", "a"), ("a", "b", "c"), ("",)]:
+    with pytest.raises(ValueError, match="axis_names"):
+      distributed.global_mesh(bad)
+
+
+def test_initialize_from_env_single_process_and_bad_input(monkeypatch):
+  for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+              distributed.ENV_PROCESS_ID, "SLURM_JOB_ID",
+              "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(var, raising=False)
+  assert distributed.initialize_from_env() is False
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  with pytest.raises(ValueError, match="coordinator_address, num_processes "
+                     "and process_id together"):
+    distributed.initialize_from_env()
+  with pytest.raises(ValueError, match=r"0 <= process_id < num_processes"):
+    distributed.initialize_from_env("127.0.0.1:1", 2, 5)
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+  with pytest.raises(ValueError, match="JAXCOMP_NUM_PROCESSES='two'"):
+    distributed.initialize_from_env()
+
+
+def test_hierarchical_identity_matches_flat_mean():
+  """Exact pmean over 'devices', then compressed_mean over 'hosts' only."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = Mesh(np.asarray(jax.devices()[:8], dtype=object).reshape(2, 4), AXES,
+              axis_types=(explicit, explicit))
+  g = np.random.default_rng(1).standard_normal((8, 5)).astype(np.float32)
+  tx = jaxcomp.compressed_mean("topk", "hosts", ratio=1.0)
+  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(5)}, mesh, "hosts")
+  assert specs.feedback[0] == P("hosts")
+
+  def body(g, s):
+    g = lax.pmean({"w": g[0]}, "devices")
+    u, s = tx.update(g, jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  u, _ = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), specs),
+                               out_specs=(P(), specs)))(
+      distributed.global_array(g, mesh, P(AXES)), state)
+  np.testing.assert_allclose(np.asarray(u["w"]), g.mean(0), rtol=1e-6,
+                             atol=1e-6)
