@@ -1,0 +1,174 @@
+"""Data-parallel character-level LM training with compressed gradient averaging."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+import jaxcomp
+from examples.char_lm import data as data_lib
+from examples.char_lm import model as model_lib
+
+
+@dataclasses.dataclass
+class Config:
+  compressor: str = "identity"  # a name from jaxcomp.compressors.names()
+  ratio: float = 0.01  # top-k / random-block fraction sent
+  levels: int = 4  # QSGD levels
+  rank: int = 4  # PowerSGD rank
+  bits: int = 8  # int8_block bits
+  format: str = "e4m3"  # fp8_block format
+  threshold: float = 1e-3  # threshold compressor's magnitude threshold
+  block_size: int = 256  # int8_block / fp8_block elements per scale
+  error_feedback: bool | str | None = None  # None: on for biased compressors
+  epochs: int = 3
+  steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
+  batch_size: int = 32  # global, split over the devices
+  context: int = 64
+  d_model: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  learning_rate: float = 3e-3
+  warmup_steps: int = 50
+  max_train_bytes: int | None = 2_000_000  # a subset of the training files
+  valid_windows: int = 256  # held-out windows of `context` predictions each
+  seed: int = 0
+  max_steps: int | None = None  # stop early (tests)
+  progress: bool = True
+
+
+def compressor_kwargs(config: Config) -> dict[str, Any]:
+  """The config's hyperparameters that the chosen compressor takes."""
+  fields = jaxcomp.compressors.hyperparameters(config.compressor)
+  candidates = {"ratio": config.ratio, "levels": config.levels,
+                "rank": config.rank, "bits": config.bits,
+                "format": config.format, "threshold": config.threshold,
+                "block_size": config.block_size,
+                "capacity_ratio": config.ratio}
+  return {k: v for k, v in candidates.items() if k in fields}
+
+
+def train_and_evaluate(config: Config) -> dict[str, Any]:
+  """Trains the transformer on all local devices; returns per-epoch metrics.
+
+  Returns:
+    ``{"dataset", "epochs": [{"epoch", "loss", "valid_loss",
+    "bits_per_char", "seconds"}], "steps", "bytes_per_step",
+    "dense_bytes_per_step", "ratio_to_dense", "hlo_operand_bytes",
+    "num_params", "params"}``. Losses are mean cross-entropy in nats per
+    character; bits per character is ``valid_loss / ln 2``.
+
+  Raises:
+    ValueError: ``batch_size`` is not a multiple of the device count, or a
+      bad compressor name or hyperparameter.
+  """
+  n_dev = jax.device_count()
+  if config.batch_size % n_dev:
+    raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
+                     f"the device count {n_dev}")
+  kwargs = compressor_kwargs(config)
+  corpus = data_lib.load(max_train_bytes=config.max_train_bytes)
+  length = config.context + 1  # inputs and next-character targets
+  valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)
+
+  mesh = jax.make_mesh((n_dev,), ("data",))
+  model = model_lib.CharTransformer(
+      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
+      d_model=config.d_model, num_layers=config.num_layers,
+      num_heads=config.num_heads)
+  params = model.init(jax.random.key(config.seed),
+                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+  def loss_fn(p, windows):
+    logits = model.apply({"params": p}, windows[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, windows[:, 1:]).mean()
+
+  schedule = optax.linear_schedule(0.0, config.learning_rate,
+                                   max(config.warmup_steps, 1))
+  tx = optax.chain(
+      jaxcomp.compressed_mean(config.compressor, "data",
+                              error_feedback=config.error_feedback,
+                              seed=config.seed, **kwargs),
+      optax.adam(schedule))
+
+  def step_fn(p, s, windows):
+    loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, windows)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+  step = jax.jit(jaxcomp.shard_train_step(
+      step_fn, mesh=mesh, state_specs=specs, batch_spec=P("data")),
+                 donate_argnums=(0, 1))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  batch_sharding = NamedSharding(mesh, P("data"))
+
+  rng = np.random.default_rng(config.seed)
+
+  def next_batch():
+    return jax.device_put(
+        data_lib.random_windows(corpus.train, config.batch_size, length, rng),
+        batch_sharding)
+
+  traffic = jaxcomp.collective_traffic(
+      step.lower(params, opt_state, next_batch()))
+
+  eval_loss = jax.jit(loss_fn)
+
+  def evaluate(p):
+    total = 0.0
+    for i in range(0, len(valid), 64):
+      w = valid[i:i + 64]
+      total += float(eval_loss(p, w)) * len(w)
+    return total / len(valid)
+
+  history, done = [], 0
+  for epoch in range(config.epochs):
+    t0 = time.perf_counter()
+    losses = []
+    it = range(config.steps_per_epoch)
+    if config.progress:
+      from tqdm import tqdm
+      it = tqdm(it, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False)
+    for _ in it:
+      if config.max_steps is not None and done >= config.max_steps:
+        break
+      params, opt_state, loss = step(params, opt_state, next_batch())
+      losses.append(loss)
+      done += 1
+    train_loss = (float(np.mean([float(l) for l in losses])) if losses
+                  else float("nan"))
+    valid_loss = evaluate(params)
+    history.append({"epoch": epoch + 1, "loss": train_loss,
+                    "valid_loss": valid_loss,
+                    "bits_per_char": valid_loss / math.log(2),
+                    "seconds": time.perf_counter() - t0})
+    if config.max_steps is not None and done >= config.max_steps:
+      break
+  stats = jaxcomp.get_stats(opt_state)
+  return {
+      "dataset": (f"CPython {corpus.python_version} stdlib: "
+                  f"{len(corpus.train_files)} train files "
+                  f"({len(corpus.train)} bytes used), "
+                  f"{len(corpus.valid_files)} held out "
+                  f"({len(valid)} windows of {config.context})"),
+      "epochs": history,
+      "steps": done,
+      "num_params": num_params,
+      "bytes_per_step": float(stats.bytes_sent),
+      "dense_bytes_per_step": float(stats.dense_bytes),
+      "ratio_to_dense": float(stats.compression_ratio),
+      "hlo_operand_bytes": traffic.operand_bytes,
+      "params": params,
+  }
