@@ -143,6 +143,12 @@ def test_nonlinear_uses_allgather_and_decodes_p_payloads():
   lin = pm.predict(prof, FakeCompressor(0.01, linear=True), net, codec=codec, buckets="single")
   assert lin.comm_time == pytest.approx(pm.allreduce_time(c.payload_bytes(n), p, LINK))
   assert lin.codec_time == pytest.approx(3e-3)
+  # Two arrays per payload: one more start-up cost per bucket.
+  two = pm.predict(prof, c, net, codec=codec, buckets="single", messages_per_bucket=2)
+  assert two.comm_time == pytest.approx(pr.comm_time + (p - 1) * ALPHA)
+  # Error feedback decodes the worker's own payload once more.
+  ef = pm.predict(prof, c, net, codec=codec, buckets="single", error_feedback=True)
+  assert ef.codec_time == pytest.approx(1e-3 + (p + 1) * 2e-3)
 
 
 def test_monotone_in_bandwidth_and_workers():

@@ -40,6 +40,57 @@ def _fit_affine(ns: Sequence[int], ts: Sequence[float]) -> tuple[float, float]:
   return a, b
 
 
+def codec_timers(compressor, sizes: Sequence[int], *, seed: int = 0):
+  """Jitted, warmed-up encode and decode of ``compressor`` at each size.
+
+  Returns ``run() -> (encode_seconds, decode_seconds)``, lists over ``sizes``
+  of one timed call each, so that callers can interleave the micro-benchmark
+  with other measurements (see benchmarks/validate_perfmodel.py).
+  """
+  if not sizes or any(int(n) < 1 for n in sizes):
+    raise ValueError(f"sizes must be a non-empty list of positive integers, got {sizes!r}")
+  key = jax.random.key(seed)
+  try:
+    takes_key = len(inspect.signature(compressor.decode).parameters) >= 3
+  except (TypeError, ValueError):
+    takes_key = False
+  cases = []
+  for n in sizes:
+    n = int(n)
+    x = jax.random.normal(jax.random.fold_in(key, n), (n,), jnp.float32)
+    enc = jax.jit(compressor.encode)
+    if takes_key:
+      dec = jax.jit(lambda payload, n=n: compressor.decode(payload, n, key))
+    else:
+      dec = jax.jit(lambda payload, n=n: compressor.decode(payload, n))
+    payload = jax.block_until_ready(enc(x, key))
+    jax.block_until_ready(dec(payload))
+    cases.append((enc, dec, x, payload))
+
+  def run():
+    e, d = [], []
+    for enc, dec, x, payload in cases:
+      e.append(time_fn(enc, x, key, repeats=1, warmup=0))
+      d.append(time_fn(dec, payload, repeats=1, warmup=0))
+    return e, d
+
+  return run
+
+
+def fit_codec(sizes: Sequence[int], encode_seconds: Sequence[float],
+              decode_seconds: Sequence[float], device: str = "") -> _model.CodecCost:
+  """Affine fit of measured encode/decode times over buffer sizes."""
+  ns = [int(n) for n in sizes]
+  ea, eb = _fit_affine(ns, list(encode_seconds))
+  da, db = _fit_affine(ns, list(decode_seconds))
+  return _model.CodecCost(ea, eb, da, db, device=device)
+
+
+def device_name() -> str:
+  dev = jax.devices()[0]
+  return f"{dev.platform}:{dev.device_kind}"
+
+
 def measure_codec(compressor, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20), *,
                   repeats: int = 5, seed: int = 0) -> _model.CodecCost:
   """Times ``compressor.encode`` / ``decode`` under ``jax.jit`` on the default device.
@@ -54,27 +105,8 @@ def measure_codec(compressor, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20)
   Returns:
     A :class:`CodecCost` naming the device it was measured on.
   """
-  if not sizes or any(int(n) < 1 for n in sizes):
-    raise ValueError(f"sizes must be a non-empty list of positive integers, got {sizes!r}")
-  key = jax.random.key(seed)
-  try:
-    takes_key = len(inspect.signature(compressor.decode).parameters) >= 3
-  except (TypeError, ValueError):
-    takes_key = False
-  enc_t, dec_t = [], []
-  for n in sizes:
-    n = int(n)
-    x = jax.random.normal(jax.random.fold_in(key, n), (n,), jnp.float32)
-    enc = jax.jit(compressor.encode)
-    if takes_key:
-      dec = jax.jit(lambda payload, n=n: compressor.decode(payload, n, key))
-    else:
-      dec = jax.jit(lambda payload, n=n: compressor.decode(payload, n))
-    payload = jax.block_until_ready(enc(x, key))
-    enc_t.append(time_fn(enc, x, key, repeats=repeats))
-    dec_t.append(time_fn(dec, payload, repeats=repeats))
-  ns = [int(n) for n in sizes]
-  ea, eb = _fit_affine(ns, enc_t)
-  da, db = _fit_affine(ns, dec_t)
-  dev = jax.devices()[0]
-  return _model.CodecCost(ea, eb, da, db, device=f"{dev.platform}:{dev.device_kind}")
+  run = codec_timers(compressor, sizes, seed=seed)
+  runs = [run() for _ in range(max(1, repeats))]
+  enc = [statistics.median(r[0][i] for r in runs) for i in range(len(sizes))]
+  dec = [statistics.median(r[1][i] for r in runs) for i in range(len(sizes))]
+  return fit_codec(sizes, enc, dec, device_name())

@@ -84,6 +84,10 @@ class Network:
     workers_per_node: workers sharing a node (hierarchical only); must divide
       ``workers``.
     intra: the link inside a node (hierarchical only).
+    per_collective: optional ``{kind: Link}`` overriding ``link`` for some
+      collectives (ring only), e.g. alpha and beta fitted separately to
+      measured all-reduces and all-gathers of a runtime whose algorithms
+      differ from the ideal ring.
   """
 
   workers: int
@@ -91,6 +95,7 @@ class Network:
   algorithm: str = "ring"
   workers_per_node: int = 1
   intra: Link | None = None
+  per_collective: dict | None = None
 
   def __post_init__(self):
     if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -105,11 +110,15 @@ class Network:
       if self.intra is None:
         raise ValueError("algorithm='hierarchical' needs the intra-node link: pass intra=Link(...)")
 
+    for kind in self.per_collective or {}:
+      if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r} in per_collective; expected {COLLECTIVES}")
+
   def with_workers(self, workers: int) -> "Network":
     return dataclasses.replace(self, workers=workers)
 
   def with_link(self, link: Link) -> "Network":
-    return dataclasses.replace(self, link=link)
+    return dataclasses.replace(self, link=link, per_collective=None)
 
 
 def _check(nbytes: float, p: int) -> None:
@@ -175,7 +184,8 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
     raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
   p = network.workers
   if network.algorithm == "ring" or network.workers_per_node == 1:
-    return _FLAT[kind](nbytes, p, network.link)
+    link = (network.per_collective or {}).get(kind, network.link)
+    return _FLAT[kind](nbytes, p, link)
   g = network.workers_per_node
   n = p // g
   intra, inter = network.intra, network.link

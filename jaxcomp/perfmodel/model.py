@@ -15,7 +15,8 @@ One training step on each of ``p`` workers is modelled as two streams:
 Linear compressors (``compressor.linear``) are summed in flight by an
 all-reduce of their payload and decoded once; the others are exchanged with an
 all-gather and every worker decodes all ``p`` payloads (Agarwal et al. 2022:
-the all-gather cost and the decode both grow with ``p``).
+the all-gather cost and the decode both grow with ``p``). With error feedback
+each worker also decodes its own payload to update the residual.
 
 The outputs (:class:`Prediction`): step time, communication time (sum of the
 collectives), exposed communication (step time minus compute-stream busy
@@ -304,7 +305,8 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
 
 def predict(profile: ModelProfile, compressor: Compressor, network: costs.Network, *,
             codec: CodecCost | None = None, buckets="layer", overlap: bool = True,
-            collective: str | None = None) -> Prediction:
+            collective: str | None = None, error_feedback: bool | None = None,
+            messages_per_bucket: int = 1) -> Prediction:
   """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
 
   Args:
@@ -318,6 +320,12 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
     overlap: whether communication may overlap the backward pass (WFBP).
     collective: force ``"allreduce"`` or ``"allgather"`` instead of the one
       ``compressor.linear`` implies.
+    error_feedback: whether the worker also decodes its own payload to keep
+      the residual (one more decode per bucket); default ``compressor.biased``
+      (jaxcomp.compressed_mean's default), False where it has no such attribute.
+    messages_per_bucket: collectives per bucket (a payload of several arrays,
+      e.g. top-k's values and indices, travels as one collective each); each
+      extra message adds the collective's start-up cost.
 
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
@@ -329,13 +337,20 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
   p = network.workers
   sizes = profile.layer_sizes
 
+  if isinstance(messages_per_bucket, bool) or not isinstance(messages_per_bucket, int) \
+      or messages_per_bucket < 1:
+    raise ValueError(f"messages_per_bucket must be an integer >= 1, got {messages_per_bucket!r}")
+  startup = (messages_per_bucket - 1) * costs.collective_time(kind, 0, network)
+
   def bucket_comm(n: int) -> float:
-    return costs.collective_time(kind, compressor.payload_bytes(n), network)
+    return costs.collective_time(kind, compressor.payload_bytes(n), network) + startup
 
   plan = bucket_plan(buckets, profile,
                      comm_time=lambda nbytes: bucket_comm(int(nbytes) // 4))
 
-  decodes_per_bucket = p if kind == "allgather" else 1
+  if error_feedback is None:
+    error_feedback = bool(getattr(compressor, "biased", False))
+  decodes_per_bucket = (p if kind == "allgather" else 1) + (1 if error_feedback else 0)
   t = profile.forward_time
   net_free = 0.0
   comm_total = codec_total = sent = 0.0

@@ -1,0 +1,478 @@
+"""Validates jaxcomp.perfmodel against real multi-process training steps.
+
+Runs 2 to 4 JAX processes (one CPU device each, collectives over gloo), each
+in its own network namespace on a bridge, every link limited by ``tc tbf``
+(100 Mbit, 1 Gbit, 10 Gbit, unlimited; no netem, so no added latency).
+For each link and worker count the processes:
+
+1. time psum and all_gather of float32 buffers (4 KiB .. 4 MiB) on that link,
+   from which alpha and beta are fitted by least squares on the ring model;
+2. profile the model (jaxcomp.perfmodel.profile_model: per-tensor backward
+   times) and micro-benchmark each compressor's encode/decode (measure_codec);
+3. run real data-parallel training steps of an MLP with
+   ``jaxcomp.compressed_mean`` for dense (identity) and the compressors, and
+   time them.
+
+The orchestrator then predicts every training run from (1) and (2) only and
+prints measured next to predicted with the relative error.
+
+Usage (root, iproute2 with tc):
+  python benchmarks/validate_perfmodel.py --out docs/perfmodel_validation
+Writes OUT.txt (the printed report), OUT.json (all measurements) and
+OUT.png (measured and predicted speedup over dense against bandwidth).
+
+Refuses to run (exit 2, with a message) without root or tc. Namespaces and
+worker processes are removed even when a run fails or on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+RATES = ("100mbit", "1gbit", "10gbit", "unlimited")
+COMPRESSORS = ("identity", "bf16", "topk:ratio=0.01", "random_block:ratio=0.01",
+               "qsgd:levels=16")
+LAYERS = (512, 1024, 512, 256, 10)  # MLP widths: input 512 ... 10 classes
+BATCH = 64  # per worker
+COLL_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19)  # float32 elements: 4 KiB .. 2 MiB
+
+
+# --------------------------------------------------------------- worker ---
+
+def worker(args) -> None:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_multi_thread_eigen=false"
+                             )
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(args.coordinator, args.nproc, args.rank,
+                             initialization_timeout=120)
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jaxcomp
+  from jaxcomp import perfmodel as pm
+  from jaxcomp.cli import parse_compressor_spec
+  from jaxcomp.perfmodel.codec import codec_timers, device_name, fit_codec, time_fn
+
+  p = jax.process_count()
+  mesh = jax.make_mesh((p,), ("data",))
+  out = {"nproc": p, "rank": jax.process_index()}
+
+  def global_array(tree, spec):
+    sharding = NamedSharding(mesh, spec)
+    if spec == P():
+      return jax.tree.map(lambda a: jax.make_array_from_callback(
+          a.shape, sharding, lambda idx: a[idx]), tree)
+    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), tree)
+
+  # The model: an MLP, per-worker batch BATCH, softmax cross-entropy.
+  rng = np.random.default_rng(0)
+  params = {}
+  for i, (a, b) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
+    params[f"layer{i}"] = {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
+                           "b": np.zeros((b,), np.float32)}
+
+  def loss_fn(prm, x, y):
+    h = x
+    for i in range(len(LAYERS) - 1):
+      h = h @ prm[f"layer{i}"]["w"] + prm[f"layer{i}"]["b"]
+      if i < len(LAYERS) - 2:
+        h = jax.nn.relu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+  xs = rng.standard_normal((BATCH, LAYERS[0])).astype(np.float32)
+  ys = rng.integers(0, LAYERS[-1], (BATCH,)).astype(np.int32)
+  lr = 0.01
+  timed = {}  # name -> callable timing one call, run once per round
+
+  # 1. Collectives on this link: psum and all_gather of float32 buffers.
+  for n in COLL_SIZES:
+    x = global_array(np.ones((n,), np.float32), P("data"))  # n per device
+    ar = jax.jit(jax.shard_map(lambda v: lax.psum(v, "data"), mesh=mesh,
+                               in_specs=P("data"), out_specs=P()))
+    ag = jax.jit(jax.shard_map(lambda v: lax.all_gather(v, "data", to="invarying"),
+                               mesh=mesh, in_specs=P("data"), out_specs=P()))
+    for kind, f in (("allreduce", ar), ("allgather", ag)):
+      timed[f"coll:{kind}:{4 * n}"] = (lambda f=f, x=x: time_fn(f, x, repeats=1, warmup=0))
+
+  # 2. One worker's compute (gradient + SGD update, no exchange), the
+  #    per-tensor split of the backward pass (profile_model), and each
+  #    compressor's encode/decode at the model's tensor sizes. Each process
+  #    measures while the others do the same, sharing the CPU as in training.
+  local = jax.local_devices()[0]
+  lp = jax.device_put(params, local)
+  lx, ly = jax.device_put((xs, ys), local)
+  sgd = lambda prm, g: jax.tree.map(lambda a, b: a - lr * b, prm, g)
+  prof = pm.profile_model(loss_fn, lp, lx, ly, name="mlp", max_groups=len(LAYERS) * 2 - 2,
+                          repeats=3, update_fn=sgd)
+  out["profile"] = prof.to_dict()
+  one_step = jax.jit(lambda prm, x, y: sgd(prm, jax.grad(loss_fn)(prm, x, y)))
+  time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
+  timed["single_worker_step"] = lambda: time_fn(one_step, lp, lx, ly, repeats=1, warmup=0)
+  sizes = sorted(set(int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
+  out["codec_sizes"] = sizes
+  codec_runs = {}
+  for spec in args.compressors:
+    name, kw = parse_compressor_spec(spec)
+    with jax.default_device(local):
+      codec_runs[spec] = codec_timers(jaxcomp.compressors.get(name, **kw), sizes)
+
+  # 3. Real training steps with jaxcomp.compressed_mean.
+  gparams = global_array(params, P())
+  gbatch = (global_array(xs, P("data")), global_array(ys, P("data")))
+  train, wire, ops = {}, {}, {}
+  out["wire_bytes"] = wire
+  out["collective_ops"] = ops
+  out["leaf_sizes"] = [int(np.prod(a.shape)) for a in jax.tree.leaves(params)]
+  for spec in args.compressors:
+    name, kw = parse_compressor_spec(spec)
+    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
+                     optax.sgd(lr))
+    state, specs = jaxcomp.init_sharded(tx, gparams, mesh, "data")
+
+    def step_fn(prm, s, batch, tx=tx):
+      x, y = batch
+      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, x, y)
+      u, s = tx.update(g, s, prm)
+      return optax.apply_updates(prm, u), s, loss[None]
+
+    step = jax.jit(jaxcomp.shard_train_step(step_fn, mesh=mesh, state_specs=specs,
+                                            batch_spec=P("data"), out_aux_spec=P("data")))
+    # What the compiled program really puts into collectives (XLA:CPU, for
+    # one, promotes a bf16 all-reduce to f32).
+    traffic = jaxcomp.collective_traffic(step.lower(gparams, state, gbatch).compile())
+    wire[spec] = traffic.operand_bytes
+    ops[spec] = len(traffic.ops)
+    carry = [gparams, state]
+    for _ in range(2):  # compile and warm up
+      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], gbatch))
+
+    def one(step=step, carry=carry):
+      t0 = time.perf_counter()
+      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], gbatch))
+      return time.perf_counter() - t0
+
+    train[spec] = one
+
+  # Interleaved rounds: background load on this shared machine then affects
+  # the link measurements, the compute and the training steps alike.
+  for _ in range(2):  # warm up the collectives
+    for f in timed.values():
+      f()
+  samples = {k: [] for k in timed}
+  codec_samples = {s: [] for s in args.compressors}
+  step_samples = {s: [] for s in args.compressors}
+  for _ in range(args.steps):
+    for k, f in timed.items():
+      samples[k].append(f())
+    for spec, run in codec_runs.items():
+      codec_samples[spec].append(run())
+    for spec, one in train.items():
+      step_samples[spec].append(one())
+  med = statistics.median
+  out["collectives"] = [{"kind": k.split(":")[1], "bytes": int(k.split(":")[2]),
+                         "seconds": med(v), "all": v}
+                        for k, v in samples.items() if k.startswith("coll:")]
+  out["single_worker_step"] = med(samples["single_worker_step"])
+  out["single_worker_all"] = samples["single_worker_step"]
+  out["codecs"] = {}
+  for spec, runs in codec_samples.items():
+    enc = [med(r[0][i] for r in runs) for i in range(len(sizes))]
+    dec = [med(r[1][i] for r in runs) for i in range(len(sizes))]
+    out["codecs"][spec] = fit_codec(sizes, enc, dec, device_name()).to_dict()
+  out["steps"] = {s: {"median": med(v), "all": v} for s, v in step_samples.items()}
+  if jax.process_index() == 0:
+    with open(args.result, "w") as f:
+      json.dump(out, f)
+  jax.distributed.shutdown()
+
+
+# --------------------------------------------------------- orchestrator ---
+
+def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
+  """Least squares of t = a·alpha + b·beta over the ring model's coefficients."""
+  import numpy as np
+  rows, ts = [], []
+  for c in collectives:
+    if c["kind"] not in kinds:
+      continue
+    m = c["bytes"]
+    if c["kind"] == "allreduce":
+      rows.append((2 * (p - 1), 2 * (p - 1) / p * m))
+    else:
+      rows.append((p - 1, (p - 1) * m))
+    ts.append(c["seconds"])
+  A, t = np.array(rows), np.array(ts)
+  # Relative least squares (each measurement weighted by 1/t), so that small
+  # messages constrain alpha and large ones beta.
+  w = 1.0 / t
+  (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
+  if alpha < 0:
+    alpha = 0.0
+    beta = float(np.sum(A[:, 1] * w * w * t) / np.sum((A[:, 1] * w) ** 2))
+  return float(alpha), float(beta)
+
+
+class OnWire:
+  """A compressor whose payload bytes are scaled to what the compiled
+  program's collectives carry (same linear / biased)."""
+
+  def __init__(self, inner, factor):
+    self.inner, self.factor = inner, factor
+    self.linear = inner.linear
+    self.biased = getattr(inner, "biased", False)
+
+  def payload_bytes(self, n):
+    return self.inner.payload_bytes(n) * self.factor
+
+
+def predict_run(res, specs, *, from_hlo=True):
+  from jaxcomp import compressors
+  from jaxcomp import perfmodel as pm
+  from jaxcomp.cli import parse_compressor_spec
+  p = res["nproc"]
+  # alpha and beta are fitted separately to the all-reduces and the
+  # all-gathers measured on the link (gloo's algorithms differ).
+  fits = {k: fit_alpha_beta(res["collectives"], p, (k,)) for k in ("allreduce", "allgather")}
+  alpha, beta = fits["allreduce"]
+  prof = pm.ModelProfile.from_dict(res["profile"])
+  # profile_model gives the per-tensor split; its total is rescaled to the
+  # one-worker step timed in the same interleaved rounds as the training.
+  prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
+  net = pm.Network(p, pm.Link(alpha, beta),
+                   per_collective={k: pm.Link(a, b) for k, (a, b) in fits.items()})
+  comps = {}
+  for spec in specs:
+    name, kw = parse_compressor_spec(spec)
+    comps[spec] = compressors.get(name, **kw)
+    if from_hlo:
+      formula = sum(comps[spec].payload_bytes(n) for n in res["leaf_sizes"])
+      comps[spec] = OnWire(comps[spec], res["wire_bytes"][spec] / formula)
+  codecs = {s: pm.CodecCost.from_dict(res["codecs"][s]) for s in specs}
+  # XLA:CPU runs the step's collectives in program order on the compute
+  # thread, so nothing overlaps the backward pass. The buckets are what the
+  # compiled program sends: compressed_mean(bucketing="layerwise") makes one
+  # bucket per tensor, XLA's all-reduce combiner merges same-typed all-reduces
+  # into one, and a payload of k arrays travels as k all-gathers.
+  leaves = len(res["leaf_sizes"])
+  preds = {}
+  for s in specs:
+    n_ops = res["collective_ops"][s]
+    if n_ops == 1:
+      buckets, msgs = "single", 1
+    else:
+      buckets, msgs = "layer", max(1, round(n_ops / leaves))
+    preds[s] = pm.predict(prof, comps[s], net, codec=codecs[s], buckets=buckets,
+                          overlap=False, messages_per_bucket=msgs)
+  return fits, preds
+
+
+def run_one(cluster, nproc, rate, args, tmpdir):
+  result = os.path.join(tmpdir, f"r{nproc}_{rate}.json")
+  cluster.set_rate(None if rate == "unlimited" else rate)
+  coord = f"{cluster.namespaces[0].address}:{args.port}"
+  procs, logs = [], []
+  for i in range(nproc):
+    log = open(os.path.join(tmpdir, f"w{nproc}_{rate}_{i}.log"), "w")
+    logs.append(log)
+    argv = ["taskset", "-c", str(i % os.cpu_count()), sys.executable, os.path.abspath(__file__),
+            "--worker", "--rank", str(i), "--nproc", str(nproc), "--coordinator", coord,
+            "--result", result, "--steps", str(args.steps),
+            "--compressors", *args.compressors]
+    procs.append(cluster.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+  deadline = time.time() + args.timeout
+  try:
+    for pr in procs:
+      pr.wait(timeout=max(1, deadline - time.time()))
+  except subprocess.TimeoutExpired:
+    raise RuntimeError(f"{nproc} workers at {rate} did not finish in {args.timeout} s "
+                       f"(logs in {tmpdir})") from None
+  finally:
+    cluster.kill_all()
+    for log in logs:
+      log.close()
+  bad = [i for i, pr in enumerate(procs) if pr.returncode]
+  if bad or not os.path.exists(result):
+    tail = open(os.path.join(tmpdir, f"w{nproc}_{rate}_{bad[0] if bad else 0}.log")).read()[-3000:]
+    raise RuntimeError(f"workers {bad} failed at {rate}:\n{tail}")
+  with open(result) as f:
+    return json.load(f)
+
+
+def formula_bytes(spec, n):
+  from jaxcomp import compressors
+  from jaxcomp.cli import parse_compressor_spec
+  name, kw = parse_compressor_spec(spec)
+  return compressors.get(name, **kw).payload_bytes(n)
+
+
+def report(runs, specs, print_=print):
+  lines = []
+  say = lambda s="": (lines.append(s), print_(s))
+  table = []
+  for key, res in runs.items():
+    nproc, rate = key
+    fits, preds = predict_run(res, specs)
+    _, formula = predict_run(res, specs, from_hlo=False)
+    alpha, beta = fits["allreduce"]
+    say(f"{nproc} workers, {rate}: fitted " + "; ".join(
+        f"{k} alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B ({8 / b / 1e9:.3f} Gbit/s)"
+        for k, (a, b) in fits.items())
+        + f"; one-worker step {res['single_worker_step'] * 1e3:.1f} ms")
+    for spec in specs:
+      meas = res["steps"][spec]["median"]
+      pred = preds[spec].step_time
+      table.append({
+          "workers": nproc, "rate": rate, "compressor": spec, "measured_ms": meas * 1e3,
+          "predicted_ms": pred * 1e3, "rel_error": (pred - meas) / meas,
+          "formula_predicted_ms": formula[spec].step_time * 1e3,
+          "wire_over_formula": res["wire_bytes"][spec] / sum(
+              formula_bytes(spec, n) for n in res["leaf_sizes"]),
+          "measured_speedup": res["steps"][specs[0]]["median"] / meas,
+          "predicted_speedup": preds[specs[0]].step_time / pred,
+          "measured_scaling": res["single_worker_step"] / meas,
+          "predicted_scaling": preds[spec].scaling_factor,
+          "alpha_us": alpha * 1e6, "beta_ns_per_byte": beta * 1e9})
+  say()
+  hdr = ("workers", "link", "compressor", "measured ms", "predicted ms", "error",
+         "speedup meas", "speedup pred", "scaling meas", "scaling pred", "wire/formula",
+         "pred. formula bytes")
+  rows = [(str(r["workers"]), r["rate"], r["compressor"], f"{r['measured_ms']:.1f}",
+           f"{r['predicted_ms']:.1f}", f"{100 * r['rel_error']:+.1f}%",
+           f"{r['measured_speedup']:.2f}", f"{r['predicted_speedup']:.2f}",
+           f"{r['measured_scaling']:.3f}", f"{r['predicted_scaling']:.3f}",
+           f"{r['wire_over_formula']:.2f}",
+           f"{r['formula_predicted_ms']:.1f} ({100 * (r['formula_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)")
+          for r in table]
+  w = [max(len(x[i]) for x in rows + [hdr]) for i in range(len(hdr))]
+  say(" | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)))
+  say("-|-".join("-" * x for x in w))
+  for r in rows:
+    say(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)))
+  say()
+  worst = max(abs(r["rel_error"]) for r in table)
+  say(f"largest |relative error|: {100 * worst:.1f}% (target 20%)")
+  order_ok = []
+  for key in runs:
+    sub = [r for r in table if (r["workers"], r["rate"]) == key]
+    meas = [r["compressor"] for r in sorted(sub, key=lambda r: r["measured_ms"])]
+    pred = [r["compressor"] for r in sorted(sub, key=lambda r: r["predicted_ms"])]
+    ok = meas == pred
+    order_ok.append(ok)
+    say(f"ordering {key[0]} workers {key[1]}: measured {' < '.join(meas)}"
+        + ("  (predicted: same)" if ok else f"\n{'':>22}predicted {' < '.join(pred)}"))
+  return table, lines
+
+
+def plot(table, specs, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  workers = sorted({r["workers"] for r in table})
+  fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 4.2), squeeze=False)
+  xpos = {rate: i for i, rate in enumerate(RATES)}
+  for ax, p in zip(axes[0], workers):
+    for k, spec in enumerate(specs[1:]):
+      sub = [r for r in table if r["workers"] == p and r["compressor"] == spec]
+      sub.sort(key=lambda r: xpos[r["rate"]])
+      xs = [xpos[r["rate"]] for r in sub]
+      line, = ax.plot(xs, [r["measured_speedup"] for r in sub], "o-", label=f"{spec} measured")
+      ax.plot(xs, [r["predicted_speedup"] for r in sub], "x--", color=line.get_color(),
+              label=f"{spec} predicted")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(range(len(RATES)), RATES)
+    ax.set_yscale("log")
+    ax.set_xlabel("link (tc tbf)")
+    ax.set_ylabel("speedup over dense")
+    ax.set_title(f"{p} JAX processes over gloo, MLP {'-'.join(map(str, LAYERS))}")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0][-1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _raise_on_signal(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+  ap.add_argument("--rates", nargs="+", default=list(RATES))
+  ap.add_argument("--compressors", nargs="+", default=list(COMPRESSORS),
+                  help="first one is the dense baseline")
+  ap.add_argument("--steps", type=int, default=10,
+                  help="interleaved measurement rounds (one step per compressor each)")
+  ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+  ap.add_argument("--port", type=int, default=12731)
+  ap.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--nproc", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--coordinator", help=argparse.SUPPRESS)
+  ap.add_argument("--result", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+
+  for p in args.workers:
+    if not 2 <= p <= 64:
+      ap.error(f"--workers must be between 2 and 64, got {p}")
+  for r in args.rates:
+    if r not in RATES:
+      ap.error(f"--rates takes {', '.join(RATES)}, got {r!r}")
+  sys.path.insert(0, REPO)
+  from jaxcomp import netns
+  try:
+    netns.check_prerequisites()
+  except netns.NetnsUnavailable as e:
+    print(f"validate_perfmodel: refusing to run: {e}", file=sys.stderr)
+    return 2
+
+  signal.signal(signal.SIGTERM, _raise_on_signal)
+  runs = {}
+  t_start = time.time()
+  with tempfile.TemporaryDirectory(prefix="jcmp_validate_") as tmpdir:
+    for p in args.workers:
+      with netns.RateLimitedCluster(p) as cluster:
+        for rate in args.rates:
+          t0 = time.time()
+          runs[(p, rate)] = run_one(cluster, p, rate, args, tmpdir)
+          print(f"[{p} workers, {rate}: {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
+  lines = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}",
+           f"({len(runs)} runs in {time.time() - t_start:.0f} s; MLP {LAYERS}, batch {BATCH} "
+           f"per worker, {args.steps} timed steps each, medians)", ""]
+  for s in lines:
+    print(s)
+  table, rep = report(runs, args.compressors)
+  if args.out:
+    with open(args.out + ".txt", "w") as f:
+      f.write("\n".join(lines + rep) + "\n")
+    with open(args.out + ".json", "w") as f:
+      json.dump({"runs": {f"{p}:{r}": v for (p, r), v in runs.items()}, "table": table},
+                f, indent=1)
+    plot(table, args.compressors, args.out + ".png")
+    print(f"wrote {args.out}.txt, {args.out}.json, {args.out}.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
