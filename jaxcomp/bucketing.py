@@ -2,16 +2,34 @@
 
 A :class:`BucketPlan` splits the flattened gradient leaves (in
 ``jax.tree.leaves`` order) into an *exact* group, averaged with a plain
-``pmean`` (leaves too small to be worth compressing: biases, norms), and
-*buckets*, each flattened into one float32 buffer and compressed as a whole.
+``pmean`` (leaves too small to be worth compressing: biases, norms; as
+PyTorch PowerSGD's ``min_compression_rate`` and BytePS's minimum compression
+size do), and *buckets*, each flattened into one float32 buffer and
+compressed as a whole.
+
+Strategies (``compressed_mean(bucketing=...)``):
+
+* ``"layerwise"``: one bucket per leaf (layer-wise compression: top-k keeps
+  the k largest of every layer);
+* ``"whole"``: one bucket for the whole model (global top-k);
+* ``"fixed"``: consecutive leaves until a bucket holds at least
+  ``bucket_elements`` elements;
+* ``"fixed_bytes"``: the same by size in bytes of the float32 buffer
+  (``bucket_bytes``), as PyTorch DDP's ``bucket_cap_mb`` and Horovod's fusion
+  buffer;
+* ``"mgwfbp"`` or any explicit ``plan``: the MG-WFBP merge plan from
+  :func:`mgwfbp_plan_for`, or lists of leaf indices of your own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+import numbers
+from typing import Any, Sequence
 
-STRATEGIES = ("layerwise", "whole", "fixed")
+STRATEGIES = ("layerwise", "whole", "fixed", "fixed_bytes", "mgwfbp")
+BUFFER_ITEMSIZE = 4  # buckets are float32 buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,27 +40,92 @@ class BucketPlan:
   buckets: tuple[tuple[int, ...], ...]
 
 
+def _positive_int(value, name: str) -> None:
+  if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+      or value < 1):
+    raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+
+
+def check_config(strategy: str, *, bucket_elements: int | None = None,
+                 bucket_bytes: int | None = None,
+                 plan: Sequence[Sequence[int]] | None = None) -> None:
+  """Validates a bucketing configuration before any leaf is seen.
+
+  Raises:
+    ValueError: unknown strategy; ``"fixed"`` without ``bucket_elements``
+      >= 1; ``"fixed_bytes"`` without ``bucket_bytes`` >= 1;
+      ``"mgwfbp"`` without a ``plan``; a plan that is not lists of
+      non-negative integers.
+  """
+  if plan is not None:
+    for bucket in plan:
+      if isinstance(bucket, (str, bytes)) or not all(
+          isinstance(i, numbers.Integral) and not isinstance(i, bool)
+          and i >= 0 for i in bucket):
+        raise ValueError(
+            f"plan must be lists of leaf indices (jax.tree.leaves order), "
+            f"got bucket {bucket!r}")
+    return
+  if strategy not in STRATEGIES:
+    raise ValueError(f"bucketing must be one of {STRATEGIES}, got {strategy!r}")
+  if strategy == "fixed":
+    if bucket_elements is None:
+      raise ValueError("bucketing='fixed' needs bucket_elements >= 1, got "
+                       f"{bucket_elements=}")
+    _positive_int(bucket_elements, "bucket_elements")
+  if strategy == "fixed_bytes":
+    if bucket_bytes is None:
+      raise ValueError("bucketing='fixed_bytes' needs bucket_bytes >= 1, got "
+                       f"{bucket_bytes=}")
+    _positive_int(bucket_bytes, "bucket_bytes")
+  if strategy == "mgwfbp":
+    raise ValueError(
+        "bucketing='mgwfbp' needs plan=jaxcomp.bucketing.mgwfbp_plan_for("
+        "params, backward_times, alpha, beta): the merge plan depends on "
+        "per-layer backward times and the network's alpha and beta")
+
+
+def _fill(big: Sequence[int], sizes: Sequence[int], limit: int):
+  buckets, cur, total = [], [], 0
+  for i in big:
+    cur.append(i)
+    total += sizes[i]
+    if total >= limit:
+      buckets.append(tuple(cur))
+      cur, total = [], 0
+  if cur:
+    buckets.append(tuple(cur))
+  return tuple(buckets)
+
+
 def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
                  min_size: int = 0, bucket_elements: int | None = None,
+                 bucket_bytes: int | None = None,
                  plan: Sequence[Sequence[int]] | None = None) -> BucketPlan:
   """Plans buckets for leaves of the given element counts.
 
   Args:
     sizes: number of elements of each leaf, in ``jax.tree.leaves`` order.
-    strategy: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one bucket
-      for all compressed leaves) or ``"fixed"`` (consecutive leaves merged
-      until a bucket holds at least ``bucket_elements`` elements).
-    min_size: leaves with fewer elements go to the exact group.
-    bucket_elements: bucket size for ``"fixed"``.
+    strategy: one of :data:`STRATEGIES` (see the module docstring).
+    min_size: leaves with fewer elements go to the exact group (not applied
+      to an explicit ``plan``, which names its own exact leaves).
+    bucket_elements: bucket size in elements for ``"fixed"``.
+    bucket_bytes: bucket size in bytes of the float32 buffer (4 bytes per
+      element) for ``"fixed_bytes"``; a bucket is closed as soon as it holds
+      at least that many bytes, so a single larger leaf is a bucket alone.
     plan: an explicit plan (lists of leaf indices); overrides ``strategy``.
       Leaves it does not name go to the exact group.
 
+  Returns:
+    A :class:`BucketPlan`.
+
   Raises:
-    ValueError: unknown strategy, a missing or non-positive
-      ``bucket_elements`` for ``"fixed"``, or a plan naming a leaf twice or
+    ValueError: as :func:`check_config`, or a plan naming a leaf twice or
       out of range.
   """
   sizes = [int(s) for s in sizes]
+  check_config(strategy, bucket_elements=bucket_elements,
+               bucket_bytes=bucket_bytes, plan=plan)
   if plan is not None:
     seen = set()
     for bucket in plan:
@@ -52,28 +135,117 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
               f"plan names leaf {i} twice or out of range (there are "
               f"{len(sizes)} leaves)")
         seen.add(i)
-    buckets = tuple(tuple(b) for b in plan if len(b))
+    buckets = tuple(tuple(int(i) for i in b) for b in plan if len(b))
     exact = tuple(i for i in range(len(sizes)) if i not in seen)
     return BucketPlan(exact, buckets)
-  if strategy not in STRATEGIES:
-    raise ValueError(f"bucketing must be one of {STRATEGIES}, got {strategy!r}")
   exact = tuple(i for i, s in enumerate(sizes) if s < max(min_size, 1))
   big = [i for i, s in enumerate(sizes) if s >= max(min_size, 1)]
   if strategy == "layerwise":
     return BucketPlan(exact, tuple((i,) for i in big))
   if strategy == "whole":
     return BucketPlan(exact, (tuple(big),) if big else ())
-  if bucket_elements is None or bucket_elements < 1:
+  if strategy == "fixed":
+    return BucketPlan(exact, _fill(big, sizes, bucket_elements))
+  return BucketPlan(exact, _fill(big, sizes, -(-bucket_bytes // BUFFER_ITEMSIZE)))
+
+
+def _leaf_values(tree_or_seq, params, what: str) -> list[float]:
+  import jax  # lazily: plan_buckets itself needs no JAX
+
+  n_leaves = len(jax.tree.leaves(params))
+  if jax.tree.structure(tree_or_seq) == jax.tree.structure(params):
+    values = jax.tree.leaves(tree_or_seq)
+  else:
+    values = list(tree_or_seq)
+  if len(values) != n_leaves:
     raise ValueError(
-        "bucketing='fixed' needs bucket_elements >= 1, got "
-        f"{bucket_elements=}")
-  buckets, cur, total = [], [], 0
-  for i in big:
-    cur.append(i)
-    total += sizes[i]
-    if total >= bucket_elements:
-      buckets.append(tuple(cur))
-      cur, total = [], 0
-  if cur:
-    buckets.append(tuple(cur))
-  return BucketPlan(exact, tuple(buckets))
+        f"{what} must give one value per parameter leaf ({n_leaves}), as a "
+        f"pytree like params or a sequence in jax.tree.leaves order; got "
+        f"{len(values)}")
+  out = []
+  for v in values:
+    v = float(v)
+    if not math.isfinite(v) or v < 0:
+      raise ValueError(f"{what} must be finite and >= 0, got {v}")
+    out.append(v)
+  return out
+
+
+def mgwfbp_plan_for(params: Any, backward_times: Any, alpha: float,
+                    beta: float, *, order: Sequence[int] | None = None,
+                    min_size: int = 0,
+                    compressor: Any = None) -> list[list[int]]:
+  """The MG-WFBP merge plan for ``params``, as ``compressed_mean(plan=...)``.
+
+  Runs :func:`jaxcomp.perfmodel.mgwfbp_plan` on the leaves' float32 bytes
+  (``4 * size``) or, with ``compressor``, on their compressed payload bytes
+  (``comm_time(m) = alpha + beta * compressor.payload_bytes(m / 4)``), and
+  maps its layer buckets back to leaf indices.
+
+  Args:
+    params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
+    backward_times: backward seconds per leaf: a pytree like ``params`` or a
+      sequence in ``jax.tree.leaves`` order.
+    alpha: start-up seconds of one message (>= 0).
+    beta: seconds per byte of one all-reduce (>= 0); for a ring on ``p``
+      workers, ``2 (p - 1) / p`` times the link's seconds per byte.
+    order: leaf indices in *forward* order (the input layer first, its
+      gradient computed last). Default: ``jax.tree.leaves`` order. Pass it
+      when leaf names do not sort in forward order (flax sorts by name).
+    min_size: leaves with fewer elements are left out of the plan (they go
+      through compressed_mean's exact pmean); their backward time is added
+      to the layer computed right after them.
+    compressor: optional compressor whose ``payload_bytes`` is what travels.
+
+  Returns:
+    Buckets in communication order (output layer first), each a list of
+    leaf indices consecutive in ``order``.
+
+  Raises:
+    ValueError: ``backward_times`` or ``order`` do not match the leaves,
+      negative times, alpha or beta; or no leaf is left to plan.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> params = [jnp.zeros(10), jnp.zeros(10), jnp.zeros(10)]
+    >>> mgwfbp_plan_for(params, [1e-3] * 3, alpha=1.0, beta=0.0)
+    [[0, 1, 2]]
+
+  References:
+    Shi, Chu & Li, MG-WFBP: Efficient Data Communication for Distributed
+    Synchronous SGD Algorithms <https://arxiv.org/abs/1811.11141>, 2019.
+  """
+  import jax
+
+  from jaxcomp.perfmodel import mgwfbp_plan
+
+  leaves = jax.tree.leaves(params)
+  times = _leaf_values(backward_times, params, "backward_times")
+  n = len(leaves)
+  order = list(range(n)) if order is None else [int(i) for i in order]
+  if sorted(order) != list(range(n)):
+    raise ValueError(f"order must be a permutation of the {n} leaf indices, "
+                     f"got {order}")
+  sizes = [math.prod(getattr(x, "shape", ())) for x in leaves]
+  kept, kept_times = [], []
+  pending = 0.0  # backward time of skipped leaves after the last kept one
+  for pos in reversed(order):  # backward order: output layer first
+    if sizes[pos] < max(min_size, 1):
+      pending += times[pos]
+      continue
+    kept.append(pos)
+    kept_times.append(times[pos] + pending)
+    pending = 0.0
+  if not kept:
+    raise ValueError(f"no leaf has at least {min_size=} elements to plan")
+  kept_times[-1] += pending
+  kept.reverse()
+  kept_times.reverse()
+  layer_bytes = [BUFFER_ITEMSIZE * sizes[i] for i in kept]
+  comm_time = None
+  if compressor is not None:
+    comm_time = lambda m: alpha + beta * compressor.payload_bytes(  # noqa: E731
+        max(1, int(round(m / BUFFER_ITEMSIZE))))
+  layer_plan = mgwfbp_plan(layer_bytes, kept_times, alpha, beta,
+                           comm_time=comm_time)
+  return [[kept[j] for j in bucket] for bucket in layer_plan]

@@ -65,6 +65,7 @@ def compressed_mean(
     bucketing: str = "layerwise",
     min_compress_size: int = 0,
     bucket_elements: int | None = None,
+    bucket_bytes: int | None = None,
     plan: Sequence[Sequence[int]] | None = None,
     nonfinite: str = "skip",
     seed: int = 0,
@@ -89,17 +90,22 @@ def compressed_mean(
     compressor: a registered name (``jaxcomp.compressors.names()``) or a
       Compressor instance.
     axis_name: the data-parallel axis name, or a tuple of names.
-    collective: ``"psum"`` (linear compressors; their default),
-      ``"allgather"`` (the others' default), another registered collective,
-      or a Collective instance.
+    collective: None (``jaxcomp.collectives.default_for`` the compressor),
+      ``"psum"``, ``"allgather"``, ``"two_phase"``, ``"zen"``,
+      ``"hierarchical"``, another registered collective, or a Collective
+      instance (see docs/collectives.md).
     error_feedback: ``None`` (residual error feedback for biased compressors,
       none for unbiased ones), ``True``/``"residual"``, ``False``/``"none"``,
       or a Feedback instance.
     bucketing: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one
-      bucket) or ``"fixed"`` (``bucket_elements`` per bucket).
+      bucket), ``"fixed"`` (``bucket_elements`` per bucket),
+      ``"fixed_bytes"`` (``bucket_bytes`` per bucket) or ``"mgwfbp"`` (with
+      ``plan=jaxcomp.bucketing.mgwfbp_plan_for(...)``).
     min_compress_size: leaves with fewer elements skip compression and go
       through an exact float32 ``pmean``.
     bucket_elements: bucket size in elements for ``bucketing="fixed"``.
+    bucket_bytes: bucket size in bytes (float32) for
+      ``bucketing="fixed_bytes"``.
     plan: explicit buckets as lists of leaf indices (``jax.tree.leaves``
       order); overrides ``bucketing``.
     nonfinite: what a NaN or Inf in any device's gradient does to the step.
@@ -130,23 +136,23 @@ def compressed_mean(
     raise ValueError(
         f"axis_name must be a non-empty mesh axis name, got {axis_name=}")
   comp = compressors_lib.get(compressor, **compressor_kwargs)
-  coll = collectives_lib.get(collective, comp)
+  coll = collectives_lib.get(collective, comp, axis_name=axis_name)
   fb = feedback_lib.get(error_feedback, comp.biased)
   if nonfinite not in NONFINITE_POLICIES:
     raise ValueError(
         f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite=}")
   if min_compress_size < 0:
     raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
-  # Validate the bucketing configuration now, on a dummy shape.
-  bucketing_lib.plan_buckets([1], strategy=bucketing, min_size=0,
-                             bucket_elements=bucket_elements,
-                             plan=None)
+  # Validate the bucketing configuration now.
+  bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
+                             bucket_bytes=bucket_bytes, plan=plan)
 
   def make_plan(leaves):
     sizes = [math.prod(jnp.shape(x)) for x in leaves]
     return sizes, bucketing_lib.plan_buckets(
         sizes, strategy=bucketing, min_size=min_compress_size,
-        bucket_elements=bucket_elements, plan=plan)
+        bucket_elements=bucket_elements, bucket_bytes=bucket_bytes,
+        plan=plan)
 
   def bucket_sizes(sizes, bplan):
     return [sum(sizes[i] for i in b) for b in bplan.buckets]
@@ -221,8 +227,7 @@ def compressed_mean(
     for bi, bucket in enumerate(bplan.buckets):
       xs = jnp.concatenate([flat[i] for i in bucket])
       key = jax.random.fold_in(step_key, bi)
-      if comp.randomness == "independent":
-        key = jax.random.fold_in(key, lax.axis_index(axis_name))
+      key = coll.device_key(comp, key, axis_name)
       holder = {}
 
       def exchange(v, key=key, old=state.exchange_state[bi], holder=holder):

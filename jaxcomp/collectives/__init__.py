@@ -9,3 +9,9 @@ from jaxcomp.collectives.base import default_for
 from jaxcomp.collectives.base import get
 from jaxcomp.collectives.base import names
 from jaxcomp.collectives.base import register
+from jaxcomp.collectives.base import TWO_PHASE_BY_DEFAULT
+from jaxcomp.collectives.base import chunk_size
+from jaxcomp.collectives.hierarchical import Hierarchical
+from jaxcomp.collectives.two_phase import Auto
+from jaxcomp.collectives.two_phase import TwoPhase
+from jaxcomp.collectives.zen import Zen

@@ -64,10 +64,36 @@ class Collective:
           f"compressor {compressor.name!r} runs its own exchange; use "
           f"collective=None or 'compressor', not {self.name!r}")
 
+  def bind_axes(self, axis_name: AxisName) -> "Collective":
+    """The collective to use over ``axis_name`` (called by :func:`get` at
+    construction when the axes are known): ``self`` by default; collectives
+    that split the axes (:class:`~jaxcomp.collectives.Hierarchical`) return
+    a copy with them resolved.
+
+    Raises:
+      ValueError: this collective cannot run over ``axis_name``.
+    """
+    del axis_name
+    return self
+
   def init_state(self, compressor: Compressor, n: int, axis_name: AxisName):
     """State for one bucket of ``n`` elements (inside shard_map/pmap)."""
     del compressor, n, axis_name
     return ()
+
+  def device_key(self, compressor: Compressor, key: jax.Array,
+                 axis_name: AxisName) -> jax.Array:
+    """The key this device passes to ``exchange`` (inside shard_map/pmap).
+
+    ``key`` is the same on every device. Compressors with independent
+    randomness get it folded with this device's index along ``axis_name``;
+    the others get it unchanged. Collectives that need the same key on a
+    group of devices (:class:`~jaxcomp.collectives.Hierarchical`) override
+    this.
+    """
+    if compressor.randomness == "independent":
+      return jax.random.fold_in(key, lax.axis_index(axis_name))
+    return key
 
   def exchange(self, compressor: Compressor, x: jax.Array, key: jax.Array,
                axis_name: AxisName, state=()):
@@ -79,6 +105,14 @@ class Collective:
     """Operand bytes one device hands to collectives for ``n`` elements."""
     del num_devices
     return compressor.payload_bytes(n)
+
+  def ring_bytes(self, compressor: Compressor, n: int,
+                 num_devices: int) -> float:
+    """Bytes a bandwidth-optimal ring moves out of each device for one
+    exchange of ``n`` elements: the measure :attr:`jaxcomp.Traffic.ring_bytes`
+    reads from the compiled HLO. The base class counts the operand bytes as
+    one all-gather, ``(p - 1)`` times."""
+    return (num_devices - 1) * self.payload_bytes(compressor, n, num_devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +148,10 @@ class PsumMean(Collective):
     payload = compressor.encode(x, key)
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
     return mean, compressor.decode(payload, n, key), state
+
+  def ring_bytes(self, compressor, n, num_devices):
+    p = num_devices
+    return 2 * (p - 1) / p * self.payload_bytes(compressor, n, p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +201,21 @@ class OwnExchange(Collective):
     return compressor.payload_bytes(n)
 
 
+def chunk_size(n: int, num_devices: int) -> int:
+  """Elements per chunk when ``n`` is split into ``num_devices`` chunks
+  (``ceil(n / num_devices)``; the last chunks are zero-padded)."""
+  return -(-n // num_devices)
+
+
 _REGISTRY: dict[str, Callable[[], Collective]] = {
     PsumMean.name: PsumMean,
     AllGatherMean.name: AllGatherMean,
     OwnExchange.name: OwnExchange,
 }
+
+# Quantizers (dense payloads, re-encodable after the reduction) whose default
+# is two-phase where that moves fewer bytes; see :func:`default_for`.
+TWO_PHASE_BY_DEFAULT = frozenset({"qsgd", "int8_block", "fp8_block"})
 
 
 def register(cls):
@@ -183,20 +231,52 @@ def names() -> list[str]:
 
 
 def default_for(compressor: Compressor) -> Collective:
-  """The compressor's own exchange where it has one, psum for linear
-  compressors, all-gather for the others."""
+  """The collective :func:`jaxcomp.compressed_mean` uses when none is given.
+
+  The rule, first match wins:
+
+  1. ``own_exchange`` compressors (PowerSGD, TernGrad): their own exchange.
+  2. Linear compressors (identity, casts, random-block, random-k): ``psum``,
+     summed in flight by a ring all-reduce.
+  3. A compressor that names a collective in a ``default_collective``
+     attribute: that one.
+  4. Quantizers (``TWO_PHASE_BY_DEFAULT``: QSGD, int8/fp8 block):
+     ``"auto"``, which per bucket takes the two-phase all-reduce when its
+     ring bytes ``2 (p - 1) * payload(ceil(n / p))`` are fewer than the
+     all-gather's ``(p - 1) * payload(n)`` (so from 3 devices on, for
+     buckets large enough that per-chunk headers do not dominate), and
+     the all-gather otherwise (at 2 devices both move the same bytes and
+     the all-gather needs one collective and no re-encoding).
+  5. The others (top-k, threshold, sign, DGC): ``"allgather"``. Two-phase
+     would re-sparsify the reduced chunks, a different algorithm; ask for
+     it with ``collective="two_phase"``.
+  """
   if compressor.own_exchange:
     return OwnExchange()
-  return PsumMean() if compressor.linear else AllGatherMean()
+  if compressor.linear:
+    return PsumMean()
+  named = getattr(compressor, "default_collective", None)
+  if named is not None:
+    return get(named, compressor)
+  if compressor.name in TWO_PHASE_BY_DEFAULT:
+    return _REGISTRY["auto"]()
+  return AllGatherMean()
 
 
 def get(collective: str | Collective | None,
-        compressor: Compressor) -> Collective:
-  """Resolves a collective by name (None: the default for ``compressor``).
+        compressor: Compressor, axis_name: AxisName | None = None) -> Collective:
+  """Resolves a collective by name (None: :func:`default_for` the
+  compressor).
+
+  Args:
+    collective: a registered name (:func:`names`), a Collective, or None.
+    compressor: the compressor it will carry.
+    axis_name: the axes it will run over, when known; checked with
+      ``Collective.bind_axes``.
 
   Raises:
-    ValueError: unknown name, or a collective that cannot carry the
-      compressor.
+    ValueError: unknown name, a collective that cannot carry the
+      compressor, or axes it cannot run over.
   """
   if collective is None:
     coll = default_for(compressor)
@@ -208,4 +288,6 @@ def get(collective: str | Collective | None,
     raise ValueError(
         f"unknown collective {collective!r}; choose one of {names()}")
   coll.check(compressor)
+  if axis_name is not None:
+    coll = coll.bind_axes(axis_name)
   return coll
