@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m jaxcomp.bench <subcommand>`` (see ``__main__``)."""

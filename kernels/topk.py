@@ -1,0 +1,469 @@
+"""Top-k by magnitude without a full sort: threshold selection + compaction.
+
+Wire format (what the top-k compressors send): exactly ``k`` values (in
+``x.dtype``) and ``k`` int32 indices into the flattened ``x``. The selected set
+is the ``k`` largest ``|x|``; ties at the threshold go to the lowest indices
+(what ``lax.top_k`` on ``|x|`` does). Functions here differ only in the order
+of the ``k`` pairs:
+
+* :func:`topk_reference` (``lax.top_k``): descending ``|x|``, then ascending
+  index. This is the ground truth.
+* :func:`topk_threshold_xla` (fast XLA path) and :func:`topk` (Pallas path):
+  the same set, in ascending index order.
+* :func:`sampled_topk` (DGC, Lin et al, Deep Gradient Compression
+  <https://arxiv.org/abs/1712.01887>, 2018): threshold from a random sample,
+  so the set is approximate: the elements with ``|x| >= t`` in ascending index
+  order, cut to the first ``k``; when fewer than ``k`` pass, the tail is padded
+  with index 0 and value 0.0 (a decoder that scatter-adds is unaffected).
+
+NaN inputs are not supported (their ordering is unspecified).
+
+How it works. ``|x|`` is compared through its float32 bit pattern
+``key = bitcast(|x|, int32)``, which orders non-negative floats. Given the
+exact ``k``-th largest key ``T``, one pass packs two bit masks, 32 elements per
+uint32 word: ``key > T`` and ``key == T``. Everything after that touches only
+``n / 32`` words and ``k`` outputs: popcounts, a prefix sum over words, which
+tie bits to keep (lowest indices first) so that exactly ``k`` bits are set, and
+for output slot ``j`` a binary search for its word plus a select-the-r-th-set-
+bit, then a gather of the ``k`` values.
+
+Finding ``T``:
+
+* Pallas (GPU): radix select over the 31-bit key, ``radix_bits`` bits per
+  pass; each pass is one kernel that counts, per block, the elements with
+  ``key >= base + c * 2**shift`` for all digits ``c`` (a histogram in
+  cumulative form), so 7 passes of 5 bits. The counts are summed and the
+  digit chosen in XLA. The compaction's prefix sum and gather run in XLA:
+  Mosaic GPU has no per-lane scatter to global memory, so a scatter kernel
+  would not beat XLA's; its input is 32x smaller than ``x``.
+* XLA (fast path, any backend): the threshold of an evenly spaced sample
+  gives a lower bound ``t`` that lets a little more than ``k`` elements
+  through; those candidates are compacted (same bit-mask machinery) into a
+  fixed capacity, and ``T`` is their ``k``-th largest key (a sort of about
+  ``1.25 k`` keys). If the sample misled (fewer than ``k`` or more than the
+  capacity pass), it falls back to ``lax.top_k`` for ``T``; the result is
+  exact either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import _select
+
+ROW = _select.ROW
+_NUM_CANDIDATES = 32  # one SMEM/TMA transfer of 128 bytes holds 32 int32.
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+  """Tuning knobs of the top-k kernels and of the XLA fast path.
+
+  Attributes:
+    block_rows: rows of 32 float32 values per grid step (multiple of 64).
+    radix_bits: key bits resolved per counting pass (1..5): 5 -> 7 passes.
+    sample_size: elements sampled by the XLA fast path for its threshold.
+    sample_margin: relative over-selection of the sampled threshold.
+    capacity_factor: candidate capacity over the expected candidate count.
+  """
+  block_rows: int = 256
+  radix_bits: int = 5
+  sample_size: int = 65536
+  sample_margin: float = 0.1
+  capacity_factor: float = 1.25
+
+
+DEFAULT_CONFIG = TopKConfig()
+
+
+def _check_k(n: int, k: int) -> None:
+  if not 0 <= k <= n:
+    raise ValueError(f"{k=} must be in [0, {n=}]")
+
+
+def abs_key(x: jax.Array) -> jax.Array:
+  """int32 key ordering ``|x|``: the bit pattern of ``|x|`` as float32."""
+  xf = x.astype(jnp.float32)
+  return jax.lax.bitcast_convert_type(xf, jnp.int32) & jnp.int32(0x7FFFFFFF)
+
+
+def _empty(x):
+  return jnp.zeros((0,), x.dtype), jnp.zeros((0,), jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Reference.
+# ----------------------------------------------------------------------------
+
+
+def topk_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of ``|x|`` by ``lax.top_k``.
+
+  Args:
+    x: float array (any shape; flattened), ``n`` elements.
+    k: number of elements to keep, ``0 <= k <= n``.
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``, descending ``|x|``, ties by
+    ascending index.
+  """
+  flat = x.reshape(-1)
+  _check_k(flat.shape[0], k)
+  if k == 0:
+    return _empty(flat)
+  _, idx = jax.lax.top_k(jnp.abs(flat), k)
+  idx = idx.astype(jnp.int32)
+  return flat[idx], idx
+
+
+# ----------------------------------------------------------------------------
+# Bit-mask compaction (XLA, on n / 32 words).
+# ----------------------------------------------------------------------------
+
+
+def _popcount(w):
+  return jax.lax.population_count(w).astype(jnp.int32)
+
+
+def _select_bit(w: jax.Array, r: jax.Array) -> jax.Array:
+  """Position of the ``r``-th (0-based) set bit of each uint32 ``w``."""
+  pos = jnp.zeros(w.shape, jnp.uint32)
+  r = r.astype(jnp.int32)
+  for width in (16, 8, 4, 2, 1):
+    low = _popcount((w >> pos) & jnp.uint32((1 << width) - 1))
+    go = r >= low
+    r = jnp.where(go, r - low, r)
+    pos = jnp.where(go, pos + jnp.uint32(width), pos)
+  return pos.astype(jnp.int32)
+
+
+def _keep_lowest(w: jax.Array, a: jax.Array) -> jax.Array:
+  """Keeps the lowest ``a`` set bits of each word (``0 <= a <= popcount``)."""
+  p = _select_bit(w, jnp.maximum(a - 1, 0)).astype(jnp.uint32)
+  below = jnp.where(p >= 31, jnp.uint32(0xFFFFFFFF),
+                    (jnp.uint32(2) << jnp.minimum(p, 30)) - jnp.uint32(1))
+  return jnp.where(a > 0, w & below, jnp.uint32(0))
+
+
+def _bit_positions(words: jax.Array, cap: int):
+  """Indices of the set bits of ``words`` in increasing order, ``cap`` slots.
+
+  Returns ``(indices int32[cap], valid bool[cap])``; invalid slots hold 0.
+  """
+  counts = _popcount(words)
+  incl = jnp.cumsum(counts)
+  j = jnp.arange(cap, dtype=jnp.int32)
+  row = jnp.searchsorted(incl, j, side="right").astype(jnp.int32)
+  row = jnp.minimum(row, words.shape[0] - 1)
+  rank = j - (incl[row] - counts[row])
+  bit = _select_bit(words[row], rank)
+  valid = j < incl[-1]
+  return jnp.where(valid, row * ROW + bit, 0), valid
+
+
+def _exact_words(gt_words, eq_words, k: int):
+  """Words with exactly ``k`` bits: all of ``gt``, the lowest ties of ``eq``."""
+  need = k - jnp.sum(_popcount(gt_words))
+  pc_eq = _popcount(eq_words)
+  eq_before = jnp.cumsum(pc_eq) - pc_eq
+  a = jnp.clip(need - eq_before, 0, pc_eq)
+  return gt_words | _keep_lowest(eq_words, a)
+
+
+def _words_xla(flat: jax.Array, pred) -> jax.Array:
+  """Packs ``pred(abs_key(flat))`` 32 per uint32 word (zero-padded tail).
+
+  The whole rows and the partial tail row are done apart: padding all of
+  ``flat`` would cost XLA a copy of it.
+  """
+  n = flat.shape[0]
+  m = n // ROW * ROW
+  shifts = jnp.arange(ROW, dtype=jnp.uint32)
+
+  def pack(keys2d):
+    return jnp.sum(pred(keys2d).astype(jnp.uint32) << shifts[None, :], axis=1,
+                   dtype=jnp.uint32)
+
+  parts = []
+  if m:
+    parts.append(pack(abs_key(flat[:m]).reshape(-1, ROW)))
+  if n > m:
+    tail = jnp.pad(abs_key(flat[m:]), (0, m + ROW - n))
+    parts.append(pack(tail.reshape(1, ROW)))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _gather(flat, idx, valid=None):
+  vals = flat[idx]
+  if valid is not None:
+    vals = jnp.where(valid, vals, jnp.zeros((), flat.dtype))
+  return vals
+
+
+# ----------------------------------------------------------------------------
+# Fast XLA path.
+# ----------------------------------------------------------------------------
+
+
+def _sample_plan(n: int, k: int, config: TopKConfig):
+  """Static sample size, sample rank and candidate capacity."""
+  s = min(n, config.sample_size)
+  expect = s * k / n
+  rank = math.ceil(expect * (1 + config.sample_margin)
+                   + 4 * math.sqrt(expect) + 4)
+  cap = math.ceil(rank * n / s * config.capacity_factor) + 256
+  return s, rank, min(cap, n)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config"))
+def topk_threshold_xla(x: jax.Array, k: int, *,
+                       config: TopKConfig = DEFAULT_CONFIG
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k set of ``|x|`` in pure ``jnp``, without sorting ``x``.
+
+  Same set as :func:`topk_reference`, in ascending index order.
+
+  Args:
+    x: float array (any shape; flattened), ``n`` elements.
+    k: ``0 <= k <= n``.
+    config: sample size and capacity knobs.
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``, ascending index.
+  """
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _check_k(n, k)
+  if k == 0:
+    return _empty(flat)
+  s, rank, cap = _sample_plan(n, k, config)
+
+  def exact_from_top_k():
+    t = jax.lax.top_k(abs_key(flat), k)[0][k - 1]
+    words = _exact_words(_words_xla(flat, lambda kk: kk > t),
+                         _words_xla(flat, lambda kk: kk == t), k)
+    idx, _ = _bit_positions(words, k)
+    return idx
+
+  if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
+    idx = exact_from_top_k()
+    return _gather(flat, idx), idx
+
+  stride = n // s
+  sample = abs_key(flat[: s * stride : stride])
+  t_lo = jnp.sort(sample)[s - rank]
+  ge = _words_xla(flat, lambda kk: kk >= t_lo)
+  gt = _words_xla(flat, lambda kk: kk > t_lo)
+  c_ge = jnp.sum(_popcount(ge))
+  c_gt = jnp.sum(_popcount(gt))
+
+  def from_candidates():
+    cidx, valid = _bit_positions(ge, cap)
+    ckey = jnp.where(valid, abs_key(flat[cidx]), -1)
+    t = jnp.sort(ckey)[cap - k]
+    gt_c = ckey > t
+    eq_c = ckey == t
+    need = k - jnp.sum(gt_c)
+    sel = gt_c | (eq_c & (jnp.cumsum(eq_c) <= need))
+    (pos,) = jnp.nonzero(sel, size=k, fill_value=0)
+    return cidx[pos]
+
+  def at_t_lo():  # k-th largest key is t_lo itself.
+    idx, _ = _bit_positions(_exact_words(gt, ge & ~gt, k), k)
+    return idx
+
+  branch = jnp.where((c_ge >= k) & (c_ge <= cap), 0,
+                     jnp.where((c_gt < k) & (c_ge >= k), 1, 2))
+  idx = jax.lax.switch(branch, (from_candidates, at_t_lo, exact_from_top_k))
+  return _gather(flat, idx), idx
+
+
+# ----------------------------------------------------------------------------
+# Pallas (Mosaic GPU) kernels.
+# ----------------------------------------------------------------------------
+
+
+def _count_kernel(t_ref, x_ref, o_ref, *, interpret: bool):
+  """``o_ref[c] = #(key >= t_ref[c])`` over one block of rows.
+
+  ``t_ref``: int32 (32,) thresholds in SMEM; ``x_ref``: (R, 32) float32;
+  ``o_ref``: int32 (32,), this block's counts.
+  """
+  x = _select.wgmma(x_ref[...], interpret)
+  key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+  for c in range(_NUM_CANDIDATES):
+    per_row = jnp.sum((key >= t_ref[c]).astype(jnp.int32), axis=1)
+    o_ref[c] = jnp.sum(per_row)
+
+
+def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
+                 interpret: bool):
+  """Packs ``key > t`` and ``key == t`` (``t = t_ref[0]``) 32 per uint32."""
+  x = _select.wgmma(x_ref[...], interpret)
+  key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+  t = t_ref[0]
+  col = _select.column_iota(block_rows, interpret)
+  gt_ref[...] = jnp.sum((key > t).astype(jnp.uint32) << col, axis=1,
+                        dtype=jnp.uint32)
+  eq_ref[...] = jnp.sum((key == t).astype(jnp.uint32) << col, axis=1,
+                        dtype=jnp.uint32)
+
+
+def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
+             interpret: bool = False) -> jax.Array:
+  """Counts of ``key >= thresholds[c]`` over ``rows`` (Pallas), int32 (32,)."""
+  grid = rows.shape[0] // block_rows
+  out = pl.pallas_call(
+      functools.partial(_count_kernel, interpret=interpret),
+      grid=(grid,),
+      in_specs=[pl.BlockSpec(memory_space=plgpu.SMEM),
+                _select.rows_spec(block_rows, interpret)],
+      out_specs=pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct((grid * _NUM_CANDIDATES,), jnp.int32),
+      compiler_params=_select.compiler_params(),
+      interpret=interpret,
+      name="jaxcomp_topk_count",
+  )(thresholds, rows)
+  return jnp.sum(out.reshape(grid, _NUM_CANDIDATES), axis=0)
+
+
+def threshold_masks(rows: jax.Array, t: jax.Array, *, block_rows: int,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Packed masks ``key > t`` and ``key == t`` (Pallas), uint32 per row."""
+  grid = rows.shape[0] // block_rows
+  tvec = jnp.broadcast_to(t.astype(jnp.int32), (_NUM_CANDIDATES,))
+  word = jax.ShapeDtypeStruct((rows.shape[0],), jnp.uint32)
+  return pl.pallas_call(
+      functools.partial(_mask_kernel, block_rows=block_rows,
+                        interpret=interpret),
+      grid=(grid,),
+      in_specs=[pl.BlockSpec(memory_space=plgpu.SMEM),
+                _select.rows_spec(block_rows, interpret)],
+      out_specs=[_select.vector_spec(block_rows),
+                 _select.vector_spec(block_rows)],
+      out_shape=[word, word],
+      compiler_params=_select.compiler_params(),
+      interpret=interpret,
+      name="jaxcomp_topk_mask",
+  )(tvec, rows)
+
+
+def radix_passes(radix_bits: int) -> list[tuple[int, int]]:
+  """``(shift, bits)`` of each counting pass over the 31-bit key."""
+  if not 1 <= radix_bits <= 5:
+    raise ValueError(f"{radix_bits=} must be in [1, 5] (32 counters a pass)")
+  passes, hi = [], 31
+  while hi > 0:
+    b = min(radix_bits, hi)
+    passes.append((hi - b, b))
+    hi -= b
+  return passes
+
+
+def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
+                 interpret: bool = False) -> jax.Array:
+  """Exact ``k``-th largest key of ``rows`` (int32 scalar), by counting."""
+  passes = radix_passes(radix_bits)
+  shifts = jnp.array([p[0] for p in passes], jnp.int32)
+  widths = jnp.array([p[1] for p in passes], jnp.int32)
+  digits = jnp.arange(_NUM_CANDIDATES, dtype=jnp.int32)
+
+  def one_pass(i, base):
+    # A loop, not a Python unroll: the kernel is lowered and compiled once.
+    shift = shifts[i]
+    live = digits < (jnp.int32(1) << widths[i])
+    # Digit 0 is ``base`` itself (count >= k by induction); unused slots get
+    # the largest key, and are masked out below.
+    t = jnp.where(live, base + (digits << shift), jnp.int32(0x7FFFFFFF))
+    counts = count_ge(rows, t, block_rows=block_rows, interpret=interpret)
+    digit = jnp.sum(((counts >= k) & live)[1:]).astype(jnp.int32)
+    return base + (digit << shift)
+
+  return jax.lax.fori_loop(0, len(passes), one_pass, jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
+def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
+         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of ``|x|`` with the Pallas kernels (radix select + masks).
+
+  Same set as :func:`topk_reference`, in ascending index order.
+
+  Raises:
+    ValueError: bad ``k`` or knobs.
+  """
+  _select.check_block_rows(config.block_rows)
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _check_k(n, k)
+  if k == 0:
+    return _empty(flat)
+  rows, _ = _select.to_rows(flat, config.block_rows)
+  t = radix_select(rows, k, block_rows=config.block_rows,
+                   radix_bits=config.radix_bits, interpret=interpret)
+  gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
+                           interpret=interpret)
+  idx, _ = _bit_positions(_exact_words(gt, eq, k), k)
+  return _gather(flat, idx), idx
+
+
+# ----------------------------------------------------------------------------
+# DGC sampled top-k.
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
+                                             "implementation", "interpret"))
+def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
+                 config: TopKConfig = DEFAULT_CONFIG,
+                 implementation: str | None = None,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """DGC top-k: threshold from a random sample, compaction into ``k`` slots.
+
+  The threshold ``t`` is the ``ceil(m * k / n)``-th largest ``|x|`` of
+  ``m = max(1, round(n * sample_ratio))`` elements drawn uniformly (with
+  replacement) with ``key``. Elements with ``|x| >= t`` are taken in ascending
+  index order, at most ``k``; missing slots hold index 0 and value 0.0.
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``.
+
+  Raises:
+    ValueError: ``sample_ratio`` not in (0, 1] or bad ``k``.
+  """
+  if not 0 < sample_ratio <= 1:
+    raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _check_k(n, k)
+  if k == 0:
+    return _empty(flat)
+  m = max(1, min(n, round(n * sample_ratio)))
+  ks = max(1, math.ceil(m * k / n))
+  pick = jax.random.randint(key, (m,), 0, n)
+  t = jax.lax.top_k(abs_key(flat[pick]), ks)[0][ks - 1]
+  if _select.resolve_implementation(implementation) == "pallas":
+    _select.check_block_rows(config.block_rows)
+    rows, _ = _select.to_rows(flat, config.block_rows)
+    gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
+                             interpret=interpret)
+    words = gt | eq
+  else:
+    words = _words_xla(flat, lambda kk: kk >= t)
+  idx, valid = _bit_positions(words, k)
+  return _gather(flat, idx, valid), idx
+
+
+def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
+              config: TopKConfig = DEFAULT_CONFIG):
+  """Top-k set: the Pallas kernels on GPU, the fast XLA path elsewhere."""
+  if _select.resolve_implementation(implementation) == "pallas":
+    return topk(x, k, config=config)
+  return topk_threshold_xla(x, k, config=config)
