@@ -9,6 +9,7 @@ to read what a compiled step sends.
 from jaxcomp import bucketing
 from jaxcomp import collectives
 from jaxcomp import compressors
+from jaxcomp import distributed
 from jaxcomp import feedback
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic

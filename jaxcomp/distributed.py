@@ -311,10 +311,11 @@ def check_consistency(tree, *, name: str = "state") -> int:
     for proc in range(every.shape[0]):
       groups.setdefault(every[proc, i].tobytes(), []).append(proc)
     if len(groups) > 1:
-      parts = "; ".join(f"processes {procs}" for procs in groups.values())
+      parts = "; ".join(f"value {j} on processes {procs}"
+                        for j, procs in enumerate(groups.values()))
       raise ConsistencyError(
           f"{name}{_path_str(path)} diverged across processes: {len(groups)} "
-          f"different values ({parts} agree among themselves). Parameters and "
+          f"different values ({parts}). Parameters and "
           "shared compressor state must be identical on every process; "
           "check that every process feeds the same global batch, seed and "
           "configuration")

@@ -25,9 +25,26 @@ BASE = ["--steps", str(STEPS), "--compressor", "topk", "--ratio", "0.1",
         "--error-feedback", "on", "--batch-size", "32"]
 
 
+_CACHE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for this module's processes: the same
+  programs are compiled once instead of once per launch (a cached executable
+  computes exactly what a fresh compile would)."""
+  _CACHE["dir"] = str(tmp_path_factory.mktemp("jax_cache"))
+  yield
+  _CACHE.clear()
+
+
 def _clean_env():
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOMP_")}
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  if "dir" in _CACHE:
+    env.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
   return env
 
 

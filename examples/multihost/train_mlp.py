@@ -45,10 +45,13 @@ def parse(argv=None):
   g.add_argument("--compressor", default="topk")
   g.add_argument("--ratio", type=float, default=0.1)
   g.add_argument("--levels", type=int, default=4)
+  g.add_argument("--rank", type=int, default=1, help="PowerSGD rank")
   g.add_argument("--error-feedback", choices=["auto", "on", "off"],
                  default="auto")
-  g.add_argument("--hierarchical", action="store_true",
-                 help="exact mean over 'devices', compressed over 'hosts'")
+  g.add_argument("--collective", default=None,
+                 help="e.g. 'hierarchical': exact mean over 'devices' (inside "
+                 "a host), compressed over 'hosts' (default: the "
+                 "compressor's own)")
   g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
   g.add_argument("--learning-rate", type=float, default=1e-2)
   g.add_argument("--hidden", type=int, default=32)
@@ -67,11 +70,6 @@ def parse(argv=None):
                  help="SIGKILL itself before this step")
   g.add_argument("--crash-process", default="all",
                  help="which process crashes: an index or 'all'")
-  g.add_argument("--corrupt-at-step", type=int, default=None,
-                 help="the last process perturbs its copy of the parameters "
-                 "after this step (to test --check-every)")
-  g.add_argument("--step-delay", type=float, default=0.0,
-                 help="seconds to sleep after each step")
   return p.parse_args(argv)
 
 
@@ -102,11 +100,12 @@ def batch_at(seed: int, step: int, size: int):
 def compression_config(args) -> dict:
   import jaxcomp
   fields = jaxcomp.compressors.hyperparameters(args.compressor)
-  hyper = {k: v for k, v in {"ratio": args.ratio, "levels": args.levels}.items()
-           if k in fields}
+  hyper = {k: v for k, v in {"ratio": args.ratio, "levels": args.levels,
+                              "rank": args.rank}.items() if k in fields}
   return {"compressor": args.compressor, **hyper,
           "error_feedback": args.error_feedback, "bucketing": "layerwise",
-          "hierarchical": args.hierarchical, "seed": args.seed}
+          "collective": args.collective, "axis_name": ["hosts", "devices"],
+          "seed": args.seed}
 
 
 def digest(params) -> str:
@@ -136,7 +135,6 @@ def main(argv=None) -> int:
   pid, nproc = jax.process_index(), jax.process_count()
   mesh = distributed.global_mesh(("hosts", "devices"))
   axes = ("hosts", "devices")
-  comp_axis = "hosts" if args.hierarchical else axes
   n_dev = mesh.devices.size
   if args.batch_size % n_dev:
     raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of "
@@ -151,24 +149,23 @@ def main(argv=None) -> int:
 
   config = compression_config(args)
   ef = {"auto": None, "on": True, "off": False}[args.error_feedback]
-  hyper = {k: v for k, v in config.items() if k in ("ratio", "levels")}
+  hyper = {k: v for k, v in config.items() if k in ("ratio", "levels", "rank")}
   inner = (optax.adam(args.learning_rate) if args.optimizer == "adam" else
            optax.sgd(args.learning_rate))
   tx = optax.chain(
-      jaxcomp.compressed_mean(args.compressor, comp_axis, error_feedback=ef,
-                              seed=args.seed, **hyper),
+      jaxcomp.compressed_mean(args.compressor, axes, error_feedback=ef,
+                              collective=args.collective, seed=args.seed,
+                              **hyper),
       inner)
 
   def step_fn(p, s, batch):
     x, y = batch
     loss, g = jaxcomp.per_device_value_and_grad(loss_fn, axes)(p, x, y)
-    if args.hierarchical:  # exact inside a host, compressed across hosts
-      g = lax.pmean(g, "devices")
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s, lax.pmean(loss, axes)
 
   params = distributed.global_array(init_params(args.seed, args.hidden), mesh)
-  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, comp_axis)
+  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, axes)
   step = jax.jit(jaxcomp.shard_train_step(
       step_fn, mesh=mesh, state_specs=specs, batch_spec=P(axes)),
                  donate_argnums=(0, 1))
@@ -198,8 +195,6 @@ def main(argv=None) -> int:
                                      mesh, P(axes))
     params, opt_state, loss = step(params, opt_state, batch)
     done = t + 1
-    if args.corrupt_at_step == done and pid == nproc - 1:
-      params = _perturb(params, "b2")
     if args.check_every and done % args.check_every == 0:
       n = distributed.check_consistency(
           {"params": params, "opt_state": opt_state})
@@ -207,8 +202,6 @@ def main(argv=None) -> int:
     if ckpt is not None and args.save_every and done % args.save_every == 0:
       ckpt.save(done, {"params": params, "opt_state": opt_state})
       print(f"step {done}: saved checkpoint", flush=True)
-    if args.step_delay:
-      time.sleep(args.step_delay)
   seconds = time.perf_counter() - t0
 
   host = {k: np.asarray(v.addressable_shards[0].data)
@@ -222,15 +215,6 @@ def main(argv=None) -> int:
   if ckpt is not None:
     ckpt.close()
   return 0
-
-
-def _perturb(params, name):
-  """This process's copy of ``params[name]`` + 1 (a deliberate divergence)."""
-  import jax
-  x = params[name]
-  shards = [jax.device_put(s.data + 1, s.device) for s in x.addressable_shards]
-  return {**params, name: jax.make_array_from_single_device_arrays(
-      x.shape, x.sharding, shards)}
 
 
 if __name__ == "__main__":
