@@ -258,3 +258,35 @@ def test_collectives_exact_and_divergence_detected_across_processes(tmp_path):
   assert res.returncode == 0, out.text
   assert out.text.count("collectives exact") == 2, out.text
   assert out.text.count("divergence detected") == 2, out.text
+
+
+def test_launcher_interrupted_stops_its_children(tmp_path):
+  import signal
+  import time
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  child = ("import os, time\n"
+           f"path = os.path.join({str(pids)!r}, "
+           "os.environ['JAXCOMP_PROCESS_ID'])\n"
+           "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
+           "os.replace(path + '.tmp', path)\n"  # readers never see half
+           "time.sleep(600)\n")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
+       "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=_clean_env())
+  try:
+    deadline = time.monotonic() + 60
+    done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
+    while len(done()) < 2 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert len(done()) == 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGINT, err
+  assert "interrupted by SIGINT" in err, err
+  for f in pids.iterdir():
+    with pytest.raises(ProcessLookupError):
+      os.kill(int(f.read_text()), 0)

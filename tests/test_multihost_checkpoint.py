@@ -299,3 +299,50 @@ def test_powersgd_q_round_trips_bit_exact(tmp_path):
   assert step == 2
   _leaves_equal(state, run.state)
   assert distributed.check_consistency(state) >= len(qs) + 2
+
+
+@pytest.fixture
+def recorded_initialize(monkeypatch):
+  """Replaces jax.distributed.initialize with a recorder (no real job)."""
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+              distributed.ENV_PROCESS_ID, distributed.ENV_HEARTBEAT,
+              "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(var, raising=False)
+  return calls
+
+
+def test_initialize_resolution_order(recorded_initialize, monkeypatch):
+  calls = recorded_initialize
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:9")
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "3")
+  monkeypatch.setenv(distributed.ENV_HEARTBEAT, "12")
+  assert distributed.initialize_from_env(cpu_collectives=None)
+  assert calls[-1]["coordinator_address"] == "127.0.0.1:9"
+  assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == (4, 3)
+  assert calls[-1]["heartbeat_timeout_seconds"] == 12
+  # Explicit arguments win over the environment.
+  assert distributed.initialize_from_env("h:1", 2, 0, cpu_collectives=None,
+                                         heartbeat_timeout_seconds=5)
+  assert (calls[-1]["coordinator_address"], calls[-1]["num_processes"],
+          calls[-1]["process_id"], calls[-1]["heartbeat_timeout_seconds"]
+          ) == ("h:1", 2, 0, 5)
+  for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+              distributed.ENV_PROCESS_ID):
+    monkeypatch.delenv(var)
+  # A SLURM job: JAX's auto-detection is asked (no address given) ...
+  monkeypatch.setenv("SLURM_JOB_ID", "123")
+  monkeypatch.setattr(distributed, "_cluster_detected",
+                      lambda: "SLURM_JOB_ID" in __import__("os").environ)
+  assert distributed.initialize_from_env(cpu_collectives=None)
+  assert calls[-1]["coordinator_address"] is None
+  assert calls[-1]["num_processes"] is None
+  # ... unless auto-detection is off: then it is a single-process run.
+  n = len(calls)
+  assert distributed.initialize_from_env(auto_detect=False,
+                                         cpu_collectives=None) is False
+  assert len(calls) == n
