@@ -11,7 +11,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.collectives import AllGatherMean, PsumMean, Zen
-from jaxcomp.collectives.zen import hash_index, hash_multiplier
+from jaxcomp.collectives.zen import hash_index, hash_multiplier, unhash_index
 from tests.helpers import stacked
 
 P_DEV = 8
@@ -107,6 +107,8 @@ def test_hash_is_a_permutation(m):
   h = np.asarray(hash_index(jnp.arange(m, dtype=jnp.int32), a, m))
   np.testing.assert_array_equal(np.sort(h), np.arange(m))
   assert math.gcd(a, m) == 1 or m == 1
+  back = unhash_index(jnp.asarray(h, jnp.int32), a, m)
+  np.testing.assert_array_equal(np.asarray(back), np.arange(m))
 
 
 def test_hash_matches_exact_arithmetic_for_large_tables():
@@ -115,6 +117,8 @@ def test_hash_matches_exact_arithmetic_for_large_tables():
   i = np.random.default_rng(0).integers(0, m, 1000)
   h = np.asarray(hash_index(jnp.asarray(i, jnp.int32), a, m))
   np.testing.assert_array_equal(h, (a * i.astype(object)) % m)
+  np.testing.assert_array_equal(
+      np.asarray(unhash_index(jnp.asarray(h, jnp.int32), a, m)), i)
   assert hash_multiplier(m, 0) != hash_multiplier(m, 1)  # re-hashing
 
 

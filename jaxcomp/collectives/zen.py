@@ -48,6 +48,12 @@ def hash_multiplier(m: int, hash_seed: int = 0) -> int:
   return a % m if m > 1 else 0
 
 
+def _shift16(t: jax.Array, mm: jax.Array) -> jax.Array:
+  for _ in range(16):  # t * 2**16 mod m; t < m < 2**31, so 2t < 2**32
+    t = (t * jnp.uint32(2)) % mm
+  return t
+
+
 def hash_index(i: jax.Array, a: int, m: int) -> jax.Array:
   """``(a * i) mod m`` in uint32 arithmetic, without 64-bit integers.
 
@@ -58,16 +64,27 @@ def hash_index(i: jax.Array, a: int, m: int) -> jax.Array:
 
   Returns:
     int32 array of the shape of ``i``.
+
+  Raises:
+    ValueError: ``a`` or ``m`` out of range.
   """
   if not 0 <= a < (1 << 16) or not 1 <= m < (1 << 31):
     raise ValueError(f"need 0 <= a < 2**16 and 1 <= m < 2**31, got {a=}, {m=}")
   u = i.astype(jnp.uint32)
   mm = jnp.uint32(m)
   aa = jnp.uint32(a)
-  hi = (aa * (u >> 16)) % mm  # < 2**31
-  for _ in range(16):  # hi * 2**16 mod m, doubling stays below 2**32
-    hi = (hi * jnp.uint32(2)) % mm
+  hi = _shift16((aa * (u >> 16)) % mm, mm)  # aa * (u >> 16) < 2**31
   lo = (aa * (u & jnp.uint32(0xFFFF))) % mm
+  return ((hi + lo) % mm).astype(jnp.int32)
+
+
+def unhash_index(h: jax.Array, a: int, m: int) -> jax.Array:
+  """The inverse of :func:`hash_index`: the index ``i`` with ``a * i mod m
+  == h`` (``a`` coprime with ``m``), int32 of the shape of ``h``."""
+  b = pow(a, -1, m) if m > 1 else 0
+  mm = jnp.uint32(m)
+  hi = _shift16(hash_index(h, b >> 16, m).astype(jnp.uint32), mm)
+  lo = hash_index(h, b & 0xFFFF, m).astype(jnp.uint32)
   return ((hi + lo) % mm).astype(jnp.int32)
 
 
@@ -230,18 +247,22 @@ class Zen(Collective):
     all_vals = lax.all_gather(out_vals, axis_name, to="invarying")
     bits = jax.vmap(lambda w: bitpack.unpack_bits_reference(w, 1, c))(
         all_bitmaps)
-    pos = jnp.clip(jnp.cumsum(bits.astype(jnp.int32), axis=1) - 1, 0,
-                   cap2 - 1)
-    dense = jnp.where(bits != 0, jnp.take_along_axis(all_vals, pos, axis=1),
-                      0.0).reshape(-1)
-    h_all = hash_index(jnp.arange(n, dtype=jnp.int32), a, m)
-    mean = dense[h_all] / p
+    # The j-th set bit of owner o is its j-th value, at position o * c + off.
+    off = jax.vmap(lambda b: jnp.nonzero(b, size=cap2, fill_value=c)[0])(bits)
+    got = off < c
+    where = unhash_index(
+        jnp.where(got, jnp.arange(p, dtype=jnp.int32)[:, None] * c + off, 0),
+        a, m)
+    mean = jnp.zeros((n,), jnp.float32).at[
+        jnp.where(got, where, n).reshape(-1)].add(
+            all_vals.reshape(-1), mode="drop") / p
 
     # What did not travel stays with this device.
     unsent2 = jnp.where(nz & ~keep2, part, 0.0)
     me = lax.axis_index(axis_name)
-    owner_back = lax.dynamic_update_slice(jnp.zeros((m,), jnp.float32),
-                                          unsent2, (me * c,))[h_all]
+    mine = unhash_index(me * c + jnp.arange(c, dtype=jnp.int32), a, m)
+    owner_back = jnp.zeros((n,), jnp.float32).at[mine].add(unsent2,
+                                                           mode="drop")
     new_state = s - sent + owner_back
     return mean, y, new_state
 
