@@ -196,9 +196,10 @@ def worker(args) -> None:
     dec = [med(r[1][i] for r in runs) for i in range(len(sizes))]
     out["codecs"][spec] = fit_codec(sizes, enc, dec, device_name()).to_dict()
   out["steps"] = {s: {"median": med(v), "all": v} for s, v in step_samples.items()}
-  if jax.process_index() == 0:
-    with open(args.result, "w") as f:
-      json.dump(out, f)
+  out["codec_samples"] = codec_samples
+  path = args.result if jax.process_index() == 0 else f"{args.result}.rank{jax.process_index()}"
+  with open(path, "w") as f:
+    json.dump(out, f)
   jax.distributed.shutdown()
 
 
@@ -218,9 +219,7 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
       rows.append((p - 1, (p - 1) * m))
     ts.append(c["seconds"])
   A, t = np.array(rows), np.array(ts)
-  # Relative least squares (each measurement weighted by 1/t), so that small
-  # messages constrain alpha and large ones beta.
-  w = 1.0 / t
+  w = np.ones_like(t)  # ordinary least squares
   (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
   if alpha < 0:
     alpha = 0.0
@@ -311,7 +310,35 @@ def run_one(cluster, nproc, rate, args, tmpdir):
     tail = open(os.path.join(tmpdir, f"w{nproc}_{rate}_{bad[0] if bad else 0}.log")).read()[-3000:]
     raise RuntimeError(f"workers {bad} failed at {rate}:\n{tail}")
   with open(result) as f:
-    return json.load(f)
+    res = json.load(f)
+  others = []
+  for r in range(1, nproc):
+    with open(f"{result}.rank{r}") as f:
+      others.append(json.load(f))
+  return merge_ranks(res, others)
+
+
+def merge_ranks(res, others):
+  """Synchronous data parallelism runs at the pace of its slowest worker: per
+  measurement round, the compute and encode/decode times of the model are
+  the maximum over the workers (this shared machine gives them unequal CPU)."""
+  everyone = [res] + others
+  rounds = len(res["single_worker_all"])
+  t1 = [max(w["single_worker_all"][i] for w in everyone) for i in range(rounds)]
+  res["single_worker_all_ranks"] = [w["single_worker_all"] for w in everyone]
+  res["single_worker_all"] = t1
+  res["single_worker_step"] = statistics.median(t1)
+  sizes = res["codec_sizes"]
+  from jaxcomp.perfmodel.codec import fit_codec
+  for spec in res["codecs"]:
+    enc = [statistics.median(max(w["codec_samples"][spec][i][0][k] for w in everyone)
+                             for i in range(rounds)) for k in range(len(sizes))]
+    dec = [statistics.median(max(w["codec_samples"][spec][i][1][k] for w in everyone)
+                             for i in range(rounds)) for k in range(len(sizes))]
+    res["codecs"][spec] = fit_codec(sizes, enc, dec, res["codecs"][spec]["device"]).to_dict()
+  for w in everyone:
+    w.pop("codec_samples", None)
+  return res
 
 
 def formula_bytes(spec, n):

@@ -251,6 +251,7 @@ def _plot(args, profile, comps, network, kw):
     ax.plot(gbps, [sweep[g][name].speedup for g in gbps], label=name)
   ax.axhline(1.0, color="k", lw=0.8, ls="--", label="dense")
   ax.set_xscale("log")
+  ax.set_yscale("log")
   ax.set_xlabel("bandwidth (Gbit/s)")
   ax.set_ylabel("predicted speedup over dense")
   ax.set_title(f"{profile.name}, {network.workers} workers, {args.latency:g} us latency")
