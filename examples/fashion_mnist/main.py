@@ -43,6 +43,8 @@ def main(argv=None) -> int:
         f"--xla_force_host_platform_device_count={args.devices} "
         "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
         "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+  from jaxcomp import distributed
+  distributed.initialize_from_env()  # a multi-process job: docs/multihost.md
   from examples.fashion_mnist import train
   import jax
 
