@@ -101,8 +101,10 @@ def test_two_processes_agree_and_match_one_process(uninterrupted, tmp_path):
   _assert_bitwise_equal(p0, p1)  # every process holds the same parameters
   # The same steps on 1 process x 4 devices (same mesh order, same batches).
   env = _clean_env()
-  env.update(JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+      [*flags, "--xla_force_host_platform_device_count=4"]))
   single = str(tmp_path / "single")
   r = subprocess.run([sys.executable, SCRIPT, *BASE, "--output", single],
                      env=env, capture_output=True, text=True,
