@@ -497,10 +497,17 @@ class Checkpointer:
 
     Raises:
       ValueError: ``step`` negative or already saved.
+      TypeError: a leaf of ``state`` is not a ``jax.Array``.
     """
     step = int(step)
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step=}")
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+      if not isinstance(x, jax.Array):
+        raise TypeError(
+            f"state{_path_str(path)} is a {type(x).__name__}; save a pytree "
+            "of jax.Arrays (put host values on the mesh with "
+            "jaxcomp.distributed.global_array, or keep them in the config)")
     if step in self._manager.all_steps():
       raise ValueError(f"step {step} is already saved in {self.directory}")
     leaves = jax.tree.leaves(state)

@@ -214,6 +214,8 @@ def test_missing_and_duplicate_steps(tmp_path):
     ckpt.restore(run.fresh, step=7)
   with pytest.raises(ValueError, match="step 1 is already saved"):
     ckpt.save(1, run.state)
+  with pytest.raises(TypeError, match=r"state\['epoch'\] is a int"):
+    ckpt.save(2, {**run.state, "epoch": 3})
 
 
 def test_check_consistency_names_the_diverged_leaf():
