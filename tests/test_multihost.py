@@ -148,7 +148,9 @@ def test_kill_one_process_survivor_stops_checkpoint_resumes(uninterrupted,
   assert res.returncodes[0] not in (0, None), res
   assert res.terminated == [], res  # it stopped on its own, with an error
   assert res.exit_times[0] - res.exit_times[1] < 60, res
-  assert "another task died" in log or "unhealthy" in log, log
+  # JAX's coordination service (heartbeat) or gloo reported the dead peer.
+  assert any(m in log for m in ("another task died", "unhealthy",
+                                "XlaRuntimeError", "Connection closed")), log
   assert "process 1 (pid" in res.message and "SIGKILL" in res.message
   assert sorted(os.listdir(ckpt)) == [str(SAVE_EVERY)]
   res, log = _job([*args, "--resume"])
