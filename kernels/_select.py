@@ -23,19 +23,27 @@ IMPLEMENTATIONS = ("pallas", "xla")
 ROW = 32  # float32 values per row: 128 bytes.
 
 
+def _is_cuda() -> bool:
+  """Whether the default backend is an NVIDIA GPU (Mosaic GPU's target)."""
+  if jax.default_backend() not in ("gpu", "cuda"):
+    return False
+  version = getattr(jax.devices()[0].client, "platform_version", "")
+  return "rocm" not in str(version).lower()
+
+
 def resolve_implementation(implementation: str | None) -> str:
   """Returns ``"pallas"`` or ``"xla"``.
 
   Args:
     implementation: ``"pallas"``, ``"xla"`` or ``None``. ``None`` picks
-      ``"pallas"`` when the default JAX backend is a GPU and ``"xla"``
-      otherwise (CPU, TPU).
+      ``"pallas"`` when the default JAX backend is an NVIDIA GPU and
+      ``"xla"`` otherwise (CPU, TPU, ROCm).
 
   Raises:
     ValueError: ``implementation`` is not one of the above.
   """
   if implementation is None:
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+    return "pallas" if _is_cuda() else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got "

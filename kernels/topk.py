@@ -23,9 +23,10 @@ How it works. ``|x|`` is compared through its float32 bit pattern
 exact ``k``-th largest key ``T``, one pass packs two bit masks, 32 elements per
 uint32 word: ``key > T`` and ``key == T``. Everything after that touches only
 ``n / 32`` words and ``k`` outputs: popcounts, a prefix sum over words, which
-tie bits to keep (lowest indices first) so that exactly ``k`` bits are set, and
-for output slot ``j`` a binary search for its word plus a select-the-r-th-set-
-bit, then a gather of the ``k`` values.
+tie bits to keep (lowest indices first) so that exactly ``k`` bits are set,
+the word of each output slot (each non-empty word's number scattered at its
+first slot, then a running maximum), a select-the-r-th-set-bit inside the
+word, and a gather of the ``k`` values.
 
 Finding ``T``:
 
@@ -33,16 +34,21 @@ Finding ``T``:
   pass; each pass is one kernel that counts, per block, the elements with
   ``key >= base + c * 2**shift`` for all digits ``c`` (a histogram in
   cumulative form), so 7 passes of 5 bits. The counts are summed and the
-  digit chosen in XLA. The compaction's prefix sum and gather run in XLA:
-  Mosaic GPU has no per-lane scatter to global memory, so a scatter kernel
-  would not beat XLA's; its input is 32x smaller than ``x``.
+  digit chosen in XLA. A last kernel packs the two masks. The compaction
+  after it runs in XLA on ``n / 32`` words and ``k`` outputs (Mosaic GPU
+  stores go through shared memory and TMA copies of whole tiles, which do not
+  fit a data-dependent scatter); a compaction kernel is left for when a GPU
+  can measure whether it beats XLA there.
 * XLA (fast path, any backend): the threshold of an evenly spaced sample
   gives a lower bound ``t`` that lets a little more than ``k`` elements
   through; those candidates are compacted (same bit-mask machinery) into a
-  fixed capacity, and ``T`` is their ``k``-th largest key (a sort of about
-  ``1.25 k`` keys). If the sample misled (fewer than ``k`` or more than the
-  capacity pass), it falls back to ``lax.top_k`` for ``T``; the result is
-  exact either way.
+  fixed capacity, and ``T`` is their ``k``-th largest key. A second, higher
+  sample threshold marks the candidates that are in for sure, so only the
+  band between the two thresholds is sorted (about ``0.4 k`` keys at 1%
+  density). If ``T`` is the lower threshold itself (ties, e.g. mostly-zero
+  gradients) the masks already in hand give the result; if the sample misled
+  (fewer than ``k`` or more than the capacity pass) it falls back to
+  ``lax.top_k`` for ``T``. The result is exact on every branch.
 """
 
 from __future__ import annotations
@@ -159,11 +165,15 @@ def _bit_positions(words: jax.Array, cap: int):
   """
   counts = _popcount(words)
   incl = jnp.cumsum(counts)
+  excl = incl - counts
+  # Slot j belongs to the last word whose first slot is <= j: write each
+  # non-empty word's number at its first slot, then a running maximum.
+  first = jnp.where(counts > 0, excl, cap)
+  start = jnp.zeros((cap,), jnp.int32).at[first].set(
+      jnp.arange(words.shape[0], dtype=jnp.int32), mode="drop")
+  row = jax.lax.cummax(start)
   j = jnp.arange(cap, dtype=jnp.int32)
-  row = jnp.searchsorted(incl, j, side="right").astype(jnp.int32)
-  row = jnp.minimum(row, words.shape[0] - 1)
-  rank = j - (incl[row] - counts[row])
-  bit = _select_bit(words[row], rank)
+  bit = _select_bit(words[row], j - excl[row])
   valid = j < incl[-1]
   return jnp.where(valid, row * ROW + bit, 0), valid
 
@@ -213,13 +223,21 @@ def _gather(flat, idx, valid=None):
 
 
 def _sample_plan(n: int, k: int, config: TopKConfig):
-  """Static sample size, sample rank and candidate capacity."""
+  """Static sample size, sample ranks and capacities.
+
+  ``rank`` (``rank_hi``) is the sample rank whose key lets through a few more
+  (fewer) than ``k`` elements with high probability; ``cap`` holds the
+  candidates above the first, ``band_cap`` those between the two.
+  """
   s = min(n, config.sample_size)
   expect = s * k / n
-  rank = math.ceil(expect * (1 + config.sample_margin)
-                   + 4 * math.sqrt(expect) + 4)
-  cap = math.ceil(rank * n / s * config.capacity_factor) + 256
-  return s, rank, min(cap, n)
+  spread = config.sample_margin * expect + 4 * math.sqrt(expect) + 4
+  rank = math.ceil(expect + spread)
+  rank_hi = math.floor(expect - spread)
+  cap = min(n, math.ceil(rank * n / s * config.capacity_factor) + 256)
+  band_cap = math.ceil((rank - max(rank_hi, 0)) * n / s
+                       * config.capacity_factor) + 256
+  return s, rank, rank_hi, cap, band_cap
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config"))
@@ -243,7 +261,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   _check_k(n, k)
   if k == 0:
     return _empty(flat)
-  s, rank, cap = _sample_plan(n, k, config)
+  s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
 
   def exact_from_top_k():
     t = jax.lax.top_k(abs_key(flat), k)[0][k - 1]
@@ -258,7 +276,8 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
 
   stride = n // s
   sample = abs_key(flat[: s * stride : stride])
-  t_lo = jnp.sort(sample)[s - rank]
+  sorted_sample = jnp.sort(sample)
+  t_lo = sorted_sample[s - rank]
   ge = _words_xla(flat, lambda kk: kk >= t_lo)
   gt = _words_xla(flat, lambda kk: kk > t_lo)
   c_ge = jnp.sum(_popcount(ge))
@@ -267,7 +286,27 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   def from_candidates():
     cidx, valid = _bit_positions(ge, cap)
     ckey = jnp.where(valid, abs_key(flat[cidx]), -1)
-    t = jnp.sort(ckey)[cap - k]
+
+    def sort_all():
+      return jnp.sort(ckey)[cap - k]
+
+    if 1 <= rank_hi < rank and band_cap < cap:
+      # Keys above the upper sample threshold are in for sure; only the band
+      # below it needs sorting.
+      t_hi = sorted_sample[s - rank_hi]
+      c_above = jnp.sum(ckey > t_hi)
+      band = valid & (ckey <= t_hi)
+      band_count = jnp.sum(band)
+
+      def sort_band():
+        (bpos,) = jnp.nonzero(band, size=band_cap, fill_value=0)
+        bkey = jnp.where(jnp.arange(band_cap) < band_count, ckey[bpos], -1)
+        return jnp.sort(bkey)[band_cap - (k - c_above)]
+
+      t = jax.lax.cond((c_above < k) & (band_count <= band_cap), sort_band,
+                       sort_all)
+    else:
+      t = sort_all()
     gt_c = ckey > t
     eq_c = ckey == t
     need = k - jnp.sum(gt_c)

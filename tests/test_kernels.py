@@ -178,8 +178,8 @@ def _sample_positions(n, cfg):
   return np.arange(s) * (n // s)
 
 
-@pytest.mark.parametrize("case", ["candidates", "ties_at_sample", "fallback",
-                                  "dense", "all"])
+@pytest.mark.parametrize("case", ["candidates", "band", "ties_at_sample",
+                                  "fallback", "dense", "all"])
 def test_topk_xla_every_branch(case):
   n, k = 5003, 50
   x = np.asarray(_normal(n, jnp.float32, seed=7))
@@ -189,6 +189,9 @@ def test_topk_xla_every_branch(case):
   elif case == "fallback":  # the sample sees only huge values: c_ge < k
     x = x * 1e-3
     x[_sample_positions(n, TCFG)] = 1e3
+  elif case == "band":  # sorts only the band between two sample ranks
+    k = 1000
+    assert topk._sample_plan(n, k, TCFG)[2] >= 1
   elif case == "dense":
     k = 4000
   elif case == "all":
