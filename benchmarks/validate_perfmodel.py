@@ -219,11 +219,17 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
       rows.append((p - 1, (p - 1) * m))
     ts.append(c["seconds"])
   A, t = np.array(rows), np.array(ts)
-  w = np.ones_like(t)  # ordinary least squares
+  # Relative least squares (each measurement weighted by 1/t), so that small
+  # messages constrain alpha and large ones beta; both kept >= 0.
+  w = 1.0 / t
   (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
   if alpha < 0:
     alpha = 0.0
     beta = float(np.sum(A[:, 1] * w * w * t) / np.sum((A[:, 1] * w) ** 2))
+  if beta <= 0:
+    big = A[:, 1] == A[:, 1].max()
+    beta = float(np.mean(t[big] / A[big, 1]))
+    alpha = float(max(0.0, np.mean((t - A[:, 1] * beta)[~big] / A[~big, 0])))
   return float(alpha), float(beta)
 
 
@@ -245,16 +251,15 @@ def predict_run(res, specs, *, from_hlo=True):
   from jaxcomp import perfmodel as pm
   from jaxcomp.cli import parse_compressor_spec
   p = res["nproc"]
-  # alpha and beta are fitted separately to the all-reduces and the
-  # all-gathers measured on the link (gloo's algorithms differ).
-  fits = {k: fit_alpha_beta(res["collectives"], p, (k,)) for k in ("allreduce", "allgather")}
-  alpha, beta = fits["allreduce"]
+  # One alpha and one beta for the link, fitted to all the measured
+  # all-reduces and all-gathers together.
+  alpha, beta = fit_alpha_beta(res["collectives"], p)
+  fits = {"link": (alpha, beta)}
   prof = pm.ModelProfile.from_dict(res["profile"])
   # profile_model gives the per-tensor split; its total is rescaled to the
   # one-worker step timed in the same interleaved rounds as the training.
   prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
-  net = pm.Network(p, pm.Link(alpha, beta),
-                   per_collective={k: pm.Link(a, b) for k, (a, b) in fits.items()})
+  net = pm.Network(p, pm.Link(alpha, beta))
   comps = {}
   for spec in specs:
     name, kw = parse_compressor_spec(spec)
@@ -356,7 +361,7 @@ def report(runs, specs, print_=print):
     nproc, rate = key
     fits, preds = predict_run(res, specs)
     _, formula = predict_run(res, specs, from_hlo=False)
-    alpha, beta = fits["allreduce"]
+    alpha, beta = fits["link"]
     say(f"{nproc} workers, {rate}: fitted " + "; ".join(
         f"{k} alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B ({8 / b / 1e9:.3f} Gbit/s)"
         for k, (a, b) in fits.items())
@@ -455,7 +460,29 @@ def main(argv=None) -> int:
   ap.add_argument("--nproc", type=int, help=argparse.SUPPRESS)
   ap.add_argument("--coordinator", help=argparse.SUPPRESS)
   ap.add_argument("--result", help=argparse.SUPPRESS)
+  ap.add_argument("--report-from", nargs="+", metavar="JSON",
+                  help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)
+  if args.report_from:
+    runs = {}
+    for path in args.report_from:
+      with open(path) as f:
+        for key, v in json.load(f)["runs"].items():
+          p, r = key.split(":")
+          runs[(int(p), r)] = v
+    runs = dict(sorted(runs.items(), key=lambda kv: (kv[0][0], RATES.index(kv[0][1]))))
+    sys.path.insert(0, REPO)
+    head = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}", ""]
+    for line in head:
+      print(line)
+    table, rep = report(runs, args.compressors)
+    if args.out:
+      with open(args.out + ".txt", "w") as f:
+        f.write("\n".join(head + rep) + "\n")
+      with open(args.out + "_table.json", "w") as f:
+        json.dump(table, f, indent=1)
+      plot(table, args.compressors, args.out + ".png")
+    return 0
   if args.worker:
     worker(args)
     return 0
@@ -489,6 +516,9 @@ def main(argv=None) -> int:
            f"per worker, {args.steps} timed steps each, medians)", ""]
   for s in lines:
     print(s)
+  if args.out:  # raw measurements first, so a failing report loses nothing
+    with open(args.out + ".json", "w") as f:
+      json.dump({"runs": {f"{p}:{r}": v for (p, r), v in runs.items()}}, f, indent=1)
   table, rep = report(runs, args.compressors)
   if args.out:
     with open(args.out + ".txt", "w") as f:

@@ -411,3 +411,37 @@ def test_netns_refuses_without_root_or_tc(monkeypatch):
   monkeypatch.setattr(netns.shutil, "which", lambda c: None if c == "tc" else real_which(c))
   with pytest.raises(netns.NetnsUnavailable, match="tc"):
     netns.check_prerequisites()
+
+
+def test_validation_benchmark_refuses_without_root(monkeypatch, capsys):
+  import importlib.util
+  import os
+  from jaxcomp import netns
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_perfmodel.py")
+  spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+  created = []
+  monkeypatch.setattr(netns.RateLimitedCluster, "_create", lambda self: created.append(1))
+  assert mod.main(["--workers", "2", "--rates", "100mbit"]) == 2
+  err = capsys.readouterr().err
+  assert "refusing to run" in err and "root" in err
+  assert not created
+
+
+def test_validation_fit_recovers_alpha_beta():
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_perfmodel.py")
+  spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  p, link = 4, pm.Link(2e-4, 8e-9)
+  meas = []
+  for m in (4096, 65536, 524288, 2097152):
+    meas.append({"kind": "allreduce", "bytes": m, "seconds": pm.allreduce_time(m, p, link)})
+    meas.append({"kind": "allgather", "bytes": m, "seconds": pm.allgather_time(m, p, link)})
+  alpha, beta = mod.fit_alpha_beta(meas, p)
+  assert alpha == pytest.approx(link.alpha, rel=1e-6)
+  assert beta == pytest.approx(link.beta, rel=1e-6)
