@@ -18,7 +18,14 @@ def parse(argv=None):
   p.add_argument("--ratio", type=float, default=0.01,
                  help="fraction sent by top-k / random-block")
   p.add_argument("--levels", type=int, default=4, help="QSGD levels")
-  p.add_argument("--error-feedback", choices=["auto", "on", "off"],
+  p.add_argument("--rank", type=int, default=1, help="PowerSGD rank")
+  p.add_argument("--bits", type=int, default=8, help="int8_block bits")
+  p.add_argument("--format", default="e4m3", help="fp8_block format")
+  p.add_argument("--threshold", type=float, default=1e-3,
+                 help="threshold compressor's magnitude threshold")
+  p.add_argument("--block-size", type=int, default=256,
+                 help="int8_block / fp8_block elements per scale")
+  p.add_argument("--error-feedback", choices=["auto", "on", "off", "ef21", "dgc"],
                  default="auto", help="auto: on for biased compressors")
   p.add_argument("--epochs", type=int, default=2)
   p.add_argument("--batch-size", type=int, default=256, help="global batch")
@@ -50,8 +57,10 @@ def main(argv=None) -> int:
 
   config = train.Config(
       dataset=args.dataset, compressor=args.compressor, ratio=args.ratio,
-      levels=args.levels,
-      error_feedback={"auto": None, "on": True, "off": False}[args.error_feedback],
+      levels=args.levels, rank=args.rank, bits=args.bits, format=args.format,
+      threshold=args.threshold, block_size=args.block_size,
+      error_feedback={"auto": None, "on": True, "off": False}.get(
+          args.error_feedback, args.error_feedback),
       epochs=args.epochs, batch_size=args.batch_size,
       learning_rate=args.learning_rate, seed=args.seed,
       max_steps=args.max_steps, progress=not args.no_progress)

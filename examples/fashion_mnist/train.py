@@ -24,7 +24,12 @@ class Config:
   compressor: str = "identity"  # a name from jaxcomp.compressors.names()
   ratio: float = 0.01  # top-k / random-block fraction sent
   levels: int = 4  # QSGD levels
-  error_feedback: bool | None = None  # None: on for biased compressors
+  rank: int = 1  # PowerSGD rank
+  bits: int = 8  # int8_block bits (2, 4 or 8)
+  format: str = "e4m3"  # fp8_block format
+  threshold: float = 1e-3  # threshold compressor's magnitude threshold
+  block_size: int = 256  # int8_block / fp8_block elements per scale
+  error_feedback: bool | str | None = None  # None: on for biased ones
   epochs: int = 2
   batch_size: int = 256  # global, split over the devices
   learning_rate: float = 2e-3
@@ -53,7 +58,11 @@ class CNN(nn.Module):
 def compressor_kwargs(config: Config) -> dict[str, Any]:
   """The config's hyperparameters that the chosen compressor takes."""
   fields = jaxcomp.compressors.hyperparameters(config.compressor)
-  candidates = {"ratio": config.ratio, "levels": config.levels}
+  candidates = {"ratio": config.ratio, "levels": config.levels,
+                "rank": config.rank, "bits": config.bits,
+                "format": config.format, "threshold": config.threshold,
+                "block_size": config.block_size,
+                "capacity_ratio": config.ratio}
   return {k: v for k, v in candidates.items() if k in fields}
 
 
@@ -143,9 +152,12 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       idx = perm[s * bs:(s + 1) * bs]
       batch = jax.device_put((train_x[idx], train_y[idx]), batch_sharding)
       params, opt_state, loss = step(params, opt_state, batch)
-      losses.append(loss)
+      # Wait for each step: simulated CPU devices share one thread pool, and
+      # steps dispatched ahead can occupy it with participants of a later
+      # all-reduce while an earlier one still waits for its last device.
+      losses.append(float(loss))
       total += 1
-    mean_loss = float(np.mean([float(l) for l in losses])) if losses else float("nan")
+    mean_loss = float(np.mean(losses)) if losses else float("nan")
     history.append({"epoch": epoch + 1, "loss": mean_loss,
                     "test_accuracy": evaluate(params),
                     "seconds": time.perf_counter() - t0})

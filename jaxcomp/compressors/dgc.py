@@ -1,0 +1,183 @@
+"""Deep Gradient Compression's sparsifier: top-k from a sampled threshold,
+and its exponential sparsity warm-up as an Optax schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp.compressors import _hparams
+from jaxcomp.compressors.base import Compressor, num_selected, register
+from jaxcomp.compressors.threshold import (masked_topk, scatter_decode,
+                                           scatter_decode_sum)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class DGC(Compressor):
+  """DGC top-k: the threshold is estimated from a random sample.
+
+  For ``k = ceil(ratio * n)``: draw ``m = ceil(sample_ratio * n)`` entries
+  (with replacement, independent per device), take the
+  ``ceil(m * k / n)``-th largest ``|x|`` of the sample as threshold ``t``.
+  Adjust within bounds: while fewer than ``lower_bound * k`` entries pass
+  ``t``, halve ``t`` (at most ``max_adjust`` times); if more than ``k`` pass,
+  send the ``k`` largest of those (DGC's hierarchical top-k on the selected
+  set). So at most ``k`` entries travel; slots left free carry zeros.
+  Biased: error feedback is on by default; DGC's momentum correction and
+  factor masking are the ``"dgc"`` feedback
+  (:class:`jaxcomp.feedback_variants.DGCFeedback`, use
+  ``error_feedback="dgc"`` and plain SGD after the transform) and its sparsity
+  warm-up is :func:`dgc_warmup_schedule`.
+
+  ``ratio`` may be scheduled (``optax.inject_hyperparams``) with
+  ``max_ratio`` as the static capacity: the payload holds
+  ``k_max = ceil(max_ratio * n)`` pairs, entries beyond the traced ``k`` are
+  zeros. A buffer smaller than ``k`` sends all of its entries.
+
+  Payload: ``values`` float32 ``(k,)`` and ``indices`` int32 ``(k,)``:
+  ``8 * k`` bytes (``k_max`` with ``max_ratio``), all-gathered.
+
+  Args:
+    ratio: fraction of entries sent (1 - sparsity), in (0, 1].
+    sample_ratio: fraction of entries sampled for the threshold, in (0, 1].
+    lower_bound: fraction of k below which the threshold is lowered, [0, 1].
+    max_adjust: most halvings of the threshold, >= 0.
+    max_ratio: static capacity when ``ratio`` is scheduled, or None.
+
+  Raises:
+    ValueError: a ratio outside (0, 1], ``ratio > max_ratio``, a traced
+      ``ratio`` without ``max_ratio``, ``lower_bound`` outside [0, 1],
+      ``max_adjust`` < 0.
+
+  References:
+    Lin et al., Deep Gradient Compression: Reducing the Communication
+    Bandwidth for Distributed Training <https://arxiv.org/abs/1712.01887>,
+    2018.
+  """
+
+  name: ClassVar[str] = "dgc"
+  biased: ClassVar[bool] = True
+  randomness: ClassVar[str] = "independent"
+  ratio: float = 0.001
+  sample_ratio: float = 0.01
+  lower_bound: float = 0.8
+  max_adjust: int = 4
+  max_ratio: float | None = None
+
+  def __post_init__(self):
+    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
+                          low_open=True)
+    for field in ("sample_ratio", "max_ratio"):
+      if getattr(self, field) is not None:
+        _hparams.check_number(getattr(self, field), field, low=0.0, high=1.0,
+                              low_open=True)
+    _hparams.check_number(self.lower_bound, "lower_bound", low=0.0, high=1.0)
+    _hparams.check_number(self.max_adjust, "max_adjust", low=0, integer=True)
+    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+
+  def capacity(self, n: int) -> int:
+    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    return num_selected(float(cap), n)
+
+  def k(self, n: int) -> jax.Array:
+    """int32 scalar: the number of entries selected (<= capacity)."""
+    return _hparams.ceil_count(self.ratio, n, self.capacity(n))
+
+  def threshold(self, x: jax.Array, key: jax.Array) -> jax.Array:
+    """float32 scalar: the sampled, adjusted threshold for ``|x|``."""
+    n = x.shape[0]
+    cap = self.capacity(n)
+    k = self.k(n)
+    m = max(1, min(n, math.ceil(self.sample_ratio * n)))
+    mag = jnp.abs(x)
+    sample = jnp.sort(mag[jax.random.randint(key, (m,), 0, n)])[::-1]
+    ks = max(1, math.ceil(m * cap / n))  # static rank at capacity ...
+    # ... and the traced rank for k <= capacity.
+    rank = jnp.clip(jnp.ceil(jnp.float32(m) * k.astype(jnp.float32)
+                             / jnp.float32(n)).astype(jnp.int32), 1, ks)
+    t = sample[rank - 1]
+    need = jnp.float32(self.lower_bound) * k.astype(jnp.float32)
+
+    def too_few(c):
+      t, i = c
+      return (jnp.sum(mag >= t, dtype=jnp.float32) < need) & (
+          i < self.max_adjust)
+
+    t, _ = lax.while_loop(too_few, lambda c: (c[0] * 0.5, c[1] + 1),
+                          (t, jnp.int32(0)))
+    return t
+
+  def encode(self, x, key):
+    x = x.astype(jnp.float32)
+    n = x.shape[0]
+    cap = self.capacity(n)
+    eligible = jnp.abs(x) >= self.threshold(x, key)
+    values, idx = masked_topk(x, eligible, cap)
+    values = jnp.where(jnp.arange(cap) < self.k(n), values, 0.0)
+    return {"values": values, "indices": idx}
+
+  def decode(self, payload, n, key):
+    del key
+    return scatter_decode(payload, n)
+
+  def decode_sum(self, payloads, n, key):
+    del key
+    return scatter_decode_sum(payloads, n)
+
+  def payload_bytes(self, n: int) -> int:
+    return 8 * self.capacity(n)
+
+
+def dgc_warmup_schedule(final_ratio: float = 0.001, stage_steps: int = 1,
+                        decay: float = 0.25):
+  """DGC's exponential sparsity warm-up as an Optax schedule of ``ratio``.
+
+  ``ratio(step) = max(final_ratio, decay ** (step // stage_steps + 1))``:
+  with the default ``decay = 0.25`` the sparsity goes 75%, 93.75%, 98.4375%,
+  99.6%, 99.9% (the paper's warm-up over its first epochs when
+  ``stage_steps`` is one epoch of steps). The target is reached at step
+  :func:`dgc_warmup_steps` ``(final_ratio, stage_steps, decay)``. Use it with
+  ``optax.inject_hyperparams`` and ``max_ratio=decay`` (the first stage's
+  ratio, the capacity).
+
+  Args:
+    final_ratio: the ratio after warm-up, in (0, 1].
+    stage_steps: steps per stage (> 0).
+    decay: ratio multiplier per stage, in (0, 1).
+
+  Returns:
+    A schedule ``step -> float32 ratio``.
+
+  Raises:
+    ValueError: an argument outside its range.
+
+  References:
+    Lin et al., Deep Gradient Compression <https://arxiv.org/abs/1712.01887>,
+    2018, Section 3.3 (warm-up training).
+  """
+  _hparams.check_number(final_ratio, "final_ratio", low=0.0, high=1.0,
+                        low_open=True)
+  _hparams.check_number(stage_steps, "stage_steps", low=1, integer=True)
+  if not 0.0 < decay < 1.0:
+    raise ValueError(f"decay must be in (0, 1), got {decay=}")
+
+  def schedule(step):
+    stage = jnp.asarray(step, jnp.int32) // stage_steps
+    r = jnp.power(jnp.float32(decay), (stage + 1).astype(jnp.float32))
+    return jnp.maximum(jnp.float32(final_ratio), r)
+
+  return schedule
+
+
+def dgc_warmup_steps(final_ratio: float = 0.001, stage_steps: int = 1,
+                     decay: float = 0.25) -> int:
+  """First step at which :func:`dgc_warmup_schedule` equals ``final_ratio``:
+  ``stage_steps * (ceil(log(final_ratio) / log(decay)) - 1)``."""
+  stages = math.ceil(math.log(final_ratio) / math.log(decay) - 1e-9)
+  return stage_steps * max(stages - 1, 0)

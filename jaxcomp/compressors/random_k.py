@@ -1,0 +1,103 @@
+"""Random-k sparsification with a shared key (psum carries it, no indices)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.compressors import _hparams
+from jaxcomp.compressors.base import Compressor, num_selected, register
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class RandomK(Compressor):
+  """Sends k = ceil(ratio * n) entries chosen uniformly at random, without
+  replacement, with a key shared by all devices.
+
+  Every device picks the same coordinates (the key is the same everywhere
+  and changes every step), so no indices travel and ``lax.psum`` sums the
+  values in flight. With ``unbiased=False`` (default) the unsent entries are
+  dropped and :func:`jaxcomp.compressed_mean` adds residual error feedback;
+  with ``unbiased=True`` the sent entries are scaled by ``n / k`` so that
+  ``E[decode(encode(x))] = x`` (variance ``(n / k - 1) ||x||^2``) and no
+  error feedback is added by default.
+
+  ``ratio`` may be scheduled (``optax.inject_hyperparams``) when
+  ``max_ratio`` fixes the capacity ``k_max = ceil(max_ratio * n)``: the
+  payload always holds ``k_max`` values and the entries beyond the traced
+  ``k`` are sent as zeros. A buffer with fewer elements than ``k`` sends all
+  of them (k is capped at n).
+
+  Payload: float32 ``(k,)`` (``(k_max,)`` with ``max_ratio``): ``4 * k``
+  bytes.
+
+  Args:
+    ratio: fraction of entries sent, in (0, 1].
+    unbiased: scale the sent entries by ``n / k``.
+    max_ratio: static capacity when ``ratio`` is scheduled, in (0, 1], or None.
+
+  Raises:
+    ValueError: ``ratio`` or ``max_ratio`` outside (0, 1], ``ratio >
+      max_ratio``, or a traced ``ratio`` without ``max_ratio``.
+
+  References:
+    Stich, Cordonnier & Jaggi, Sparsified SGD with Memory
+    <https://arxiv.org/abs/1809.07599>, 2018; Wangni et al., Gradient
+    Sparsification for Communication-Efficient Distributed Optimization
+    <https://arxiv.org/abs/1710.09854>, 2018.
+  """
+
+  name: ClassVar[str] = "random_k"
+  linear: ClassVar[bool] = True
+  randomness: ClassVar[str] = "shared"
+  ratio: float = 0.01
+  unbiased: bool = False
+  max_ratio: float | None = None
+
+  def __post_init__(self):
+    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
+                          low_open=True)
+    if self.max_ratio is not None:
+      _hparams.check_number(self.max_ratio, "max_ratio", low=0.0, high=1.0,
+                            low_open=True)
+    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+
+  @property
+  def biased(self):
+    return not self.unbiased
+
+  def capacity(self, n: int) -> int:
+    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    return num_selected(float(cap), n)
+
+  def k(self, n: int) -> jax.Array:
+    """int32 scalar: the number of entries really sent (<= capacity)."""
+    return _hparams.ceil_count(self.ratio, n, self.capacity(n))
+
+  def indices(self, n: int, key: jax.Array) -> jax.Array:
+    """int32 ``(capacity,)``: distinct coordinates drawn with ``key``."""
+    cap = self.capacity(n)
+    if cap == n:
+      return jax.random.permutation(key, n).astype(jnp.int32)
+    return jax.random.choice(key, n, (cap,), replace=False).astype(jnp.int32)
+
+  def _weights(self, n):
+    cap = self.capacity(n)
+    k = self.k(n)
+    live = jnp.arange(cap) < k
+    scale = jnp.float32(n) / k.astype(jnp.float32) if self.unbiased else 1.0
+    return jnp.where(live, scale, 0.0).astype(jnp.float32)
+
+  def encode(self, x, key):
+    n = x.shape[0]
+    return x.astype(jnp.float32)[self.indices(n, key)] * self._weights(n)
+
+  def decode(self, payload, n, key):
+    return jnp.zeros((n,), jnp.float32).at[self.indices(n, key)].add(payload)
+
+  def payload_bytes(self, n: int) -> int:
+    return 4 * self.capacity(n)

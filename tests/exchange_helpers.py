@@ -1,0 +1,48 @@
+"""Test helpers for compressor-level exchanges on the 8-device mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxcomp import collectives
+from jaxcomp.sharding import to_varying
+
+
+def exchange_fn(mesh, comp, n, steps=1, axis="data"):
+  """A jitted ``f(xs (p, n) or (steps, p, n), key) -> (means, locals,
+  state)`` running the compressor's default collective ``steps`` times.
+
+  ``means`` is ``(steps, n)`` (identical on every device), ``locals`` is
+  ``(p, steps, n)`` (each device's contribution), ``state`` the final
+  exchange state with a leading device axis.
+  """
+  coll = collectives.get(None, comp)
+
+  def body(xs, key):
+    xs = xs[0] if xs.ndim == 2 else xs[:, 0]
+    xs = xs.reshape(steps, n)
+    state = coll.init_state(comp, n, axis)
+    means, locs = [], []
+    for t in range(steps):
+      k = jax.random.fold_in(key, t)
+      if comp.randomness == "independent":
+        k = jax.random.fold_in(k, lax.axis_index(axis))
+      m, l, state = coll.exchange(comp, xs[t], k, axis, state)
+      means.append(m)
+      locs.append(l)
+    state = jax.tree.map(lambda a: a[None], to_varying(state, axis))
+    return jnp.stack(means), jnp.stack(locs)[None], state
+
+  f = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(axis) if steps == 1 else P(None, axis),
+                                 P()),
+      out_specs=(P(), P(axis), P(axis))))
+
+  def run(xs, key):
+    spec = P(axis) if xs.ndim == 2 else P(None, axis)
+    return f(jax.device_put(xs, NamedSharding(mesh, spec)), key)
+
+  return run

@@ -1,0 +1,133 @@
+"""PowerSGD: rank-r recovery, warm-started Q in the state, start_iter,
+min_compression_rate, scheduled rank, bad input."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp.compressors import PowerSGD
+from jaxcomp.compressors.powersgd import matrix_shape, orthogonalize
+from tests.exchange_helpers import exchange_fn
+
+ROWS = COLS = 32
+N = ROWS * COLS
+
+
+def _rank_r_grads(r, seed=0):
+  """Per-device (8, N) gradients M_i = A B_i^T: the mean has rank r."""
+  rng = np.random.default_rng(seed)
+  a = rng.normal(size=(ROWS, r))
+  b = rng.normal(size=(8, COLS, r))
+  return jnp.asarray(np.einsum("rk,dck->drc", a, b).reshape(8, N), jnp.float32)
+
+
+def test_matrix_view_and_orthogonalize():
+  assert matrix_shape(1024) == (32, 32)
+  assert matrix_shape(48 * 64) == (48, 64)
+  assert matrix_shape(13) == (1, 13)
+  m = jax.random.normal(jax.random.key(0), (20, 4))
+  q = orthogonalize(m)
+  np.testing.assert_allclose(q.T @ q, np.eye(4), atol=1e-5)
+  # Gram-Schmidt keeps the span of the leading columns (QR with R > 0).
+  qr, rr = np.linalg.qr(np.asarray(m))
+  np.testing.assert_allclose(np.asarray(q), qr * np.sign(np.diag(rr)),
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_rank_r_gradient_is_recovered(mesh8, r):
+  xs = _rank_r_grads(r)
+  means, locs, _ = exchange_fn(mesh8, PowerSGD(rank=r), N)(xs, jax.random.key(0))
+  ref = np.asarray(xs).mean(axis=0)
+  np.testing.assert_allclose(np.asarray(means[0]), ref, atol=1e-4 * np.abs(
+      ref).max())
+  # local is the mean's approximation on every device (PyTorch's hook).
+  np.testing.assert_array_equal(np.asarray(locs)[3, 0], np.asarray(means[0]))
+
+
+def test_full_rank_is_exact(mesh8):
+  xs = jnp.asarray(np.random.default_rng(2).normal(size=(8, N)), jnp.float32)
+  comp = PowerSGD(rank=ROWS, min_compression_rate=0.1)
+  means, _, _ = exchange_fn(mesh8, comp, N)(xs, jax.random.key(0))
+  np.testing.assert_allclose(np.asarray(means[0]), np.asarray(xs).mean(axis=0),
+                             atol=1e-4)  # float32, cond(M) ~ 100
+
+
+def test_warm_started_q_persists_across_steps(mesh8):
+  comp = PowerSGD(rank=2)
+  rng = np.random.default_rng(3)
+  xs = jnp.asarray(rng.normal(size=(2, 8, N)), jnp.float32)
+  means, _, state = exchange_fn(mesh8, comp, N, steps=2)(xs, jax.random.key(0))
+  q = comp.init_state(N, "data").q  # the shared initial Q
+  m = np.asarray(xs, np.float64).reshape(2, 8, ROWS, COLS)
+  for t in range(2):  # the power iteration by hand, Q carried over
+    q = np.asarray(orthogonalize(jnp.asarray(q, jnp.float32)), np.float64)
+    p = np.einsum("drc,ck->rk", m[t], q)
+    p = np.asarray(orthogonalize(jnp.asarray(p, jnp.float32)), np.float64)
+    q = np.einsum("drc,rk->ck", m[t], p) / 8
+    np.testing.assert_allclose(np.asarray(means[t]), (p @ q.T).reshape(-1),
+                               atol=1e-4)
+  np.testing.assert_allclose(np.asarray(state.q)[0], q, atol=1e-4)
+  assert int(np.asarray(state.count)[0]) == 2
+
+
+def test_start_iter_and_min_compression_rate(mesh8):
+  rng = np.random.default_rng(4)
+  xs = jnp.asarray(rng.normal(size=(3, 8, N)), jnp.float32)
+  comp = PowerSGD(rank=1, start_iter=2)
+  means, locs, _ = exchange_fn(mesh8, comp, N, steps=3)(xs, jax.random.key(0))
+  ref = np.asarray(xs).mean(axis=1)
+  for t in range(2):  # exact all-reduce, and local = x (no residual)
+    np.testing.assert_allclose(np.asarray(means[t]), ref[t], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(locs[:, t]), np.asarray(xs[t]))
+  assert np.linalg.norm(np.asarray(means[2]) - ref[2]) > 0.5 * np.linalg.norm(
+      ref[2])  # compressed from step 2 on
+  # 32 x 32 at rank 8: 1024 / (64 * 8) = 2 < 3, so it stays exact.
+  exact = PowerSGD(rank=8, min_compression_rate=3.0)
+  assert not exact.compresses(N) and exact.payload_bytes(N) == 4 * N
+  assert PowerSGD(rank=8).payload_bytes(N) == 4 * 64 * 8
+
+
+def test_scheduled_rank(mesh8):
+  def make(rank):
+    return jaxcomp.compressed_mean("powersgd", "data", nonfinite="zero",
+                                   rank=rank, max_rank=4)
+
+  tx = optax.inject_hyperparams(make)(rank=lambda step: 1 + 2 * step)
+  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((ROWS, COLS))},
+                                      mesh8, "data")
+
+  def body(g, s):
+    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  g = jax.device_put(jnp.asarray(np.random.default_rng(5).normal(
+      size=(8, ROWS, COLS)), jnp.float32), NamedSharding(mesh8, P("data")))
+  ranks = []
+  for _ in range(2):
+    u, state = f(g, state)
+    ranks.append(int(np.linalg.matrix_rank(np.asarray(u["w"]), tol=1e-4)))
+  assert ranks == [1, 3]
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match="rank"):
+    PowerSGD(rank=0)
+  with pytest.raises(TypeError, match="rank"):
+    PowerSGD(rank=1.5)
+  with pytest.raises(ValueError, match="max_rank"):
+    PowerSGD(rank=4, max_rank=2)
+  with pytest.raises(ValueError, match="start_iter"):
+    PowerSGD(start_iter=-1)
+  with pytest.raises(ValueError, match="min_compression_rate"):
+    PowerSGD(min_compression_rate=0.0)
+  # A rank above min(rows, cols) is capped (documented pass-through).
+  assert PowerSGD(rank=100, min_compression_rate=0.1).shape_and_rank(64) == (
+      8, 8, 8)

@@ -1,0 +1,114 @@
+"""random-k (shared key, psum without indices) and threshold sparsification,
+and scheduling their hyperparameters with optax.inject_hyperparams."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcomp
+from jaxcomp.compressors import RandomK, Threshold
+from tests.exchange_helpers import exchange_fn
+from tests.helpers import run_shard_map
+
+N = 1000
+
+
+@pytest.fixture(scope="module")
+def xs():
+  return jnp.asarray(np.random.default_rng(0).normal(size=(8, N)), jnp.float32)
+
+
+def test_random_k_every_device_sends_the_same_coordinates(mesh8, xs):
+  comp = RandomK(ratio=0.05)
+  means, locs, _ = exchange_fn(mesh8, comp, N)(xs, jax.random.key(7))
+  mean, locs = np.asarray(means[0]), np.asarray(locs[:, 0])
+  sel = np.nonzero(mean)[0]
+  assert len(sel) == 50  # k = ceil(0.05 * 1000), distinct
+  for i in range(8):  # each device sent exactly these coordinates
+    np.testing.assert_array_equal(np.nonzero(locs[i])[0], sel)
+  np.testing.assert_allclose(mean[sel], np.asarray(xs).mean(axis=0)[sel],
+                             rtol=1e-5, atol=1e-7)
+  assert comp.payload_bytes(N) == 4 * 50  # values only, no indices
+
+
+def test_random_k_unbiased_variant(xs):
+  comp = RandomK(ratio=0.1, unbiased=True)
+  assert not comp.biased
+  trials = 2000
+  f = jax.jit(jax.vmap(lambda k: comp.decode(comp.encode(xs[0], k), N, k)))
+  ys = np.asarray(f(jax.random.split(jax.random.key(1), trials)), np.float64)
+  x = np.asarray(xs[0], np.float64)
+  # Per element: mean of 2000 draws of (n/k) x Bernoulli(k/n), so the
+  # standard error is |x| sqrt((n/k - 1) / trials).
+  se = np.abs(x) * np.sqrt(9.0 / trials)
+  assert np.all(np.abs(ys.mean(axis=0) - x) <= 5 * se + 1e-6)
+
+
+def test_threshold_sends_what_passes_and_keeps_the_overflow(mesh8, xs):
+  # Under capacity: exactly the entries with |x| >= t.
+  comp = Threshold(threshold=2.0, capacity_ratio=0.2)
+  x = xs[0]
+  y = np.asarray(comp.decode(comp.encode(x, None), N, None))
+  np.testing.assert_array_equal(y, np.where(np.abs(x) >= 2.0, x, 0.0))
+  # Over capacity (about 317 entries pass |x| >= 1, the capacity is 100):
+  # the 100 largest travel, the rest stays in the residual.
+  tx = jaxcomp.compressed_mean("threshold", "data", nonfinite="zero",
+                               threshold=1.0, capacity_ratio=0.1)
+  _, _, state, _ = run_shard_map(tx, {"w": xs}, mesh8)
+  residual = np.asarray(state.feedback[0])
+  sent = np.asarray(xs) - residual
+  for i in range(8):
+    nz = np.nonzero(sent[i])[0]
+    assert len(nz) == 100
+    order = np.argsort(-np.abs(np.asarray(xs[i])))
+    assert set(nz) == set(order[:100])
+  assert np.sum(np.abs(residual) >= 1.0) > 8 * 150  # the overflow is kept
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ratio=0.0), "ratio"), (dict(ratio=1.5), "ratio"),
+    (dict(ratio=0.5, max_ratio=0.1), "max_ratio")])
+def test_random_k_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    RandomK(**kwargs)
+
+
+def test_bad_threshold_and_traced_ratio_without_capacity():
+  with pytest.raises(ValueError, match="threshold"):
+    Threshold(threshold=-1.0)
+  with pytest.raises(ValueError, match="capacity_ratio"):
+    Threshold(capacity_ratio=0.0)
+  with pytest.raises(ValueError, match="max_ratio"):
+    jax.jit(lambda r: RandomK(ratio=r).encode(jnp.zeros(10), None))(0.5)
+
+
+def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs):
+  # ratio 0.2 -> 0.1 -> 0.05 over three steps, capacity fixed at 0.2.
+  def make(ratio):
+    return jaxcomp.compressed_mean("random_k", "data", nonfinite="zero",
+                                   error_feedback=False, ratio=ratio,
+                                   max_ratio=0.2)
+
+  sched = optax.exponential_decay(0.2, 1, 0.5)
+  tx = optax.inject_hyperparams(make)(ratio=sched)
+  params = {"w": jnp.zeros((N,))}
+  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+
+  def body(g, s):
+    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  g = jax.device_put(xs, NamedSharding(mesh8, P("data")))
+  nnz = []
+  for _ in range(3):
+    u, state = f(g, state)
+    nnz.append(int(jnp.sum(u["w"] != 0)))
+  assert nnz == [200, 100, 50]
+  # The wire keeps the capacity: 4 * ceil(0.2 * N) bytes every step.
+  traffic = jaxcomp.collective_traffic(f.lower(g, state).compile())
+  assert traffic.operand_bytes == 4 * 200
