@@ -107,3 +107,27 @@ def test_bad_batch_and_compressor():
         k: v for k, v in TINY.items() if k != "batch_size"}))
   with pytest.raises(ValueError, match="unknown compressor"):
     train.train_and_evaluate(train.Config(compressor="nope", **TINY))
+
+
+def test_convergence_benchmark_configs():
+  """benchmarks/convergence.py passes each compressor's hyperparameters to
+  both examples' configs generically (no training here)."""
+  import importlib.util
+  import jaxcomp
+  from examples.fashion_mnist import train as fashion_train
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                      "benchmarks", "convergence.py")
+  spec = importlib.util.spec_from_file_location("convergence", path)
+  conv = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(conv)
+  for _, name, hp, ef in conv.SPECS:
+    if name not in jaxcomp.compressors.names():
+      continue
+    for module in (train, fashion_train):
+      config = conv._config(module, {"seed": 3}, name, hp, ef)
+      assert config.compressor == name and config.seed == 3
+      assert config.error_feedback == ef
+      for k, v in hp.items():
+        assert module.compressor_kwargs(config)[k] == v
+  with pytest.raises(ValueError, match="takes"):
+    conv._config(train, {}, "topk", {"rank": 4}, None)
