@@ -1,0 +1,309 @@
+"""Convergence against bytes sent: both examples, dense and each major compressor.
+
+Trains the Fashion-MNIST CNN (``examples/fashion_mnist``) and the
+character-level transformer (``examples/char_lm``) for a fixed number of steps
+and seeds with a dense float32 all-reduce and with each major compressor that
+is registered when it runs (top-k, random-block, QSGD, sign + error feedback,
+PowerSGD, int8 block quantization), then writes a Markdown table and a plot
+of quality (test accuracy, validation loss) against the total bytes each
+device sent::
+
+  python benchmarks/convergence.py                       # docs/convergence.{md,png}
+  python benchmarks/convergence.py --fashion-steps 40 --lm-steps 40 --out /tmp/c
+
+Compressor hyperparameters are passed generically: each example's
+``train.Config`` gets the fields that ``jaxcomp.compressors.hyperparameters``
+says the compressor takes. The two examples run as two worker processes at the
+same time (``--jobs 1`` runs them one after the other), each on
+``--devices`` simulated CPU devices; wall times include compilation and are
+only comparable within one example of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (label, compressor, hyperparameters, error_feedback); None: the default
+# (on for biased compressors, off for unbiased ones).
+SPECS = [
+    ("dense (float32 all-reduce)", "identity", {}, None),
+    ("top-k 1% + EF", "topk", {"ratio": 0.01}, True),
+    ("random-block 1% + EF", "random_block", {"ratio": 0.01}, True),
+    ("QSGD 4 levels", "qsgd", {"levels": 4}, None),
+    ("sign + EF", "sign", {}, True),
+    ("PowerSGD rank 4 + EF", "powersgd", {"rank": 4}, None),
+    ("int8 block", "int8_block", {"bits": 8}, None),
+]
+TARGETS = ("topk", "powersgd")  # must be close to dense at >= 10x fewer bytes
+EXAMPLES = ("fashion_mnist", "char_lm")
+
+
+def _config(train_module, base: dict, compressor: str, hp: dict, ef):
+  import jaxcomp
+  fields = {f.name for f in dataclasses.fields(train_module.Config)}
+  takes = set(jaxcomp.compressors.hyperparameters(compressor))
+  unknown = sorted(set(hp) - takes)
+  if unknown:
+    raise ValueError(f"{compressor} takes {sorted(takes)}, not {unknown}")
+  missing = sorted(set(hp) - fields)
+  if missing:
+    raise ValueError(f"{train_module.__name__}.Config has no field for "
+                     f"{compressor}'s {missing}")
+  return train_module.Config(compressor=compressor, error_feedback=ef,
+                             **base, **hp)
+
+
+def worker(example: str, args, out_path: str) -> None:
+  """Runs every spec and seed of one example, appending JSON lines."""
+  os.environ.setdefault(
+      "XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+  sys.path.insert(0, REPO)
+  import jax
+  import jaxcomp
+  if example == "fashion_mnist":
+    from examples.fashion_mnist import train as train_module
+    base = dict(dataset=args.dataset, epochs=1, max_steps=args.fashion_steps,
+                batch_size=args.fashion_batch, progress=False)
+  else:
+    from examples.char_lm import train as train_module
+    base = dict(epochs=1, steps_per_epoch=args.lm_steps,
+                batch_size=args.lm_batch, d_model=args.lm_d_model,
+                progress=False)
+  available = set(jaxcomp.compressors.names())
+  for label, name, hp, ef in SPECS:
+    if name not in available:
+      with open(out_path, "a") as f:
+        f.write(json.dumps({"example": example, "label": label,
+                            "compressor": name, "missing": True}) + "\n")
+      continue
+    for seed in args.seeds:
+      config = _config(train_module, dict(base, seed=seed), name, hp, ef)
+      t0 = time.perf_counter()
+      with jax.numpy_dtype_promotion("standard"):
+        r = train_module.train_and_evaluate(config)
+      wall = time.perf_counter() - t0
+      last = r["epochs"][-1]
+      row = {"example": example, "label": label, "compressor": name,
+             "hyperparameters": hp, "seed": seed, "steps": r["steps"],
+             "wall_s": wall, "bytes_per_step": r["bytes_per_step"],
+             "dense_bytes_per_step": r["dense_bytes_per_step"],
+             "total_bytes": r["bytes_per_step"] * r["steps"],
+             "dataset": r["dataset"]}
+      if example == "fashion_mnist":
+        row["metric"] = last["test_accuracy"]
+      else:
+        row["metric"] = last["valid_loss"]
+        row["bits_per_char"] = last["bits_per_char"]
+      with open(out_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+      print(f"[{example}] {label} seed {seed}: metric {row['metric']:.4f} "
+            f"bytes/step {row['bytes_per_step']:.0f} wall {wall:.0f} s",
+            flush=True)
+
+
+def summarize(rows):
+  """Per example and spec: mean metric over seeds, bytes, median wall time."""
+  out = {}
+  for ex in EXAMPLES:
+    out[ex] = []
+    for label, name, hp, ef in SPECS:
+      rs = [r for r in rows if r["example"] == ex and r["label"] == label]
+      if not rs:
+        continue
+      if rs[0].get("missing"):
+        out[ex].append({"label": label, "compressor": name, "missing": True})
+        continue
+      out[ex].append({
+          "label": label, "compressor": name,
+          "metric": statistics.mean(r["metric"] for r in rs),
+          "metric_min": min(r["metric"] for r in rs),
+          "metric_max": max(r["metric"] for r in rs),
+          "bits_per_char": (statistics.mean(r["bits_per_char"] for r in rs)
+                            if ex == "char_lm" else None),
+          "seeds": len(rs), "steps": rs[0]["steps"],
+          "bytes_per_step": rs[0]["bytes_per_step"],
+          "total_bytes": rs[0]["total_bytes"],
+          "dense_bytes_per_step": rs[0]["dense_bytes_per_step"],
+          "wall_s": statistics.median(r["wall_s"] for r in rs),
+          "dataset": rs[0]["dataset"]})
+  return out
+
+
+def _mb(b):
+  return f"{b / 1e6:.3f}" if b < 1e7 else f"{b / 1e6:.0f}"
+
+
+def write_markdown(summary, args, path, png_name, elapsed):
+  lines = ["# Convergence against bytes sent", "",
+           "Generated by", "", "```bash",
+           "python " + " ".join(["benchmarks/convergence.py"] + args.argv),
+           "```", "",
+           f"Both examples on {args.devices} simulated CPU devices (one "
+           f"process per example, run at the same time on a shared 2-core "
+           f"machine), seeds {args.seeds}, {elapsed / 60:.1f} minutes in "
+           "all. Bytes are what one device sends per step (the transform's "
+           "statistics, which the tests check against the compiled "
+           "collectives); 'fewer bytes' is dense / compressed. Wall time is "
+           "one whole run (compilation included), the median over seeds.",
+           ""]
+  checks = []
+  for ex in EXAMPLES:
+    rows = summary.get(ex, [])
+    dense = next((r for r in rows if r["compressor"] == "identity"
+                  and not r.get("missing")), None)
+    if dense is None:
+      continue
+    if ex == "fashion_mnist":
+      lines += [f"## Fashion-MNIST CNN ({dense['dataset']}), "
+                f"{dense['steps']} steps of batch {args.fashion_batch}", "",
+                "| compressor | test accuracy | vs dense (points) | bytes/step/device | total MB/device | fewer bytes | wall s |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+    else:
+      lines += [f"## Character LM (d_model {args.lm_d_model}; {dense['dataset']}), "
+                f"{dense['steps']} steps of batch {args.lm_batch}", "",
+                "| compressor | validation loss (nats) | bits/char | vs dense | bytes/step/device | total MB/device | fewer bytes | wall s |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+      if r.get("missing"):
+        lines.append(f"| {r['label']} | not registered when run | | | | | |"
+                     + (" |" if ex == "char_lm" else ""))
+        continue
+      fewer = dense["bytes_per_step"] / r["bytes_per_step"]
+      spread = (f" ({r['metric_min']:.4f}-{r['metric_max']:.4f})"
+                if r["seeds"] > 1 else "")
+      if ex == "fashion_mnist":
+        delta = 100 * (r["metric"] - dense["metric"])
+        lines.append(
+            f"| {r['label']} | {r['metric']:.4f}{spread} | {delta:+.2f} | "
+            f"{r['bytes_per_step']:.0f} | {_mb(r['total_bytes'])} | "
+            f"{fewer:.1f}x | {r['wall_s']:.0f} |")
+        ok = delta >= -1.0 and fewer >= 10
+        target = "within 1 point of dense accuracy at >= 10x fewer bytes"
+        got = f"{delta:+.2f} points at {fewer:.1f}x fewer bytes"
+      else:
+        rel = 100 * (r["metric"] / dense["metric"] - 1)
+        lines.append(
+            f"| {r['label']} | {r['metric']:.4f}{spread} | "
+            f"{r['bits_per_char']:.3f} | {rel:+.2f}% | "
+            f"{r['bytes_per_step']:.0f} | {_mb(r['total_bytes'])} | "
+            f"{fewer:.1f}x | {r['wall_s']:.0f} |")
+        ok = rel <= 3.0 and fewer >= 10
+        target = "within 3% of dense validation loss at >= 10x fewer bytes"
+        got = f"{rel:+.2f}% loss at {fewer:.1f}x fewer bytes"
+      if r["compressor"] in TARGETS:
+        checks.append(f"- {ex}, {r['label']}: {target}: "
+                      f"**{'met' if ok else 'missed'}** ({got}).")
+    lines.append("")
+  lines += ["## Targets", ""] + (checks or ["- no target compressor ran"])
+  lines += ["", f"![quality against bytes sent]({png_name})", ""]
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+
+
+def plot(summary, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+  for ax, ex, ylabel in zip(axes, EXAMPLES, ("test accuracy",
+                                            "validation loss (nats/char)")):
+    for r in summary.get(ex, []):
+      if r.get("missing"):
+        continue
+      ax.scatter(r["total_bytes"], r["metric"], s=40)
+      ax.annotate(r["label"], (r["total_bytes"], r["metric"]), fontsize=7,
+                  xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("total bytes sent per device")
+    ax.set_ylabel(ylabel)
+    ax.set_title({"fashion_mnist": "Fashion-MNIST CNN",
+                  "char_lm": "character LM (CPython stdlib)"}[ex])
+    ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--fashion-steps", type=int, default=300)
+  p.add_argument("--fashion-batch", type=int, default=128)
+  p.add_argument("--dataset", default="auto",
+                 choices=["auto", "fashion_mnist", "digits"])
+  p.add_argument("--lm-steps", type=int, default=300)
+  p.add_argument("--lm-batch", type=int, default=32)
+  p.add_argument("--lm-d-model", type=int, default=64)
+  p.add_argument("--seeds", type=int, nargs="+", default=[0])
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--jobs", type=int, default=2, choices=[1, 2])
+  p.add_argument("--examples", nargs="+", default=list(EXAMPLES),
+                 choices=list(EXAMPLES))
+  p.add_argument("--out", default=os.path.join(REPO, "docs"),
+                 help="folder for convergence.md and convergence.png")
+  p.add_argument("--jsonl", help="also write every run's result here")
+  p.add_argument("--workdir", help="keep the workers' per-run results here")
+  p.add_argument("--render-only", action="store_true",
+                 help="only write the table and plot from --workdir")
+  p.add_argument("--worker", choices=list(EXAMPLES), help=argparse.SUPPRESS)
+  p.add_argument("--result", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  return args
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse(argv)
+  if args.worker:
+    worker(args.worker, args, args.result)
+    return 0
+  args.argv = argv
+  os.makedirs(args.out, exist_ok=True)
+  t0 = time.perf_counter()
+  workdir = args.workdir or tempfile.mkdtemp(prefix="convergence_")
+  os.makedirs(workdir, exist_ok=True)
+  results = {ex: os.path.join(workdir, ex + ".jsonl") for ex in args.examples}
+  codes = []
+  if not args.render_only:
+    for path in results.values():
+      if os.path.exists(path):
+        os.remove(path)
+    cmds = [[sys.executable, os.path.abspath(__file__), *argv, "--worker",
+             ex, "--result", results[ex]] for ex in args.examples]
+    procs = []
+    for cmd in cmds:
+      procs.append(subprocess.Popen(cmd, cwd=REPO))
+      if args.jobs == 1:
+        procs[-1].wait()
+    codes = [p.wait() for p in procs]
+  rows = []
+  for path in results.values():
+    if os.path.exists(path):
+      with open(path) as f:
+        rows += [json.loads(line) for line in f]
+  if any(codes):
+    print(f"worker exit codes {codes}", file=sys.stderr)
+    return 1
+  elapsed = time.perf_counter() - t0
+  summary = summarize(rows)
+  if args.jsonl:
+    with open(args.jsonl, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  write_markdown(summary, args, os.path.join(args.out, "convergence.md"),
+                 "convergence.png", elapsed)
+  plot(summary, os.path.join(args.out, "convergence.png"))
+  print(open(os.path.join(args.out, "convergence.md")).read())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
