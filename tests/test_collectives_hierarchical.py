@@ -102,7 +102,7 @@ def test_residual_is_the_host_error(topk_psum_run):
 def test_traffic_per_axis(topk_psum_run):
   """Operand bytes by replica-group size: the fast axis (groups of 4) carries
   the float32 buffer, the slow axis (groups of 2) only top-k payloads."""
-  _, (_, _, _, compiled) = topk_psum_run
+  _, (_, _, state, compiled) = topk_psum_run
   traffic = jaxcomp.collective_traffic(compiled)
   by_group = {}
   for op in traffic.ops:
@@ -114,6 +114,8 @@ def test_traffic_per_axis(topk_psum_run):
   assert by_group[8] == 4
   coll = Hierarchical(fast_axis="devices", slow_axis="hosts")
   assert coll.bytes_for(comp, N, PER_HOST, HOSTS) == 4 * N + comp.payload_bytes(N)
+  # The transform's statistics count the same operand bytes.
+  assert int(jaxcomp.get_stats(state).bytes_sent) == 4 * N + comp.payload_bytes(N)
 
 
 def test_reduce_scatter_mass_and_slow_bytes(mesh):
