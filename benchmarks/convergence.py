@@ -65,8 +65,13 @@ def _config(train_module, base: dict, compressor: str, hp: dict, ef):
 
 def worker(example: str, args, out_path: str) -> None:
   """Runs every spec and seed of one example, appending JSON lines."""
+  # Simulated devices are threads: on a busy machine one may reach a
+  # collective long after the others, past XLA's default 40 s abort.
   os.environ.setdefault(
-      "XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+      "XLA_FLAGS",
+      f"--xla_force_host_platform_device_count={args.devices} "
+      "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
   sys.path.insert(0, REPO)
   import jax
   import jaxcomp
@@ -80,6 +85,10 @@ def worker(example: str, args, out_path: str) -> None:
                 batch_size=args.lm_batch, d_model=args.lm_d_model,
                 progress=False)
   available = set(jaxcomp.compressors.names())
+  done = set()
+  if os.path.exists(out_path):  # --resume: keep the runs already there
+    with open(out_path) as f:
+      done = {(r["label"], r.get("seed")) for r in map(json.loads, f)}
   for label, name, hp, ef in SPECS:
     if name not in available:
       with open(out_path, "a") as f:
@@ -87,6 +96,8 @@ def worker(example: str, args, out_path: str) -> None:
                             "compressor": name, "missing": True}) + "\n")
       continue
     for seed in args.seeds:
+      if (label, seed) in done:
+        continue
       config = _config(train_module, dict(base, seed=seed), name, hp, ef)
       t0 = time.perf_counter()
       with jax.numpy_dtype_promotion("standard"):
@@ -252,6 +263,8 @@ def parse(argv=None):
                  help="folder for convergence.md and convergence.png")
   p.add_argument("--jsonl", help="also write every run's result here")
   p.add_argument("--workdir", help="keep the workers' per-run results here")
+  p.add_argument("--resume", action="store_true",
+                 help="keep the runs already in --workdir, run the rest")
   p.add_argument("--render-only", action="store_true",
                  help="only write the table and plot from --workdir")
   p.add_argument("--worker", choices=list(EXAMPLES), help=argparse.SUPPRESS)
@@ -275,7 +288,7 @@ def main(argv=None) -> int:
   codes = []
   if not args.render_only:
     for path in results.values():
-      if os.path.exists(path):
+      if os.path.exists(path) and not args.resume:
         os.remove(path)
     cmds = [[sys.executable, os.path.abspath(__file__), *argv, "--worker",
              ex, "--result", results[ex]] for ex in args.examples]
