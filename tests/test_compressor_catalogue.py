@@ -4,7 +4,6 @@ come back in their own dtype."""
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest

@@ -112,3 +112,16 @@ def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs):
   # The wire keeps the capacity: 4 * ceil(0.2 * N) bytes every step.
   traffic = jaxcomp.collective_traffic(f.lower(g, state).compile())
   assert traffic.operand_bytes == 4 * 200
+
+
+def test_threshold_may_be_traced(xs):
+  # optax.inject_hyperparams hands the threshold in as a traced array; it
+  # is a comparison, so no capacity is needed and the count follows it.
+  @jax.jit
+  def count(t):
+    comp = Threshold(threshold=t, capacity_ratio=1.0)
+    return jnp.sum(comp.encode(xs[0], None)["values"] != 0)
+
+  x = np.abs(np.asarray(xs[0]))
+  for t in (0.5, 1.0, 2.0):
+    assert int(count(jnp.float32(t))) == int(np.sum(x >= t))

@@ -1,6 +1,5 @@
 """EF21 and the feedback registry (DGC's feedback: test_compressors_dgc.py)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
