@@ -145,10 +145,11 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       if config.max_steps is not None and done >= config.max_steps:
         break
       params, opt_state, loss = step(params, opt_state, next_batch())
-      losses.append(loss)
+      # Wait for each step: with many steps in flight, simulated CPU devices
+      # (threads sharing one pool) were seen to deadlock in a collective.
+      losses.append(float(loss))
       done += 1
-    train_loss = (float(np.mean([float(l) for l in losses])) if losses
-                  else float("nan"))
+    train_loss = float(np.mean(losses)) if losses else float("nan")
     valid_loss = evaluate(params)
     history.append({"epoch": epoch + 1, "loss": train_loss,
                     "valid_loss": valid_loss,
