@@ -48,7 +48,7 @@ def test_whatif_table(capsys):
 def test_whatif_faster_link_means_less_speedup(capsys):
   speedups = []
   for bw in ("0.5", "5", "500"):
-    cli.main(["whatif", "-b", bw, "-c", "bf16", *FAST])
+    cli.main(["whatif", "-b", bw, "-c", "bf16", "--buckets", "single", *FAST])
     speedups.append(float(_table(capsys.readouterr().out)["bf16"]["speedup"].rstrip("x")))
   assert speedups[0] > speedups[1] > speedups[2]
 
@@ -56,7 +56,7 @@ def test_whatif_faster_link_means_less_speedup(capsys):
 def test_whatif_simulate_and_plot(tmp_path, capsys):
   png = tmp_path / "s.png"
   assert cli.main(["whatif", "--simulate", "--plot", str(png), "-c", "qsgd:levels=16",
-                   *FAST]) == 0
+                   "--buckets", "single", *FAST]) == 0
   out = capsys.readouterr().out
   assert re.search(r"^4\s", out, re.M) and re.search(r"^2048\s", out, re.M)
   assert "qsgd:levels=16:" in out
