@@ -90,6 +90,8 @@ def worker(example: str, args, out_path: str) -> None:
     with open(out_path) as f:
       done = {(r["label"], r.get("seed")) for r in map(json.loads, f)}
   for label, name, hp, ef in SPECS:
+    if args.compressors and name not in args.compressors:
+      continue
     if name not in available:
       with open(out_path, "a") as f:
         f.write(json.dumps({"example": example, "label": label,
@@ -122,17 +124,23 @@ def worker(example: str, args, out_path: str) -> None:
             flush=True)
 
 
-def summarize(rows):
+def summarize(rows, args):
   """Per example and spec: mean metric over seeds, bytes, median wall time."""
   out = {}
   for ex in EXAMPLES:
     out[ex] = []
     for label, name, hp, ef in SPECS:
+      if args.compressors and name not in args.compressors:
+        continue
       rs = [r for r in rows if r["example"] == ex and r["label"] == label]
       if not rs:
+        if any(r["example"] == ex for r in rows):  # stopped before this one
+          out[ex].append({"label": label, "compressor": name,
+                          "missing": True, "why": "not run (stopped early)"})
         continue
       if rs[0].get("missing"):
-        out[ex].append({"label": label, "compressor": name, "missing": True})
+        out[ex].append({"label": label, "compressor": name, "missing": True,
+                        "why": "not registered when run"})
         continue
       out[ex].append({
           "label": label, "compressor": name,
@@ -161,8 +169,12 @@ def write_markdown(summary, args, path, png_name, elapsed):
            "```", "",
            f"Both examples on {args.devices} simulated CPU devices (one "
            f"process per example, run at the same time on a shared 2-core "
-           f"machine), seeds {args.seeds}, {elapsed / 60:.1f} minutes in "
-           "all. Bytes are what one device sends per step (the transform's "
+           f"machine with other jobs), seeds {args.seeds}; the runs took "
+           + ", ".join(f"{ex} {sum(r['wall_s'] * r['seeds'] for r in rows if not r.get('missing')) / 60:.0f} min"
+                       for ex, rows in summary.items() if rows)
+           + (" (rendered with --render-only from the per-run results in "
+              "--workdir)" if args.render_only else "")
+           + ". Bytes are what one device sends per step (the transform's "
            "statistics, which the tests check against the compiled "
            "collectives); 'fewer bytes' is dense / compressed. Wall time is "
            "one whole run (compilation included), the median over seeds.",
@@ -186,7 +198,7 @@ def write_markdown(summary, args, path, png_name, elapsed):
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
       if r.get("missing"):
-        lines.append(f"| {r['label']} | not registered when run | | | | | |"
+        lines.append(f"| {r['label']} | {r['why']} | | | | | |"
                      + (" |" if ex == "char_lm" else ""))
         continue
       fewer = dense["bytes_per_step"] / r["bytes_per_step"]
@@ -257,6 +269,8 @@ def parse(argv=None):
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--jobs", type=int, default=2, choices=[1, 2])
+  p.add_argument("--compressors", nargs="+", default=None,
+                 help="run only these compressor names (default: all)")
   p.add_argument("--examples", nargs="+", default=list(EXAMPLES),
                  choices=list(EXAMPLES))
   p.add_argument("--out", default=os.path.join(REPO, "docs"),
@@ -307,7 +321,7 @@ def main(argv=None) -> int:
     print(f"worker exit codes {codes}", file=sys.stderr)
     return 1
   elapsed = time.perf_counter() - t0
-  summary = summarize(rows)
+  summary = summarize(rows, args)
   if args.jsonl:
     with open(args.jsonl, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
