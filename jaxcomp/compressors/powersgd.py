@@ -179,13 +179,17 @@ class PowerSGD(Compressor):
     eps = float(_hparams.concrete(self.orthogonalization_epsilon) or 0.0)
     p_dev = lax.axis_size(axis_name)
     m = x.reshape(rows, cols)
-    q = orthogonalize(q * self._live_columns(r)[None, :], eps)
-    p = lax.psum(_mm(m, q), axis_name)
+    live = self._live_columns(r)[None, :]
+    q_new = orthogonalize(q * live, eps)
+    p = lax.psum(_mm(m, q_new), axis_name)
     p = orthogonalize(p, eps)
-    q = lax.psum(_mm(m.T, p), axis_name) / jnp.float32(p_dev)
-    mean = _mm(p, q.T).reshape(-1)
+    q_new = lax.psum(_mm(m.T, p), axis_name) / jnp.float32(p_dev)
+    mean = _mm(p, q_new.T).reshape(-1)
+    # Columns beyond a scheduled rank keep their previous (initially random)
+    # values, so that they warm-start when the rank grows again.
+    q_new = jnp.where(live > 0, q_new, q)
     # PyTorch's hook: the residual is M_i minus the mean's approximation.
-    return mean, lax.pcast(mean, axis_name, to="varying"), q
+    return mean, lax.pcast(mean, axis_name, to="varying"), q_new
 
   def _exact(self, x, axis_name, q):
     # Plain all-reduce; this device contributed x itself (no residual).
