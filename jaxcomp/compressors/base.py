@@ -160,6 +160,17 @@ def check_ratio(ratio, name: str = "ratio") -> None:
     raise ValueError(f"{name} must be in (0, 1], got {name}={ratio}")
 
 
+IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+def check_implementation(implementation) -> None:
+  """Validates a kernel ``implementation`` choice at construction."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be 'pallas', 'xla' or None (by backend), got "
+        f"{implementation=}")
+
+
 def num_selected(ratio: float, n: int) -> int:
   """k = ceil(ratio * n), at least 1 and at most n."""
   return max(1, min(n, int(-(-round(ratio * n * 1e6) // 1_000_000))))

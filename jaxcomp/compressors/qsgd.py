@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.compressors.base import Compressor, register
+from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import quantize
 
 
-def code_bits(levels: int) -> int:
-  """Bits per element on the wire: 1 sign bit + ceil(log2(levels + 1)),
-  rounded up to a width that packs evenly into uint32 (2, 4, 8 or 16)."""
-  need = 1 + math.ceil(math.log2(levels + 1))
-  for bits in (2, 4, 8, 16):
-    if need <= bits:
-      return bits
-  raise ValueError(f"levels must be at most 32767, got {levels=}")
+# Bits per element on the wire: 1 sign bit + ceil(log2(levels + 1)), rounded
+# up to 2, 4, 8 or 16 so that codes pack evenly into uint32 words.
+code_bits = quantize.qsgd_bits
 
 
 @register
@@ -43,12 +38,19 @@ class QSGD(Compressor):
   Payload: ``codes`` uint32 ``(ceil(n * bits / 32),)`` and ``norms`` float32
   ``(ceil(n / bucket_size),)``.
 
+  Encoding runs the Pallas quantize-and-pack kernel on NVIDIA GPUs and its
+  ``jnp`` reference elsewhere (:mod:`jaxcomp.kernels.quantize`; both give the
+  same words bit for bit).
+
   Args:
     levels: number of quantization levels s >= 1 (s = 1 is ternary).
-    bucket_size: elements sharing one norm, >= 1.
+    bucket_size: elements sharing one norm, >= 1 (a multiple of 32 for the
+      Pallas kernel).
+    implementation: ``"pallas"``, ``"xla"`` or None (by backend).
 
   Raises:
-    ValueError: ``levels`` < 1 or > 32767, ``bucket_size`` < 1.
+    ValueError: ``levels`` < 1 or > 32767, ``bucket_size`` < 1, an unknown
+      ``implementation``.
 
   References:
     Alistarh et al., QSGD: Communication-Efficient SGD via Gradient
@@ -59,6 +61,7 @@ class QSGD(Compressor):
   randomness: ClassVar[str] = "independent"
   levels: int = 4
   bucket_size: int = 512
+  implementation: str | None = None
 
   def __post_init__(self):
     for field in ("levels", "bucket_size"):
@@ -71,6 +74,7 @@ class QSGD(Compressor):
       raise ValueError(
           f"bucket_size must be >= 1, got bucket_size={self.bucket_size}")
     code_bits(self.levels)
+    check_implementation(self.implementation)
 
   @property
   def bits(self) -> int:
@@ -80,28 +84,17 @@ class QSGD(Compressor):
     return -(-n // self.bucket_size)
 
   def encode(self, x, key):
-    n = x.shape[0]
-    nb = self._buckets(n)
-    xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    norms = jnp.sqrt(jnp.sum(xb * xb, axis=1))
-    safe = jnp.where(norms > 0, norms, 1.0)
-    u = jax.random.uniform(key, xb.shape, jnp.float32)
-    level = jnp.floor(jnp.abs(xb) / safe[:, None] * self.levels + u)
-    level = jnp.clip(level, 0, self.levels).astype(jnp.uint32)
-    sign = (xb < 0).astype(jnp.uint32) << (self.bits - 1)
-    codes = (sign | level).reshape(-1)[:n]
-    return {"codes": bitpack.pack_bits_reference(codes, self.bits),
-            "norms": norms}
+    u = jax.random.uniform(key, x.shape, jnp.float32)
+    codes, norms = quantize.qsgd_quantize_auto(
+        x, u, levels=self.levels, bucket_size=self.bucket_size,
+        implementation=self.implementation)
+    return {"codes": codes, "norms": norms}
 
   def decode(self, payload, n, key):
     del key
-    codes = bitpack.unpack_bits_reference(payload["codes"], self.bits, n)
-    level = (codes & jnp.uint32((1 << (self.bits - 1)) - 1)).astype(jnp.float32)
-    sign = 1.0 - 2.0 * (codes >> (self.bits - 1)).astype(jnp.float32)
-    nb = self._buckets(n)
-    norm = jnp.repeat(payload["norms"], self.bucket_size,
-                      total_repeat_length=nb * self.bucket_size)[:n]
-    return sign * norm * level / self.levels
+    return quantize.qsgd_dequantize_reference(
+        payload["codes"], payload["norms"], n=n, levels=self.levels,
+        bucket_size=self.bucket_size)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * bitpack.packed_words(n, self.bits) + 4 * self._buckets(n)

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.compressors.base import (Compressor, check_ratio, num_selected,
-                                      register)
+from jaxcomp.compressors import _hparams
+from jaxcomp.compressors.base import (Compressor, check_implementation,
+                                      num_selected, register)
+from jaxcomp.kernels import topk as topk_kernels
 
 
 @register
@@ -18,19 +20,28 @@ from jaxcomp.compressors.base import (Compressor, check_ratio, num_selected,
 class TopK(Compressor):
   """Sends the k = ceil(ratio * n) entries of largest magnitude.
 
-  Exact selection (``lax.top_k`` of ``|x|``; ties go to the lower index).
-  Biased, so :func:`jaxcomp.compressed_mean` turns residual error feedback on
-  by default. Not linear: the payloads are all-gathered and every device
-  scatter-adds all of them.
+  Exact selection: the same set as ``lax.top_k`` of ``|x|`` (ties go to the
+  lower index), found without a full sort: the Pallas radix-select kernel on
+  NVIDIA GPUs, the sampled-threshold XLA path elsewhere
+  (:mod:`jaxcomp.kernels.topk`). Biased, so :func:`jaxcomp.compressed_mean`
+  turns residual error feedback on by default. Not linear: the payloads are
+  all-gathered and every device scatter-adds all of them.
 
   Payload: ``values`` float32 ``(k,)`` and ``indices`` int32 ``(k,)``:
-  ``8 * k`` bytes.
+  ``8 * k`` bytes. With ``max_ratio`` (a scheduled ``ratio``), the payload
+  always has ``k_max = ceil(max_ratio * n)`` slots and the entries beyond the
+  ``ceil(ratio * n)`` largest are sent as zeros.
 
   Args:
-    ratio: fraction of entries sent, in (0, 1].
+    ratio: fraction of entries sent, in (0, 1]; may be traced (a schedule
+      under ``optax.inject_hyperparams``) when ``max_ratio`` is set.
+    max_ratio: static capacity for a scheduled ``ratio``, or None.
+    implementation: ``"pallas"``, ``"xla"`` or None (by backend).
 
   Raises:
-    ValueError: ``ratio`` outside (0, 1].
+    ValueError: ``ratio`` or ``max_ratio`` outside (0, 1], ``ratio >
+      max_ratio``, a traced ``ratio`` without ``max_ratio``, or an unknown
+      ``implementation``.
 
   References:
     Aji & Heafield, Sparse Communication for Distributed Gradient Descent
@@ -41,17 +52,37 @@ class TopK(Compressor):
   name: ClassVar[str] = "topk"
   biased: ClassVar[bool] = True
   ratio: float = 0.01
+  max_ratio: float | None = None
+  implementation: str | None = None
 
   def __post_init__(self):
-    check_ratio(self.ratio)
+    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
+                          low_open=True)
+    if self.max_ratio is not None:
+      _hparams.check_number(self.max_ratio, "max_ratio", low=0.0, high=1.0,
+                            low_open=True)
+    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    check_implementation(self.implementation)
 
   def k(self, n: int) -> int:
-    return num_selected(self.ratio, n)
+    """Payload slots: ``ceil(ratio * n)``, or the capacity with max_ratio."""
+    return num_selected(
+        _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio"), n)
 
   def encode(self, x, key):
     del key
-    _, idx = lax.top_k(jnp.abs(x), self.k(x.shape[0]))
-    return {"values": x[idx], "indices": idx.astype(jnp.int32)}
+    n, k = x.shape[0], self.k(x.shape[0])
+    values, idx = topk_kernels.topk_auto(x, k,
+                                         implementation=self.implementation)
+    if self.max_ratio is not None:
+      # Keep the ceil(ratio * n) largest of the k_max selected, zero the rest.
+      k_now = _hparams.ceil_count(self.ratio, n, k)
+      _, order = lax.top_k(jnp.abs(values), k)
+      rank = jnp.zeros((k,), jnp.int32).at[order].set(
+          jnp.arange(k, dtype=jnp.int32))
+      values = jnp.where(rank < k_now, values, jnp.zeros_like(values))
+    return {"values": values.astype(jnp.float32),
+            "indices": idx.astype(jnp.int32)}
 
   def decode(self, payload, n, key):
     del key
