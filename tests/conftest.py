@@ -4,16 +4,10 @@ Strict dtype promotion and rank promotion catch silent dtype bugs, which
 matter for quantization (Equinox's habit).
 """
 
-import os
 
-# Simulated devices are threads; on a loaded 2-core machine one can arrive
-# at a collective much later than the others, so XLA's default 40 s
-# rendezvous abort is raised.
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 "
-    "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+from examples import xla_flags  # noqa: E402  (imports no jax)
+
+xla_flags.set_cpu_devices(8)
 
 import jax  # noqa: E402
 
