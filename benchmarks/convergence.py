@@ -65,14 +65,9 @@ def _config(train_module, base: dict, compressor: str, hp: dict, ef):
 
 def worker(example: str, args, out_path: str) -> None:
   """Runs every spec and seed of one example, appending JSON lines."""
-  # Simulated devices are threads: on a busy machine one may reach a
-  # collective long after the others, past XLA's default 40 s abort.
-  os.environ.setdefault(
-      "XLA_FLAGS",
-      f"--xla_force_host_platform_device_count={args.devices} "
-      "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
-      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
   sys.path.insert(0, REPO)
+  from examples import xla_flags  # simulated devices on a busy machine
+  xla_flags.set_cpu_devices(args.devices)
   import jax
   import jaxcomp
   if example == "fashion_mnist":

@@ -47,13 +47,8 @@ def parse(argv=None):
 def main(argv=None) -> int:
   args = parse(argv)
   if "jax" not in sys.modules:
-    # Simulated CPU devices are threads: on a busy machine one may reach a
-    # collective long after the others, past XLA's default 40 s abort.
-    os.environ.setdefault(
-        "XLA_FLAGS",
-        f"--xla_force_host_platform_device_count={args.devices} "
-        "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
-        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+    from examples import xla_flags
+    xla_flags.set_cpu_devices(args.devices)
   from examples.char_lm import train
   import jax
 
