@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.compressors.base import Compressor, register
+from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import quantize
 
@@ -41,7 +41,8 @@ class ScaledSign(Compressor):
 
   Payload: ``signs`` uint32 ``(ceil(n / 32),)`` and ``scale`` float32 ``()``:
   ``4 * ceil(n / 32) + 4`` bytes. Wire format and reference:
-  :func:`jaxcomp.kernels.quantize.sign_pack_reference`.
+  :func:`jaxcomp.kernels.quantize.sign_pack_reference`; packing runs the
+  Pallas kernel on NVIDIA GPUs (``implementation="pallas" | "xla" | None``).
 
   Error bound: ``||decode(encode(x)) - x||_2^2 = ||x||_2^2 - ||x||_1^2 / n``
   exactly (the L1-scaled sign is the orthogonal projection of ``x`` onto
@@ -54,10 +55,15 @@ class ScaledSign(Compressor):
 
   name: ClassVar[str] = "sign"
   biased: ClassVar[bool] = True
+  implementation: str | None = None
+
+  def __post_init__(self):
+    check_implementation(self.implementation)
 
   def encode(self, x, key):
     del key
-    words, scale = quantize.sign_pack_reference(x.astype(jnp.float32))
+    words, scale = quantize.sign_pack_auto(
+        x.astype(jnp.float32), implementation=self.implementation)
     return {"signs": words, "scale": scale}
 
   def decode(self, payload, n, key):
