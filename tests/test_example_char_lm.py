@@ -114,6 +114,7 @@ def test_convergence_benchmark_configs():
   both examples' configs generically (no training here)."""
   import importlib.util
   import jaxcomp
+  from examples import common
   from examples.fashion_mnist import train as fashion_train
   path = os.path.join(os.path.dirname(os.path.dirname(__file__)),
                       "benchmarks", "convergence.py")
@@ -128,6 +129,6 @@ def test_convergence_benchmark_configs():
       assert config.compressor == name and config.seed == 3
       assert config.error_feedback == ef
       for k, v in hp.items():
-        assert module.compressor_kwargs(config)[k] == v
+        assert common.compressor_kwargs(config)[k] == v
   with pytest.raises(ValueError, match="takes"):
     conv._config(train, {}, "topk", {"rank": 4}, None)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import jaxcomp
+from examples import common
 from examples.char_lm import data as data_lib
 from examples.char_lm import model as model_lib
 
@@ -46,17 +47,6 @@ class Config:
   progress: bool = True
 
 
-def compressor_kwargs(config: Config) -> dict[str, Any]:
-  """The config's hyperparameters that the chosen compressor takes."""
-  fields = jaxcomp.compressors.hyperparameters(config.compressor)
-  candidates = {"ratio": config.ratio, "levels": config.levels,
-                "rank": config.rank, "bits": config.bits,
-                "format": config.format, "threshold": config.threshold,
-                "block_size": config.block_size,
-                "capacity_ratio": config.ratio}
-  return {k: v for k, v in candidates.items() if k in fields}
-
-
 def train_and_evaluate(config: Config) -> dict[str, Any]:
   """Trains the transformer on all local devices; returns per-epoch metrics.
 
@@ -75,7 +65,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.batch_size % n_dev:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
                      f"the device count {n_dev}")
-  kwargs = compressor_kwargs(config)
+  kwargs = common.compressor_kwargs(config)
   corpus = data_lib.load(max_train_bytes=config.max_train_bytes)
   length = config.context + 1  # inputs and next-character targets
   valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)

@@ -8,36 +8,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from examples import common
 from examples import xla_flags
 
 
 def parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--compressor", default="topk",
-                 help="compressor name (see jaxcomp.compressors.names())")
-  p.add_argument("--ratio", type=float, default=0.01,
-                 help="fraction sent by top-k / random-block")
-  p.add_argument("--levels", type=int, default=4, help="QSGD levels")
-  p.add_argument("--rank", type=int, default=1, help="PowerSGD rank")
-  p.add_argument("--bits", type=int, default=8, help="int8_block bits")
-  p.add_argument("--format", default="e4m3", help="fp8_block format")
-  p.add_argument("--threshold", type=float, default=1e-3,
-                 help="threshold compressor's magnitude threshold")
-  p.add_argument("--block-size", type=int, default=256,
-                 help="int8_block / fp8_block elements per scale")
-  p.add_argument("--error-feedback", choices=["auto", "on", "off", "ef21", "dgc"],
-                 default="auto", help="auto: on for biased compressors")
+  common.add_compression_flags(p, rank=1)
   p.add_argument("--epochs", type=int, default=2)
   p.add_argument("--batch-size", type=int, default=256, help="global batch")
   p.add_argument("--learning-rate", type=float, default=2e-3)
   p.add_argument("--dataset", default="auto",
                  choices=["auto", "fashion_mnist", "digits"])
-  p.add_argument("--devices", type=int, default=8,
-                 help="simulated CPU devices (ignored on GPU/TPU)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--max-steps", type=int, default=None)
-  p.add_argument("--no-progress", action="store_true")
   return p.parse_args(argv)
 
 
@@ -49,14 +32,8 @@ def main(argv=None) -> int:
   import jax
 
   config = train.Config(
-      dataset=args.dataset, compressor=args.compressor, ratio=args.ratio,
-      levels=args.levels, rank=args.rank, bits=args.bits, format=args.format,
-      threshold=args.threshold, block_size=args.block_size,
-      error_feedback={"auto": None, "on": True, "off": False}.get(
-          args.error_feedback, args.error_feedback),
-      epochs=args.epochs, batch_size=args.batch_size,
-      learning_rate=args.learning_rate, seed=args.seed,
-      max_steps=args.max_steps, progress=not args.no_progress)
+      dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
+      learning_rate=args.learning_rate, **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)
   result = train.train_and_evaluate(config)
@@ -64,13 +41,7 @@ def main(argv=None) -> int:
   for e in result["epochs"]:
     print(f"epoch {e['epoch']}: loss {e['loss']:.4f}  test accuracy "
           f"{e['test_accuracy']:.4f}  ({e['seconds']:.1f} s)")
-  print(f"bytes sent per device per step: {result['bytes_per_step']:.0f} "
-        f"(dense {result['dense_bytes_per_step']:.0f}, ratio to dense "
-        f"{result['bytes_per_step'] / result['dense_bytes_per_step']:.4f}, "
-        f"compression {result['ratio_to_dense']:.1f}x)")
-  print(f"collective operand bytes per device per step from the compiled "
-        f"HLO: {result['hlo_operand_bytes']} (dense "
-        f"{result['hlo_dense_operand_bytes']})")
+  common.print_traffic(result)
   return 0
 
 

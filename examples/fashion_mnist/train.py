@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import jaxcomp
+from examples import common
 from examples.fashion_mnist import data as data_lib
 
 
@@ -55,17 +56,6 @@ class CNN(nn.Module):
     return nn.Dense(self.num_classes)(x)
 
 
-def compressor_kwargs(config: Config) -> dict[str, Any]:
-  """The config's hyperparameters that the chosen compressor takes."""
-  fields = jaxcomp.compressors.hyperparameters(config.compressor)
-  candidates = {"ratio": config.ratio, "levels": config.levels,
-                "rank": config.rank, "bits": config.bits,
-                "format": config.format, "threshold": config.threshold,
-                "block_size": config.block_size,
-                "capacity_ratio": config.ratio}
-  return {k: v for k, v in candidates.items() if k in fields}
-
-
 def train_and_evaluate(config: Config) -> dict[str, Any]:
   """Trains the CNN on all local devices; returns per-epoch metrics.
 
@@ -98,7 +88,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
     return step
 
-  kwargs = compressor_kwargs(config)
+  kwargs = common.compressor_kwargs(config)
   tx = optax.chain(
       jaxcomp.compressed_mean(config.compressor, "data",
                               error_feedback=config.error_feedback,

@@ -1,0 +1,84 @@
+"""What the examples share: the compression flags, the mapping from a
+config to a compressor's hyperparameters, and the traffic report.
+
+Importing this module does not import jax (set XLA flags first, see
+:mod:`examples.xla_flags`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Config fields that may be compressor hyperparameters, by the name the
+# compressor takes (the threshold compressor's capacity follows --ratio).
+_HYPERPARAMETER_FIELDS = {
+    "ratio": "ratio", "levels": "levels", "rank": "rank", "bits": "bits",
+    "format": "format", "threshold": "threshold", "block_size": "block_size",
+    "capacity_ratio": "ratio",
+}
+_ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
+
+
+def add_compression_flags(p: argparse.ArgumentParser, *,
+                          rank: int = 4) -> None:
+  """Adds --compressor and its hyperparameter flags, --error-feedback, and
+  the run flags every example has (--devices, --seed, --max-steps,
+  --no-progress)."""
+  p.add_argument("--compressor", default="topk",
+                 help="compressor name (see jaxcomp.compressors.names())")
+  p.add_argument("--ratio", type=float, default=0.01,
+                 help="fraction sent by top-k / random-block / random-k / "
+                 "DGC (and the threshold compressor's capacity)")
+  p.add_argument("--levels", type=int, default=4, help="QSGD levels")
+  p.add_argument("--rank", type=int, default=rank, help="PowerSGD rank")
+  p.add_argument("--bits", type=int, default=8, help="int8_block bits")
+  p.add_argument("--format", default="e4m3", help="fp8_block format")
+  p.add_argument("--threshold", type=float, default=1e-3,
+                 help="threshold compressor's magnitude threshold")
+  p.add_argument("--block-size", type=int, default=256,
+                 help="int8_block / fp8_block elements per scale")
+  p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
+                 default="auto", help="auto: on for biased compressors")
+  p.add_argument("--devices", type=int, default=8,
+                 help="simulated CPU devices (ignored on GPU/TPU)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--max-steps", type=int, default=None)
+  p.add_argument("--no-progress", action="store_true")
+
+
+def compression_config(args: argparse.Namespace) -> dict[str, Any]:
+  """The Config fields that :func:`add_compression_flags` sets."""
+  return dict(
+      compressor=args.compressor, ratio=args.ratio, levels=args.levels,
+      rank=args.rank, bits=args.bits, format=args.format,
+      threshold=args.threshold, block_size=args.block_size,
+      error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
+                                         args.error_feedback),
+      seed=args.seed, max_steps=args.max_steps,
+      progress=not args.no_progress)
+
+
+def compressor_kwargs(config) -> dict[str, Any]:
+  """The config's hyperparameters that ``config.compressor`` takes.
+
+  Raises:
+    ValueError: unknown compressor name.
+  """
+  import jaxcomp
+  taken = jaxcomp.compressors.hyperparameters(config.compressor)
+  return {name: getattr(config, field)
+          for name, field in _HYPERPARAMETER_FIELDS.items() if name in taken}
+
+
+def print_traffic(result: dict[str, Any]) -> None:
+  """Prints the bytes each device sends per step, from the transform's
+  statistics and from the compiled collectives."""
+  print(f"bytes sent per device per step: {result['bytes_per_step']:.0f} "
+        f"(dense {result['dense_bytes_per_step']:.0f}, ratio to dense "
+        f"{result['bytes_per_step'] / result['dense_bytes_per_step']:.4f}, "
+        f"compression {result['ratio_to_dense']:.1f}x)")
+  dense = result.get("hlo_dense_operand_bytes")
+  print(f"collective operand bytes per device per step from the compiled "
+        f"HLO: {result['hlo_operand_bytes']}"
+        + (f" (dense {dense})" if dense is not None else ""))
