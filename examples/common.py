@@ -73,12 +73,13 @@ def compressor_kwargs(config) -> dict[str, Any]:
 
 def print_traffic(result: dict[str, Any]) -> None:
   """Prints the bytes each device sends per step, from the transform's
-  statistics and from the compiled collectives."""
+  statistics and from the collectives of the lowered step (on CPU, XLA's
+  backend later promotes bf16 all-reduces to float32; GPUs keep bf16)."""
   print(f"bytes sent per device per step: {result['bytes_per_step']:.0f} "
         f"(dense {result['dense_bytes_per_step']:.0f}, ratio to dense "
         f"{result['bytes_per_step'] / result['dense_bytes_per_step']:.4f}, "
         f"compression {result['ratio_to_dense']:.1f}x)")
   dense = result.get("hlo_dense_operand_bytes")
-  print(f"collective operand bytes per device per step from the compiled "
-        f"HLO: {result['hlo_operand_bytes']}"
+  print(f"collective operand bytes per device per step in the step's HLO "
+        f"(lowered, before backend passes): {result['hlo_operand_bytes']}"
         + (f" (dense {dense})" if dense is not None else ""))
