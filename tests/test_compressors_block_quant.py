@@ -125,3 +125,20 @@ def test_bits_schedule_within_max_bits(x):
   np.testing.assert_array_equal(y2, _roundtrip(IntBlock(bits=2, block_size=BLOCK), x))
   assert IntBlock(bits=2, max_bits=8).payload_bytes(N) == IntBlock(
       bits=8).payload_bytes(N)
+
+
+def test_int8_codes_come_from_the_kernel_path():
+  from jaxcomp.kernels import bitpack, quantize
+  n = 1000
+  x = jax.random.normal(jax.random.key(7), (n,))
+  comp = jaxcomp.compressors.get("int8_block", bits=8, block_size=64,
+                                 implementation="xla")
+  payload = comp.encode(x, jax.random.key(0))
+  q, scales = quantize.int8_block_quantize_reference(x, block_size=64)
+  words = bitpack.pack_bits_reference(
+      q[:n].astype(jnp.int32).astype(jnp.uint32), 8)
+  np.testing.assert_array_equal(np.asarray(payload["codes"]), np.asarray(words))
+  np.testing.assert_array_equal(np.asarray(payload["scales"]),
+                                np.asarray(scales))
+  with pytest.raises(ValueError, match="implementation"):
+    jaxcomp.compressors.get("int8_block", implementation="triton")

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import Compressor, register
+from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import quantize
 
 INT_BITS = (2, 4, 8)
 ROUNDINGS = ("nearest", "stochastic")
@@ -81,10 +82,13 @@ class IntBlock(Compressor):
     block_size: elements per scale, >= 1.
     rounding: ``"nearest"`` or ``"stochastic"``.
     max_bits: wire width when ``bits`` is scheduled (one of 2, 4, 8), or None.
+    implementation: for 8 bits, ``"pallas"`` (the int8 block kernel of
+      :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
+      ``"xla"`` (its reference), or None (Pallas on NVIDIA GPUs).
 
   Raises:
     ValueError: ``bits``/``max_bits`` outside (2, 4, 8), ``bits > max_bits``,
-      ``block_size`` < 1, unknown ``rounding``.
+      ``block_size`` < 1, unknown ``rounding`` or ``implementation``.
     TypeError: non-integer ``block_size``.
 
   References:
@@ -99,10 +103,12 @@ class IntBlock(Compressor):
   block_size: int = 256
   rounding: str = "nearest"
   max_bits: int | None = None
+  implementation: str | None = None
 
   def __post_init__(self):
     _check_block(self.block_size)
     _check_rounding(self.rounding)
+    check_implementation(self.implementation)
     for field in ("bits", "max_bits"):
       c = _hparams.concrete(getattr(self, field))
       if c is not None and c not in INT_BITS:
@@ -141,8 +147,18 @@ class IntBlock(Compressor):
 
   def encode(self, x, key):
     n = x.shape[0]
-    q, scales = self.quantize(x, key)
-    codes = q.reshape(-1)[:n].astype(jnp.int32).astype(jnp.uint32)
+    if _hparams.concrete(self.bits) == 8 and self.wire_bits == 8:
+      # 8 bits: the int8 block kernel (Pallas on NVIDIA GPUs, its jnp
+      # reference elsewhere) quantizes; same codes on the wire.
+      u = (jax.random.uniform(key, (n,), jnp.float32)
+           if self.rounding == "stochastic" else None)
+      q8, scales = quantize.int8_block_quantize_auto(
+          x, block_size=self.block_size, stochastic_uniform=u,
+          implementation=self.implementation)
+      codes = q8[:n].astype(jnp.int32).astype(jnp.uint32)
+    else:
+      q, scales = self.quantize(x, key)
+      codes = q.reshape(-1)[:n].astype(jnp.int32).astype(jnp.uint32)
     return {"codes": bitpack.pack_bits_reference(codes, self.wire_bits),
             "scales": scales}
 
