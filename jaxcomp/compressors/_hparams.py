@@ -92,6 +92,19 @@ def capacity(value, cap, name: str, cap_name: str):
   return cap
 
 
+def check_ratio_capacity(ratio, max_ratio) -> None:
+  """Validates a (possibly scheduled) ``ratio`` and its static ``max_ratio``:
+  both in (0, 1] where concrete, and ``ratio <= max_ratio``.
+
+  Raises:
+    ValueError: as :func:`check_number` and :func:`capacity`.
+  """
+  check_number(ratio, "ratio", low=0.0, high=1.0, low_open=True)
+  if max_ratio is not None:
+    check_number(max_ratio, "max_ratio", low=0.0, high=1.0, low_open=True)
+  capacity(ratio, max_ratio, "ratio", "max_ratio")
+
+
 def ceil_count(ratio, n: int, cap: int) -> jax.Array:
   """int32 ``clip(ceil(ratio * n), 1, cap)`` for a possibly traced ratio."""
   c = concrete(ratio)

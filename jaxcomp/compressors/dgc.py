@@ -71,15 +71,12 @@ class DGC(Compressor):
   max_ratio: float | None = None
 
   def __post_init__(self):
-    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
-                          low_open=True)
-    for field in ("sample_ratio", "max_ratio"):
-      if getattr(self, field) is not None:
-        _hparams.check_number(getattr(self, field), field, low=0.0, high=1.0,
-                              low_open=True)
+    _hparams.check_ratio_capacity(self.ratio, self.max_ratio)
+    if self.sample_ratio is not None:
+      _hparams.check_number(self.sample_ratio, "sample_ratio", low=0.0,
+                            high=1.0, low_open=True)
     _hparams.check_number(self.lower_bound, "lower_bound", low=0.0, high=1.0)
     _hparams.check_number(self.max_adjust, "max_adjust", low=0, integer=True)
-    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
 
   def capacity(self, n: int) -> int:
     cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")

@@ -59,12 +59,7 @@ class RandomK(Compressor):
   max_ratio: float | None = None
 
   def __post_init__(self):
-    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
-                          low_open=True)
-    if self.max_ratio is not None:
-      _hparams.check_number(self.max_ratio, "max_ratio", low=0.0, high=1.0,
-                            low_open=True)
-    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    _hparams.check_ratio_capacity(self.ratio, self.max_ratio)
 
   @property
   def biased(self):

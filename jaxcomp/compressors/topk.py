@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import (Compressor, check_implementation,
                                       num_selected, register)
+from jaxcomp.compressors.threshold import scatter_decode, scatter_decode_sum
 from jaxcomp.kernels import topk as topk_kernels
 
 
@@ -56,12 +56,7 @@ class TopK(Compressor):
   implementation: str | None = None
 
   def __post_init__(self):
-    _hparams.check_number(self.ratio, "ratio", low=0.0, high=1.0,
-                          low_open=True)
-    if self.max_ratio is not None:
-      _hparams.check_number(self.max_ratio, "max_ratio", low=0.0, high=1.0,
-                            low_open=True)
-    _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    _hparams.check_ratio_capacity(self.ratio, self.max_ratio)
     check_implementation(self.implementation)
 
   def k(self, n: int) -> int:
@@ -86,14 +81,12 @@ class TopK(Compressor):
 
   def decode(self, payload, n, key):
     del key
-    return jnp.zeros((n,), jnp.float32).at[payload["indices"]].add(
-        payload["values"])
+    return scatter_decode(payload, n)
 
   def decode_sum(self, payloads, n, key):
     """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
     del key
-    return jnp.zeros((n,), jnp.float32).at[payloads["indices"].reshape(-1)].add(
-        payloads["values"].reshape(-1))
+    return scatter_decode_sum(payloads, n)
 
   def payload_bytes(self, n: int) -> int:
     return 8 * self.k(n)
