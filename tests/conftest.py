@@ -22,3 +22,10 @@ def mesh8():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS was set before jax was imported)")
   return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture(scope="session")
+def mesh_all():
+  """A 1-D ``data`` mesh over every device of the backend (8 simulated CPU
+  devices here, the GPUs on a GPU machine)."""
+  return jax.make_mesh((jax.device_count(),), ("data",))

@@ -1,25 +1,41 @@
 """Benchmark of the compression kernels: ``python -m jaxcomp.bench kernels``.
 
-For each size and op it prints the median wall time over ``--repeats`` runs
-(after one compile-and-run), the effective bandwidth (bytes the op must read
-and write at least, divided by the time) and three ratios, all measured in the
-same process on the same input:
+For each dtype, size and op it prints the median time per call, the effective
+bandwidth (bytes the op must read and write at least, divided by the time) and
+three ratios, all measured in the same process on the same data:
 
-* ``x/mem``: time over the time of one memory pass ``x * 2`` (read + write);
+* ``x/copy``: time over the time of one device-to-device memory pass
+  ``x * 2`` (read + write of ``x``): 1.0 is a kernel as fast as a copy;
 * ``vs top_k``: speed-up over ``lax.top_k(|x|, k)`` (top-k ops only);
 * ``vs ref``: speed-up over the op's XLA reference (the ``*_reference``
   function of ``jaxcomp.kernels``).
 
-On a GPU backend the Pallas kernels are timed too; elsewhere only the XLA
-paths are (the kernels' interpret mode is a correctness tool, not a path).
+With ``--torch`` (and PyTorch importable) it also times ``torch.topk`` of
+``|x|`` and ``x * 2`` in PyTorch on the same buffers (shared through DLPack),
+and prints ``vs torch``: the speed-up over ``torch.topk``.
+
+Timing. Each trial dispatches ``--calls`` calls back to back, cycling through
+enough copies of the input that together they exceed ``--cache-bytes``
+(default: 4x a Hopper L2 on GPU, nothing elsewhere), then waits for the last;
+the time per call is the trial's time over the calls, and the figure is the
+median over ``--repeats`` trials, after one warm-up (compile) call per input.
+On a GPU the Pallas kernels are timed next to the XLA paths; elsewhere only
+the XLA paths are (interpret mode is a correctness tool, not a path).
+
+``--json PATH`` writes every row (with the device, JAX version and the
+arguments) so that later changes can be compared against a saved run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import statistics
 import time
-from typing import Callable
+import traceback
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +46,7 @@ from jaxcomp.kernels import topk
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 OPS = ("topk", "sampled_topk", "sign", "qsgd", "int8")
+TOPK_OPS = ("topk", "sampled_topk")
 
 
 def _size(text: str) -> int:
@@ -39,10 +56,17 @@ def _size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--sizes", type=_size, nargs="+", default=[25_000_000],
                       help="element counts, e.g. 1e6 2.5e7 (default 2.5e7)")
-  parser.add_argument("--dtype", choices=sorted(DTYPES), default="f32")
+  parser.add_argument("--dtype", choices=sorted(DTYPES), nargs="+",
+                      default=["f32"])
   parser.add_argument("--density", type=float, default=0.01,
                       help="top-k density k/n (default 0.01)")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=7,
+                      help="timed trials; the median is reported")
+  parser.add_argument("--calls", type=int, default=None,
+                      help="calls per trial (default 10 on GPU, 1 elsewhere)")
+  parser.add_argument("--cache-bytes", type=_size, default=None,
+                      help="input copies cycled per trial exceed this many "
+                      "bytes (default 2e8 on GPU, 0 elsewhere)")
   parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
   parser.add_argument("--levels", type=int, default=15, help="QSGD levels")
   parser.add_argument("--bucket-size", type=int, default=512,
@@ -50,102 +74,197 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--implementation", choices=("auto", "xla", "pallas",
                                                     "both"), default="auto",
                       help="auto: pallas too when the backend is a GPU")
+  parser.add_argument("--block-rows", type=int, nargs="+", default=None,
+                      help="Pallas block_rows variants to time (default: "
+                      "each config's default)")
+  parser.add_argument("--radix-bits", type=int, nargs="+", default=None,
+                      help="Pallas top-k radix_bits variants to time")
+  parser.add_argument("--torch", action="store_true",
+                      help="also time torch.topk and a PyTorch memory pass")
+  parser.add_argument("--json", default=None, help="write the rows here")
 
 
-def time_fn(fn: Callable, *args, repeats: int) -> float:
-  """Median seconds of ``fn(*args)`` after one warm-up (compile) call."""
-  jax.block_until_ready(fn(*args))
-  times = []
+def _on_gpu() -> bool:
+  return jax.default_backend() in ("gpu", "cuda")
+
+
+def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
+               sync: Callable = jax.block_until_ready) -> float:
+  """Median seconds per call of ``fn`` over ``inputs`` (see module doc)."""
+  for x in inputs:  # compile and warm up
+    sync(fn(x))
+  per_call = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    outs = [fn(inputs[i % len(inputs)]) for i in range(calls)]
+    sync(outs)
+    per_call.append((time.perf_counter() - start) / calls)
+  return statistics.median(per_call)
 
 
-def _row(op, impl, n, seconds, nbytes, t_mem, t_topk, t_ref):
-  fmt = lambda v: "-" if v is None else f"{v:.2f}"
-  return (f"{op:<13} {impl:<10} {n:>11,d} {seconds * 1e3:>10.2f} "
-          f"{nbytes / seconds / 1e9:>8.2f} {seconds / t_mem:>7.2f} "
-          f"{fmt(None if t_topk is None else t_topk / seconds):>9} "
-          f"{fmt(None if t_ref is None else t_ref / seconds):>7}")
+def _variants(args) -> list[tuple[str, topk.TopKConfig,
+                                  quantize.QuantizeConfig]]:
+  """``(label, top-k config, quantize config)`` for every knob combination."""
+  rows = args.block_rows or [None]
+  radix = args.radix_bits or [None]
+  out = []
+  for br in rows:
+    for rb in radix:
+      tcfg, qcfg, label = topk.DEFAULT_CONFIG, quantize.DEFAULT_CONFIG, []
+      if br is not None:
+        tcfg = dataclasses.replace(tcfg, block_rows=br)
+        qcfg = dataclasses.replace(qcfg, block_rows=br)
+        label.append(f"br{br}")
+      if rb is not None:
+        tcfg = dataclasses.replace(tcfg, radix_bits=rb)
+        label.append(f"rb{rb}")
+      out.append(("pallas" + (":" + ",".join(label) if label else ""), tcfg,
+                  qcfg))
+  return out
 
 
-HEADER = (f"{'op':<13} {'impl':<10} {'n':>11} {'time ms':>10} {'GB/s':>8} "
-          f"{'x/mem':>7} {'vs top_k':>9} {'vs ref':>7}")
+HEADER = (f"{'dtype':<5} {'op':<13} {'impl':<18} {'n':>11} {'ms':>9} "
+          f"{'GB/s':>8} {'x/copy':>7} {'vs top_k':>9} {'vs ref':>7} "
+          f"{'vs torch':>8}")
+
+
+def _fmt(v):
+  return "-" if v is None else f"{v:.2f}"
 
 
 def main(args: argparse.Namespace) -> int:
-  dtype = DTYPES[args.dtype]
-  impls = {"auto": [_select.resolve_implementation(None)], "xla": ["xla"],
-           "pallas": ["pallas"], "both": ["xla", "pallas"]}[args.implementation]
-  if "pallas" in impls and "xla" not in impls:
-    impls = ["xla"] + impls
-  print(f"backend={jax.default_backend()} device={jax.devices()[0]} "
-        f"dtype={args.dtype} density={args.density} repeats={args.repeats} "
-        f"implementations={impls}")
+  gpu = _on_gpu()
+  impls = {"auto": ["xla"] + (["pallas"] if gpu else []), "xla": ["xla"],
+           "pallas": ["xla", "pallas"], "both": ["xla", "pallas"]}[
+               args.implementation]
+  calls = args.calls or (10 if gpu else 1)
+  cache_bytes = args.cache_bytes if args.cache_bytes is not None else (
+      int(2e8) if gpu else 0)
+  torch = None
+  if args.torch:
+    try:
+      import torch  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      print("--torch: PyTorch is not importable; skipping its baselines")
+  device = jax.devices()[0]
+  meta = {"backend": jax.default_backend(),
+          "device": getattr(device, "device_kind", str(device)),
+          "jax": jax.__version__, "calls": calls, "repeats": args.repeats,
+          "cache_bytes": cache_bytes, "density": args.density,
+          "levels": args.levels, "bucket_size": args.bucket_size,
+          "torch": None if torch is None else torch.__version__}
+  print(" ".join(f"{k}={v}" for k, v in meta.items()))
   print(HEADER)
-  itemsize = jnp.dtype(dtype).itemsize
-  for n in args.sizes:
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32).astype(dtype)
-    u = jax.random.uniform(jax.random.key(1), (n,), jnp.float32)
-    k = max(1, int(n * args.density))
-    rep = args.repeats
-    t_mem = time_fn(jax.jit(lambda x: x * 2), x, repeats=rep)
-    print(_row("memory x*2", "xla", n, t_mem, 2 * n * itemsize, t_mem, None,
-               None))
-    t_topk = None
-    if {"topk", "sampled_topk"} & set(args.ops):
-      t_topk = time_fn(jax.jit(lambda x: jax.lax.top_k(jnp.abs(x), k)), x,
-                       repeats=rep)
-      print(_row("lax.top_k", "xla", n, t_topk, n * itemsize + 8 * k, t_mem,
-                 t_topk, None))
-    for op in args.ops:
-      if op == "topk":
-        nbytes = n * itemsize + 8 * k
-        t_ref = time_fn(jax.jit(lambda x: topk.topk_reference(x, k)), x,
-                        repeats=rep)
-        cases = {"xla": lambda x: topk.topk_threshold_xla(x, k),
-                 "pallas": lambda x: topk.topk(x, k)}
-      elif op == "sampled_topk":
-        nbytes = n * itemsize + 8 * k
-        t_ref = time_fn(jax.jit(lambda x: topk.topk_reference(x, k)), x,
-                        repeats=rep)
-        key = jax.random.key(2)
-        cases = {impl: (lambda x, impl=impl: topk.sampled_topk(
-            x, k, key, sample_ratio=0.01, implementation=impl))
-                 for impl in ("xla", "pallas")}
-      elif op == "sign":
-        nbytes = n * itemsize + n // 8
-        t_ref = time_fn(jax.jit(quantize.sign_pack_reference), x, repeats=rep)
-        cases = {"xla": jax.jit(quantize.sign_pack_reference),
-                 "pallas": quantize.sign_pack}
-      elif op == "qsgd":
-        bits = quantize.qsgd_bits(args.levels)
-        nbytes = n * itemsize + 4 * n + n * bits // 8
-        ref = jax.jit(lambda x: quantize.qsgd_quantize_reference(
-            x, u, levels=args.levels, bucket_size=args.bucket_size))
-        t_ref = time_fn(ref, x, repeats=rep)
-        cases = {"xla": ref,
-                 "pallas": lambda x: quantize.qsgd_quantize(
-                     x, u, levels=args.levels, bucket_size=args.bucket_size)}
-      else:  # int8
-        nbytes = n * itemsize + n
-        ref = jax.jit(lambda x: quantize.int8_block_quantize_reference(
-            x, block_size=args.bucket_size))
-        t_ref = time_fn(ref, x, repeats=rep)
-        cases = {"xla": ref,
-                 "pallas": lambda x: quantize.int8_block_quantize(
-                     x, block_size=args.bucket_size)}
-      if op in ("topk", "sampled_topk"):
-        print(_row(f"{op}", "reference", n, t_ref, nbytes, t_mem, t_topk,
-                   t_ref))
-      for impl in impls:
-        if op in ("sign", "qsgd", "int8") and impl == "xla":
-          seconds = t_ref  # The XLA path of these ops is the reference.
-        else:
-          seconds = time_fn(jax.jit(cases[impl]), x, repeats=rep)
-        print(_row(op, impl, n, seconds, nbytes, t_mem,
-                   t_topk if op in ("topk", "sampled_topk") else None, t_ref))
-  return 0
+  rows: list[dict[str, Any]] = []
 
+  def emit(dtype, op, impl, n, seconds, nbytes, base, error=None):
+    row = {"dtype": dtype, "op": op, "impl": impl, "n": n,
+           "seconds": seconds, "bytes": nbytes, "error": error}
+    if seconds is not None:
+      row["gb_per_s"] = nbytes / seconds / 1e9
+      for key in ("copy", "top_k", "ref", "torch"):
+        b = base.get(key)
+        row[f"ratio_{key}"] = None if b is None else (
+            seconds / b if key == "copy" else b / seconds)
+    rows.append(row)
+    if error is not None:
+      print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} FAILED: {error}")
+      return
+    print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} {seconds * 1e3:>9.3f} "
+          f"{row['gb_per_s']:>8.1f} {_fmt(row['ratio_copy']):>7} "
+          f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "
+          f"{_fmt(row['ratio_torch']):>8}")
+
+  def measure(fn, inputs, sync=jax.block_until_ready):
+    try:
+      return time_calls(fn, inputs, repeats=args.repeats, calls=calls,
+                        sync=sync), None
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+  for dname in args.dtype:
+    dtype = DTYPES[dname]
+    itemsize = jnp.dtype(dtype).itemsize
+    for n in args.sizes:
+      copies = max(1, min(32, math.ceil(cache_bytes / (n * itemsize))))
+      xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32)
+            .astype(dtype) for i in range(copies)]
+      u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
+      k = max(1, int(n * args.density))
+      base: dict[str, float | None] = {}
+      t, err = measure(jax.jit(lambda x: x * 2), xs)
+      base["copy"] = t
+      emit(dname, "copy x*2", "xla", n, t, 2 * n * itemsize, base, err)
+      topk_bytes = n * itemsize + 8 * k
+      if set(TOPK_OPS) & set(args.ops):
+        t, err = measure(jax.jit(lambda x: jax.lax.top_k(jnp.abs(x), k)), xs)
+        base["top_k"] = t
+        emit(dname, "lax.top_k", "xla", n, t, topk_bytes, base, err)
+      if torch is not None and gpu:
+        txs = [torch.from_dlpack(x) for x in xs]
+        sync = lambda _: torch.cuda.synchronize()
+        t, err = measure(lambda x: x * 2, txs, sync)
+        emit(dname, "copy x*2", "torch", n, t, 2 * n * itemsize, base, err)
+        if set(TOPK_OPS) & set(args.ops):
+          t, err = measure(lambda x: torch.topk(x.abs(), k), txs, sync)
+          base["torch"] = t
+          emit(dname, "torch.topk", "torch", n, t, topk_bytes, base, err)
+        del txs
+      for op in args.ops:
+        cases: dict[str, Callable] = {}
+        tbase = dict(base) if op in TOPK_OPS else {"copy": base["copy"]}
+        if op == "topk":
+          nbytes = topk_bytes
+          ref = jax.jit(lambda x: topk.topk_reference(x, k))
+          cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
+          for label, tcfg, _ in _variants(args):
+            cases[label] = jax.jit(
+                lambda x, c=tcfg: topk.topk(x, k, config=c))
+        elif op == "sampled_topk":
+          nbytes = topk_bytes
+          ref = jax.jit(lambda x: topk.topk_reference(x, k))
+          key = jax.random.key(2)
+          cases["xla"] = jax.jit(lambda x: topk.sampled_topk(
+              x, k, key, sample_ratio=0.01, implementation="xla"))
+          for label, tcfg, _ in _variants(args):
+            cases[label] = jax.jit(lambda x, c=tcfg: topk.sampled_topk(
+                x, k, key, sample_ratio=0.01, implementation="pallas",
+                config=c))
+        elif op == "sign":
+          nbytes = n * itemsize + n // 8
+          ref = jax.jit(quantize.sign_pack_reference)
+          for label, _, qcfg in _variants(args):
+            cases[label] = jax.jit(
+                lambda x, c=qcfg: quantize.sign_pack(x, config=c))
+        elif op == "qsgd":
+          bits = quantize.qsgd_bits(args.levels)
+          nbytes = n * itemsize + 4 * n + n * bits // 8
+          ref = jax.jit(lambda x: quantize.qsgd_quantize_reference(
+              x, u, levels=args.levels, bucket_size=args.bucket_size))
+          for label, _, qcfg in _variants(args):
+            cases[label] = jax.jit(lambda x, c=qcfg: quantize.qsgd_quantize(
+                x, u, levels=args.levels, bucket_size=args.bucket_size,
+                config=c))
+        else:  # int8
+          nbytes = n * itemsize + n
+          ref = jax.jit(lambda x: quantize.int8_block_quantize_reference(
+              x, block_size=args.bucket_size))
+          for label, _, qcfg in _variants(args):
+            cases[label] = jax.jit(
+                lambda x, c=qcfg: quantize.int8_block_quantize(
+                    x, block_size=args.bucket_size, config=c))
+        t, err = measure(ref, xs)
+        tbase["ref"] = t
+        emit(dname, op, "reference", n, t, nbytes, tbase, err)
+        for label, fn in cases.items():
+          if label.split(":")[0] not in impls:
+            continue
+          t, err = measure(fn, xs)
+          emit(dname, op, label, n, t, nbytes, tbase, err)
+      del xs
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+  return 0
