@@ -14,10 +14,14 @@ interpret mode (CPU) the layout casts are skipped: they change no value.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxcomp.sharding import varying_axes
 
 IMPLEMENTATIONS = ("pallas", "xla")
 ROW = 32  # float32 values per row: 128 bytes.
@@ -107,4 +111,69 @@ def column_iota(block_rows: int, interpret: bool) -> jax.Array:
 
 
 def compiler_params():
-  return plgpu.CompilerParams()
+  """Mosaic GPU compiler parameters of every kernel here.
+
+  The kernels are written for the Lane lowering semantics (explicit register
+  layouts through :func:`wgmma`); JAX 0.11 made Warpgroup the default, so the
+  semantics are named.
+  """
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+  """Output type of a kernel that varies over the manual mesh axes that
+  ``like`` varies over, so that kernels work inside ``jax.shard_map`` with
+  ``check_vma=True`` (which requires ``manual_axis_type`` on outputs)."""
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.typeof(like).mat)
+
+
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` marked varying over the manual mesh axes ``like`` varies over
+  (inside ``jax.shard_map``; a no-op elsewhere), e.g. a loop carry that a
+  kernel output will replace."""
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,
+                 interpret: bool, name: str):
+  """A kernel over a 1-D grid of ``grid`` blocks, as ``pl.pallas_call`` has it.
+
+  ``kernel(*in_block_refs, *out_block_refs)`` sees one block of each operand
+  per grid step, cut by the ``BlockSpec``s (index maps take the block number).
+
+  * ``interpret=True``: ``pl.pallas_call(..., interpret=True)`` (any backend).
+  * Otherwise Mosaic GPU through its public kernel API, which JAX 0.11
+    requires (``pl.pallas_call`` no longer lowers Mosaic GPU compiler
+    parameters there): ``plgpu.kernel`` launches one CUDA block per grid
+    step and ``plgpu.emit_pipeline`` copies each operand's block between
+    global and shared memory with TMA around ``kernel``.
+
+  Returns:
+    A function of the input arrays returning ``out_shape``'s structure.
+  """
+  if interpret:
+    return pl.pallas_call(kernel, grid=(grid,), in_specs=in_specs,
+                          out_specs=out_specs, out_shape=out_shape,
+                          interpret=True, name=name)
+  multiple = isinstance(out_shape, (list, tuple))
+  out_type = tuple(out_shape) if multiple else out_shape
+  out_list = list(out_specs) if multiple else [out_specs]
+  num_out = len(out_list)
+
+  def at_this_block(spec):
+    index_map = spec.index_map
+    return dataclasses.replace(
+        spec, index_map=lambda: index_map(jax.lax.axis_index("blocks")))
+
+  def body(*refs):
+    in_refs, out_refs = refs[:len(refs) - num_out], refs[len(refs) - num_out:]
+    pipeline = plgpu.emit_pipeline(
+        lambda _, *block_refs: kernel(*block_refs), grid=(),
+        in_specs=[at_this_block(s) for s in in_specs],
+        out_specs=[at_this_block(s) for s in out_list])
+    pipeline(*in_refs, *out_refs)
+
+  return plgpu.kernel(body, out_type=out_type, compiler_params=compiler_params(),
+                      grid=(grid,), grid_names=("blocks",))

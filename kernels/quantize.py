@@ -258,15 +258,14 @@ def _quantize_pack_call(x_rows, row_mult, u_rows, *, mode, bits, levels,
     operands.append(u_rows)
     in_specs.append(_select.rows_spec(block_rows, interpret))
   num_rows = x_rows.shape[0]
-  out = pl.pallas_call(
+  out = _select.blocked_call(
       functools.partial(
           _quantize_pack_kernel, mode=mode, bits=bits, levels=levels,
           stochastic=stochastic, block_rows=block_rows, interpret=interpret),
-      grid=(grid,),
+      _select.out_struct((bits, num_rows), jnp.uint32, x_rows),
+      grid=grid,
       in_specs=in_specs,
       out_specs=pl.BlockSpec((bits, block_rows), lambda i: (0, i)),
-      out_shape=jax.ShapeDtypeStruct((bits, num_rows), jnp.uint32),
-      compiler_params=_select.compiler_params(),
       interpret=interpret,
       name=f"jaxcomp_{mode}_pack",
   )(*operands)

@@ -60,12 +60,14 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import _select
 
 ROW = _select.ROW
 _NUM_CANDIDATES = 32  # one SMEM/TMA transfer of 128 bytes holds 32 int32.
+# The 32 int32 thresholds: the same block (all of them) at every grid step,
+# copied to shared memory, where the kernels read them as scalars.
+_THRESHOLDS_SPEC = pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (0,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +334,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
 def _count_kernel(t_ref, x_ref, o_ref, *, interpret: bool):
   """``o_ref[c] = #(key >= t_ref[c])`` over one block of rows.
 
-  ``t_ref``: int32 (32,) thresholds in SMEM; ``x_ref``: (R, 32) float32;
+  ``t_ref``: int32 (32,) thresholds (shared memory on GPU); ``x_ref``: (R, 32) float32;
   ``o_ref``: int32 (32,), this block's counts.
   """
   x = _select.wgmma(x_ref[...], interpret)
@@ -359,14 +361,12 @@ def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
              interpret: bool = False) -> jax.Array:
   """Counts of ``key >= thresholds[c]`` over ``rows`` (Pallas), int32 (32,)."""
   grid = rows.shape[0] // block_rows
-  out = pl.pallas_call(
+  out = _select.blocked_call(
       functools.partial(_count_kernel, interpret=interpret),
-      grid=(grid,),
-      in_specs=[pl.BlockSpec(memory_space=plgpu.SMEM),
-                _select.rows_spec(block_rows, interpret)],
+      _select.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
+      grid=grid,
+      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
       out_specs=pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)),
-      out_shape=jax.ShapeDtypeStruct((grid * _NUM_CANDIDATES,), jnp.int32),
-      compiler_params=_select.compiler_params(),
       interpret=interpret,
       name="jaxcomp_topk_count",
   )(thresholds, rows)
@@ -378,17 +378,15 @@ def threshold_masks(rows: jax.Array, t: jax.Array, *, block_rows: int,
   """Packed masks ``key > t`` and ``key == t`` (Pallas), uint32 per row."""
   grid = rows.shape[0] // block_rows
   tvec = jnp.broadcast_to(t.astype(jnp.int32), (_NUM_CANDIDATES,))
-  word = jax.ShapeDtypeStruct((rows.shape[0],), jnp.uint32)
-  return pl.pallas_call(
+  word = _select.out_struct((rows.shape[0],), jnp.uint32, rows)
+  return _select.blocked_call(
       functools.partial(_mask_kernel, block_rows=block_rows,
                         interpret=interpret),
-      grid=(grid,),
-      in_specs=[pl.BlockSpec(memory_space=plgpu.SMEM),
-                _select.rows_spec(block_rows, interpret)],
+      [word, word],
+      grid=grid,
+      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
       out_specs=[_select.vector_spec(block_rows),
                  _select.vector_spec(block_rows)],
-      out_shape=[word, word],
-      compiler_params=_select.compiler_params(),
       interpret=interpret,
       name="jaxcomp_topk_mask",
   )(tvec, rows)
@@ -425,7 +423,8 @@ def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
     digit = jnp.sum(((counts >= k) & live)[1:]).astype(jnp.int32)
     return base + (digit << shift)
 
-  return jax.lax.fori_loop(0, len(passes), one_pass, jnp.int32(0))
+  return jax.lax.fori_loop(0, len(passes), one_pass,
+                           _select.vary_like(jnp.int32(0), rows))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))

@@ -268,3 +268,4 @@ def test_sampled_topk():
   np.testing.assert_array_equal(iz, np.arange(k))
   with pytest.raises(ValueError, match="sample_ratio"):
     topk.sampled_topk(x, k, key, sample_ratio=0.0)
+

@@ -48,3 +48,25 @@ def test_exports_for_cuda_with_mosaic_gpu(name):
   text = exported.mlir_module()
   assert "stablehlo.custom_call @mosaic_gpu" in text, name
   assert exported.platforms == ("cuda",)
+
+
+@pytest.mark.parametrize("op", ["sign_pack", "topk", "qsgd", "int8_block"])
+def test_exports_inside_shard_map_with_check_vma(op):
+  """Inside ``jax.shard_map`` (``check_vma=True`` by default) kernel outputs
+  must be typed as varying over the mesh axis, and loop carries that kernel
+  outputs replace must vary too; tracing the exported step checks both."""
+  from jax.sharding import AbstractMesh, PartitionSpec as P
+  fns = {
+      "sign_pack": lambda x: quantize.sign_pack(x)[0],
+      "topk": lambda x: topk.topk(x, 30)[1],
+      "qsgd": lambda x: quantize.qsgd_quantize(
+          x, x, levels=7, bucket_size=512)[0],
+      "int8_block": lambda x: quantize.int8_block_quantize(
+          x, block_size=256)[0],
+  }
+  mesh = AbstractMesh((8,), ("data",))
+  f = jax.jit(jax.shard_map(lambda xs: fns[op](xs[0])[None], mesh=mesh,
+                            in_specs=P("data"), out_specs=P("data")))
+  exported = jax.export.export(f, platforms=["cuda"])(S((8, 3001),
+                                                        jnp.float32))
+  assert "stablehlo.custom_call @mosaic_gpu" in exported.mlir_module()

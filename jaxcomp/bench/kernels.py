@@ -14,11 +14,15 @@ With ``--torch`` (and PyTorch importable) it also times ``torch.topk`` of
 ``|x|`` and ``x * 2`` in PyTorch on the same buffers (shared through DLPack),
 and prints ``vs torch``: the speed-up over ``torch.topk``.
 
-Timing. Each trial dispatches ``--calls`` calls back to back, cycling through
-enough copies of the input that together they exceed ``--cache-bytes``
-(default: 4x a Hopper L2 on GPU, nothing elsewhere), then waits for the last;
-the time per call is the trial's time over the calls, and the figure is the
-median over ``--repeats`` trials, after one warm-up (compile) call per input.
+Timing. The input is held in several copies, together over ``--cache-bytes``
+(default 2e8 bytes, 4x a Hopper L2, and at least 4 copies on GPU; one copy
+elsewhere), so that no call finds its input in cache. On GPU one jitted
+program applies the op to every copy (the calls run back to back on the
+device, with no host dispatch between them) and a trial runs that program
+``--calls`` times; elsewhere a trial is ``--calls`` plain calls. The time per
+call is the trial's time over the calls, and the figure is the median over
+``--repeats`` trials, after warm-up (compile) calls. PyTorch's ops are
+dispatched one by one, cycling through the same copies.
 On a GPU the Pallas kernels are timed next to the XLA paths; elsewhere only
 the XLA paths are (interpret mode is a correctness tool, not a path).
 
@@ -40,7 +44,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.kernels import _select
 from jaxcomp.kernels import quantize
 from jaxcomp.kernels import topk
 
@@ -63,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repeats", type=int, default=7,
                       help="timed trials; the median is reported")
   parser.add_argument("--calls", type=int, default=None,
-                      help="calls per trial (default 10 on GPU, 1 elsewhere)")
+                      help="calls (GPU: of the unrolled program) per trial "
+                      "(default 3 on GPU, 1 elsewhere)")
   parser.add_argument("--cache-bytes", type=_size, default=None,
                       help="input copies cycled per trial exceed this many "
                       "bytes (default 2e8 on GPU, 0 elsewhere)")
@@ -89,16 +93,32 @@ def _on_gpu() -> bool:
 
 
 def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
-               sync: Callable = jax.block_until_ready) -> float:
-  """Median seconds per call of ``fn`` over ``inputs`` (see module doc)."""
+               sync: Callable = jax.block_until_ready,
+               unrolled: bool = False) -> float:
+  """Median seconds per call of ``fn`` over ``inputs`` (see module doc).
+
+  ``unrolled``: one jitted program applies ``fn`` to every input (the calls
+  run back to back on the device, with no host dispatch between them), and
+  each trial runs that program ``calls`` times.
+  """
+  if unrolled:
+    multi = jax.jit(lambda *xs: tuple(fn(x) for x in xs))
+    run, per_trial = (lambda: multi(*inputs)), calls * len(inputs)
+  else:
+    run, per_trial = None, calls
   for x in inputs:  # compile and warm up
     sync(fn(x))
+  if run is not None:
+    sync(run())
   per_call = []
   for _ in range(repeats):
     start = time.perf_counter()
-    outs = [fn(inputs[i % len(inputs)]) for i in range(calls)]
+    if run is not None:
+      outs = [run() for _ in range(calls)]
+    else:
+      outs = [fn(inputs[i % len(inputs)]) for i in range(calls)]
     sync(outs)
-    per_call.append((time.perf_counter() - start) / calls)
+    per_call.append((time.perf_counter() - start) / per_trial)
   return statistics.median(per_call)
 
 
@@ -137,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
   impls = {"auto": ["xla"] + (["pallas"] if gpu else []), "xla": ["xla"],
            "pallas": ["xla", "pallas"], "both": ["xla", "pallas"]}[
                args.implementation]
-  calls = args.calls or (10 if gpu else 1)
+  calls = args.calls or (3 if gpu else 1)
   cache_bytes = args.cache_bytes if args.cache_bytes is not None else (
       int(2e8) if gpu else 0)
   torch = None
@@ -175,19 +195,24 @@ def main(args: argparse.Namespace) -> int:
           f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "
           f"{_fmt(row['ratio_torch']):>8}")
 
-  def measure(fn, inputs, sync=jax.block_until_ready):
+  def measure(fn, inputs, sync=None):
     try:
-      return time_calls(fn, inputs, repeats=args.repeats, calls=calls,
-                        sync=sync), None
+      if sync is None:  # a JAX function
+        return time_calls(fn, inputs, repeats=args.repeats, calls=calls,
+                          unrolled=gpu), None
+      return time_calls(fn, inputs, repeats=args.repeats,
+                        calls=calls * len(inputs), sync=sync), None
     except Exception as e:  # pylint: disable=broad-except
       traceback.print_exc()
-      return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      first = (str(e).splitlines() or [""])[0][:200]
+      return None, f"{type(e).__name__}: {first}"
 
   for dname in args.dtype:
     dtype = DTYPES[dname]
     itemsize = jnp.dtype(dtype).itemsize
     for n in args.sizes:
-      copies = max(1, min(32, math.ceil(cache_bytes / (n * itemsize))))
+      copies = min(16, max(4 if gpu else 1,
+                           math.ceil(cache_bytes / (n * itemsize))))
       xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32)
             .astype(dtype) for i in range(copies)]
       u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
