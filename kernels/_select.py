@@ -61,21 +61,35 @@ def check_block_rows(block_rows: int) -> None:
         f"{block_rows=} must be a positive multiple of 64 (one WGMMA row tile)")
 
 
-def to_rows(x: jax.Array, block_rows: int, fill: float = 0.0):
-  """Flattens ``x`` to float32 rows of 32, padded to whole blocks.
+def to_rows(x: jax.Array, block_rows: int, *, interpret: bool = False):
+  """Flattens ``x`` to float32 rows of 32 without a copy where it can.
 
-  Returns ``(rows, grid)`` with ``rows`` of shape ``(grid * block_rows, 32)``.
+  Returns ``(rows, grid)``: ``rows`` of shape ``(num_rows, 32)`` and
+  ``grid = ceil(num_rows / block_rows)`` blocks. A float32 ``x`` whose size
+  is a multiple of 256 (whole (8, 32) TMA tiles) is only reshaped (free),
+  and the last block may be partial: on GPU, TMA fills the rows past the end
+  with zeros on load and drops them on store. Any other input is converted
+  and zero-padded (one copy) to a multiple of 256, or to whole blocks in
+  interpret mode, whose reads past the end are not zeros.
   """
   n = x.size
+  flat = x.reshape(-1)
+  if flat.dtype == jnp.float32 and n % (8 * ROW) == 0 and n and not interpret:
+    num_rows = n // ROW
+    return flat.reshape(num_rows, ROW), -(-num_rows // block_rows)
   per_block = block_rows * ROW
   grid = max(1, -(-n // per_block))
-  flat = x.reshape(-1).astype(jnp.float32)
-  flat = jnp.pad(flat, (0, grid * per_block - n), constant_values=fill)
-  return flat.reshape(grid * block_rows, ROW), grid
+  tile = 8 * ROW
+  padded = grid * per_block if interpret else max(tile, -(-n // tile) * tile)
+  flat = jnp.pad(flat.astype(jnp.float32), (0, padded - n))
+  return flat.reshape(padded // ROW, ROW), -(-(padded // ROW) // block_rows)
 
 
 def pad_rows_vector(v: jax.Array, num_rows: int) -> jax.Array:
-  """Pads a per-row vector with zeros to ``num_rows`` entries."""
+  """A per-row vector of exactly ``num_rows`` entries: ``v`` zero-padded or
+  cut (per-bucket values repeated per row can run past the last row)."""
+  if v.shape[0] >= num_rows:
+    return v[:num_rows]
   return jnp.pad(v, (0, num_rows - v.shape[0]))
 
 

@@ -211,15 +211,18 @@ def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
   Refs: ``x_ref (R, 32) f32``, then for ``qsgd``/``int8`` ``mult_ref (R,)``
   (the multiplier ``m`` of each row's bucket / block), then if ``stochastic``
   ``u_ref (R, 32) f32``; output ``o_ref (bits, R) uint32`` where ``o_ref[w, r]``
-  is word ``w`` of row ``r``.
+  is word ``w`` of row ``r``, and for ``sign`` also ``abs_ref (R,) f32``, the
+  sum of ``|x|`` over each row (so the scale needs no second pass over ``x``).
   """
   refs = list(refs)
   x_ref = refs.pop(0)
   mult_ref = refs.pop(0) if mode != "sign" else None
   u_ref = refs.pop(0) if stochastic else None
-  (o_ref,) = refs
+  o_ref = refs.pop(0)
   x = _select.wgmma(x_ref[...], interpret)
   if mode == "sign":
+    (abs_ref,) = refs  # per-row sums of |x|, for the scale
+    abs_ref[...] = jnp.sum(jnp.abs(x), axis=1)
     codes = (x < 0).astype(jnp.uint32)
   else:
     m = _select.wgmma_row(mult_ref[...], interpret)
@@ -258,19 +261,28 @@ def _quantize_pack_call(x_rows, row_mult, u_rows, *, mode, bits, levels,
     operands.append(u_rows)
     in_specs.append(_select.rows_spec(block_rows, interpret))
   num_rows = x_rows.shape[0]
+  out_shape = _select.out_struct((bits, num_rows), jnp.uint32, x_rows)
+  out_specs = pl.BlockSpec((bits, block_rows), lambda i: (0, i))
+  if mode == "sign":
+    out_shape = [out_shape,
+                 _select.out_struct((num_rows,), jnp.float32, x_rows)]
+    out_specs = [out_specs, _select.vector_spec(block_rows)]
   out = _select.blocked_call(
       functools.partial(
           _quantize_pack_kernel, mode=mode, bits=bits, levels=levels,
           stochastic=stochastic, block_rows=block_rows, interpret=interpret),
-      _select.out_struct((bits, num_rows), jnp.uint32, x_rows),
+      out_shape,
       grid=grid,
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((bits, block_rows), lambda i: (0, i)),
+      out_specs=out_specs,
       interpret=interpret,
       name=f"jaxcomp_{mode}_pack",
   )(*operands)
+  extra = None
+  if mode == "sign":
+    out, extra = out
   # Word w of row r is element r * bits + w of the packed stream.
-  return out.T.reshape(-1)
+  return out.T.reshape(-1), extra
 
 
 def _row_values(per_group: jax.Array, group: int, num_rows: int) -> jax.Array:
@@ -284,14 +296,16 @@ def _row_values(per_group: jax.Array, group: int, num_rows: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Pallas sign packing; same outputs as :func:`sign_pack_reference`."""
+  """Pallas sign packing: the words of :func:`sign_pack_reference`, and its
+  scale up to float32 summation order (the kernel sums ``|x|`` per row as it
+  packs, so the scale costs no second pass over ``x``)."""
   _select.check_block_rows(config.block_rows)
   n = x.size
-  rows, grid = _select.to_rows(x, config.block_rows)
-  words = _quantize_pack_call(rows, None, None, mode="sign", bits=1, levels=0,
-                              block_rows=config.block_rows, grid=grid,
-                              interpret=interpret)
-  scale = jnp.mean(jnp.abs(x.reshape(-1).astype(jnp.float32)))
+  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
+  words, row_abs = _quantize_pack_call(
+      rows, None, None, mode="sign", bits=1, levels=0,
+      block_rows=config.block_rows, grid=grid, interpret=interpret)
+  scale = jnp.sum(row_abs) / jnp.float32(n)
   return words[:packed_words(n, 1)], scale
 
 
@@ -311,13 +325,14 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array, *, levels: int,
   n = x.size
   xb = _bucket_view(x, bucket_size)
   norms = jnp.sqrt(jnp.sum(xb * xb, axis=1))
-  rows, grid = _select.to_rows(x, config.block_rows)
-  u_rows, _ = _select.to_rows(_uniform_f32(uniform), config.block_rows)
+  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
+  u_rows, _ = _select.to_rows(_uniform_f32(uniform), config.block_rows,
+                              interpret=interpret)
   row_mult = _row_values(_qsgd_multiplier(norms, levels), bucket_size,
                         rows.shape[0])
-  words = _quantize_pack_call(rows, row_mult, u_rows, mode="qsgd", bits=bits,
-                              levels=levels, block_rows=config.block_rows,
-                              grid=grid, interpret=interpret)
+  words, _ = _quantize_pack_call(
+      rows, row_mult, u_rows, mode="qsgd", bits=bits, levels=levels,
+      block_rows=config.block_rows, grid=grid, interpret=interpret)
   return words[:packed_words(n, bits)], norms
 
 
@@ -337,17 +352,19 @@ def int8_block_quantize(
   _check_size("block_size", block_size)
   xb = _bucket_view(x, block_size)
   scales = jnp.max(jnp.abs(xb), axis=1) / jnp.float32(127)
-  rows, grid = _select.to_rows(x, config.block_rows)
+  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
   u_rows = None
   if stochastic_uniform is not None:
     u_rows, _ = _select.to_rows(_uniform_f32(stochastic_uniform),
-                                config.block_rows)
+                                config.block_rows, interpret=interpret)
   row_mult = _row_values(_int8_multiplier(scales), block_size,
                         rows.shape[0])
-  words = _quantize_pack_call(rows, row_mult, u_rows, mode="int8", bits=8,
-                              levels=0, block_rows=config.block_rows,
-                              grid=grid, interpret=interpret)
+  words, _ = _quantize_pack_call(
+      rows, row_mult, u_rows, mode="int8", bits=8, levels=0,
+      block_rows=config.block_rows, grid=grid, interpret=interpret)
   q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(-1)
+  if q.size < xb.size:  # rows end before the last scale block does
+    q = jnp.pad(q, (0, xb.size - q.size))
   return q[:xb.size], scales
 
 

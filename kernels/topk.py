@@ -360,7 +360,7 @@ def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
 def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
              interpret: bool = False) -> jax.Array:
   """Counts of ``key >= thresholds[c]`` over ``rows`` (Pallas), int32 (32,)."""
-  grid = rows.shape[0] // block_rows
+  grid = -(-rows.shape[0] // block_rows)
   out = _select.blocked_call(
       functools.partial(_count_kernel, interpret=interpret),
       _select.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
@@ -376,7 +376,7 @@ def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
 def threshold_masks(rows: jax.Array, t: jax.Array, *, block_rows: int,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Packed masks ``key > t`` and ``key == t`` (Pallas), uint32 per row."""
-  grid = rows.shape[0] // block_rows
+  grid = -(-rows.shape[0] // block_rows)
   tvec = jnp.broadcast_to(t.astype(jnp.int32), (_NUM_CANDIDATES,))
   word = _select.out_struct((rows.shape[0],), jnp.uint32, rows)
   return _select.blocked_call(
@@ -443,7 +443,7 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   _check_k(n, k)
   if k == 0:
     return _empty(flat)
-  rows, _ = _select.to_rows(flat, config.block_rows)
+  rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
   t = radix_select(rows, k, block_rows=config.block_rows,
                    radix_bits=config.radix_bits, interpret=interpret)
   gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
@@ -489,7 +489,7 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   t = jax.lax.top_k(abs_key(flat[pick]), ks)[0][ks - 1]
   if _select.resolve_implementation(implementation) == "pallas":
     _select.check_block_rows(config.block_rows)
-    rows, _ = _select.to_rows(flat, config.block_rows)
+    rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
     gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
                              interpret=interpret)
     words = gt | eq

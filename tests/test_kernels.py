@@ -67,7 +67,8 @@ def test_bad_knobs_raise():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n,dtype", list(itertools.product((1000, 3001), DTYPES)))
+@pytest.mark.parametrize("n,dtype", list(itertools.product((1000, 3001, 2304),
+                                                          DTYPES)))
 def test_sign_pack_matches_reference(n, dtype):
   x = _normal(n, dtype, seed=n)
   words, scale = quantize.sign_pack(x, config=QCFG, interpret=INTERPRET)
@@ -84,6 +85,7 @@ def test_sign_pack_matches_reference(n, dtype):
 
 @pytest.mark.parametrize("n,dtype,levels", [
     (1000, jnp.float32, 1), (3001, jnp.float32, 7), (3001, jnp.bfloat16, 127),
+    (2304, jnp.float32, 15),
     (2500, jnp.float16, 3), (1000, jnp.float32, 1000)])
 def test_qsgd_matches_reference(n, dtype, levels):
   x = _normal(n, dtype, seed=n)
@@ -120,6 +122,7 @@ def test_qsgd_uint32_bits_and_zero_bucket():
 
 @pytest.mark.parametrize("n,dtype,stochastic", [
     (1000, jnp.float32, False), (3001, jnp.bfloat16, False),
+    (4352, jnp.float32, False),
     (3001, jnp.float16, True), (2500, jnp.float32, True)])
 def test_int8_block_matches_reference(n, dtype, stochastic):
   x = _normal(n, dtype, seed=n).at[:64].set(0)  # first block all zero
@@ -204,7 +207,8 @@ def test_topk_xla_every_branch(case):
 
 
 @pytest.mark.parametrize("n,dtype,k", [
-    (3001, jnp.float32, 30), (2049, jnp.bfloat16, 1), (1000, jnp.float16, 1000)])
+    (3001, jnp.float32, 30), (2049, jnp.bfloat16, 1), (1000, jnp.float16, 1000),
+    (2304, jnp.float32, 20)])
 def test_topk_pallas_matches_reference_set(n, dtype, k):
   x = _normal(n, dtype, seed=n)
   _, ref_i = topk.topk_reference(x, k)
@@ -226,7 +230,7 @@ def test_topk_pallas_ties_take_lowest_indices():
 @pytest.mark.parametrize("radix_bits", [5, 3])
 def test_radix_select_is_kth_largest_key(radix_bits):
   x = _normal(3001, jnp.float32, seed=11)
-  rows, _ = _select.to_rows(x, 64)
+  rows, _ = _select.to_rows(x, 64, interpret=INTERPRET)
   k = jnp.int32(77)
   t = jax.jit(lambda r: topk.radix_select(r, 77, block_rows=64,
                                           radix_bits=radix_bits,

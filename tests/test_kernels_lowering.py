@@ -15,6 +15,7 @@ from jaxcomp.kernels import topk
 
 S = jax.ShapeDtypeStruct
 N = 100_003  # not a multiple of the block
+N_TILED = 100_096  # whole (8, 32) tiles, not whole blocks: no padding copy
 
 
 def _cases():
@@ -32,6 +33,10 @@ def _cases():
       "int8_block_stochastic": (lambda x, u: quantize.int8_block_quantize(
           x, block_size=256, stochastic_uniform=u), (f32, f32)),
       "topk_f32": (lambda x: topk.topk(x, 1000), (f32,)),
+      "topk_f32_unpadded": (lambda x: topk.topk(x, 1000),
+                            (S((N_TILED,), jnp.float32),)),
+      "sign_pack_f32_unpadded": (lambda x: quantize.sign_pack(x),
+                                 (S((N_TILED,), jnp.float32),)),
       "topk_bf16_radix4": (lambda x: topk.topk(
           x, 10, config=topk.TopKConfig(block_rows=128, radix_bits=4)),
                            (S((N,), jnp.bfloat16),)),
