@@ -1,8 +1,8 @@
 """Implementation selection and the row layout shared by the Pallas kernels.
 
 ``resolve_implementation`` decides between the Pallas kernels and the pure-XLA
-references: ``"pallas"`` on a GPU backend, ``"xla"`` everywhere else, unless the
-caller names one explicitly.
+references: ``"xla"`` off NVIDIA GPUs, and on one the path measured faster for
+the op and size, unless the caller names one explicitly.
 
 The kernels in this folder all read a flat array as rows of 32 float32 values
 (128 bytes, one swizzle period), ``block_rows`` rows per grid step. On Mosaic
@@ -27,7 +27,7 @@ IMPLEMENTATIONS = ("pallas", "xla")
 ROW = 32  # float32 values per row: 128 bytes.
 
 
-def _is_cuda() -> bool:
+def nvidia_gpu() -> bool:
   """Whether the default backend is an NVIDIA GPU (Mosaic GPU's target)."""
   if jax.default_backend() not in ("gpu", "cuda"):
     return False
@@ -35,19 +35,41 @@ def _is_cuda() -> bool:
   return "rocm" not in str(version).lower()
 
 
-def resolve_implementation(implementation: str | None) -> str:
+# On an NVIDIA GPU, ``implementation=None`` takes the path measured faster
+# there (H100, JAX 0.11.2; ``python -m jaxcomp.bench kernels --sizes 1e6 2.5e7
+# 1e8 --implementation both``, saved in benchmarks/results/kernels_h100.json):
+# the Pallas sign kernel is 1.8x faster than XLA at 1e8 float32 elements when
+# it reads the input in place (float32, whole (8, 32) tiles), and slower when
+# a padding copy comes first or the input is small; the QSGD, int8 and top-k
+# kernels were slower than XLA at every size measured.
+SIGN_KERNEL_MIN_SIZE = 1 << 22
+
+
+def _gpu_default(op: str | None, n: int | None, dtype) -> str:
+  if (op == "sign" and n is not None and n >= SIGN_KERNEL_MIN_SIZE
+      and n % (8 * ROW) == 0 and jnp.dtype(dtype) == jnp.float32):
+    return "pallas"
+  return "xla"
+
+
+def resolve_implementation(implementation: str | None, *, op: str | None = None,
+                           n: int | None = None, dtype=jnp.float32) -> str:
   """Returns ``"pallas"`` or ``"xla"``.
 
   Args:
     implementation: ``"pallas"``, ``"xla"`` or ``None``. ``None`` picks
-      ``"pallas"`` when the default JAX backend is an NVIDIA GPU and
-      ``"xla"`` otherwise (CPU, TPU, ROCm).
+      ``"xla"`` off NVIDIA GPUs (CPU, TPU, ROCm: Mosaic GPU kernels do not
+      compile there), and on an NVIDIA GPU the path measured faster for
+      ``op`` at ``n`` elements of ``dtype`` (see ``SIGN_KERNEL_MIN_SIZE``).
+    op: ``"sign"``, ``"qsgd"``, ``"int8"``, ``"topk"`` or ``"sampled_topk"``.
+    n: element count of the input.
+    dtype: the input's dtype.
 
   Raises:
     ValueError: ``implementation`` is not one of the above.
   """
   if implementation is None:
-    return "pallas" if _is_cuda() else "xla"
+    return _gpu_default(op, n, dtype) if nvidia_gpu() else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got "

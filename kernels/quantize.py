@@ -375,24 +375,27 @@ def int8_block_quantize(
 
 def qsgd_quantize_auto(x, uniform, *, levels, bucket_size,
                        implementation: str | None = None):
-  """QSGD with the kernel on GPU and the reference elsewhere."""
-  if _select.resolve_implementation(implementation) == "pallas":
+  """QSGD through the kernel or the reference (``_select`` policy)."""
+  if _select.resolve_implementation(implementation, op="qsgd", n=x.size,
+                                    dtype=x.dtype) == "pallas":
     return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size)
   return qsgd_quantize_reference(x, uniform, levels=levels,
                                  bucket_size=bucket_size)
 
 
 def sign_pack_auto(x, *, implementation: str | None = None):
-  """Sign packing with the kernel on GPU and the reference elsewhere."""
-  if _select.resolve_implementation(implementation) == "pallas":
+  """Sign packing through the kernel or the reference (``_select`` policy)."""
+  if _select.resolve_implementation(implementation, op="sign", n=x.size,
+                                    dtype=x.dtype) == "pallas":
     return sign_pack(x)
   return sign_pack_reference(x)
 
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
                              implementation: str | None = None):
-  """int8 block quantization, kernel on GPU, reference elsewhere."""
-  if _select.resolve_implementation(implementation) == "pallas":
+  """int8 block quantization through the kernel or the reference."""
+  if _select.resolve_implementation(implementation, op="int8", n=x.size,
+                                    dtype=x.dtype) == "pallas":
     return int8_block_quantize(x, block_size=block_size,
                                stochastic_uniform=stochastic_uniform)
   return int8_block_quantize_reference(x, block_size=block_size,

@@ -60,7 +60,7 @@ def test_exports_inside_shard_map_with_check_vma(op):
   """Inside ``jax.shard_map`` (``check_vma=True`` by default) kernel outputs
   must be typed as varying over the mesh axis, and loop carries that kernel
   outputs replace must vary too; tracing the exported step checks both."""
-  from jax.sharding import AbstractMesh, PartitionSpec as P
+  from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
   fns = {
       "sign_pack": lambda x: quantize.sign_pack(x)[0],
       "topk": lambda x: topk.topk(x, 30)[1],
@@ -72,6 +72,6 @@ def test_exports_inside_shard_map_with_check_vma(op):
   mesh = AbstractMesh((8,), ("data",))
   f = jax.jit(jax.shard_map(lambda xs: fns[op](xs[0])[None], mesh=mesh,
                             in_specs=P("data"), out_specs=P("data")))
-  exported = jax.export.export(f, platforms=["cuda"])(S((8, 3001),
-                                                        jnp.float32))
+  arg = S((8, 3001), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  exported = jax.export.export(f, platforms=["cuda"])(arg)
   assert "stablehlo.custom_call @mosaic_gpu" in exported.mlir_module()

@@ -10,6 +10,10 @@ three ratios, all measured in the same process on the same data:
 * ``vs ref``: speed-up over the op's XLA reference (the ``*_reference``
   function of ``jaxcomp.kernels``).
 
+Top-k rows: ``xla`` is the sampled-threshold fast path, ``auto`` what the
+compressors call by default (``topk_auto``), ``pallas`` the radix-select
+kernels.
+
 With ``--torch`` (and PyTorch importable) it also times ``torch.topk`` of
 ``|x|`` and ``x * 2`` in PyTorch on the same buffers (shared through DLPack),
 and prints ``vs torch``: the speed-up over ``torch.topk``.
@@ -243,6 +247,7 @@ def main(args: argparse.Namespace) -> int:
           nbytes = topk_bytes
           ref = jax.jit(lambda x: topk.topk_reference(x, k))
           cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
+          cases["auto"] = jax.jit(lambda x: topk.topk_auto(x, k))
           for label, tcfg, _ in _variants(args):
             cases[label] = jax.jit(
                 lambda x, c=tcfg: topk.topk(x, k, config=c))
@@ -283,7 +288,7 @@ def main(args: argparse.Namespace) -> int:
         tbase["ref"] = t
         emit(dname, op, "reference", n, t, nbytes, tbase, err)
         for label, fn in cases.items():
-          if label.split(":")[0] not in impls:
+          if label.split(":")[0] not in impls + ["auto"]:
             continue
           t, err = measure(fn, xs)
           emit(dname, op, label, n, t, nbytes, tbase, err)
