@@ -36,8 +36,8 @@ def nvidia_gpu() -> bool:
 
 
 # On an NVIDIA GPU, ``implementation=None`` takes the path measured faster
-# there (H100, JAX 0.11.2; ``python -m jaxcomp.bench kernels --sizes 1e6 2.5e7
-# 1e8 --implementation both``, saved in benchmarks/results/kernels_h100.json):
+# there (H100, JAX 0.11.2; the command and its output are in
+# benchmarks/results/kernels_h100_f32.txt, the rows in kernels_h100_f32.json):
 # the Pallas sign kernel is 1.8x faster than XLA at 1e8 float32 elements when
 # it reads the input in place (float32, whole (8, 32) tiles), and slower when
 # a padding copy comes first or the input is small; the QSGD, int8 and top-k

@@ -517,7 +517,7 @@ def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 # Below this many elements the XLA path sorts with lax.top_k instead of the
 # sampled-threshold fast path: on an H100 lax.top_k took 0.11 ms at 1e6
 # float32 elements against the fast path's 0.34 ms, and 1.05 ms at 2.5e7
-# against 0.59 ms (benchmarks/results/kernels_h100.json); on CPU the fast
+# against 0.59 ms (benchmarks/results/kernels_h100_f32.json); on CPU the fast
 # path was 11x faster at 2.5e7 and 3x slower at 1e5. The crossover between
 # the measured sizes was not measured.
 FAST_PATH_MIN_SIZE = 1 << 22

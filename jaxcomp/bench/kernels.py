@@ -191,6 +191,9 @@ def main(args: argparse.Namespace) -> int:
         row[f"ratio_{key}"] = None if b is None else (
             seconds / b if key == "copy" else b / seconds)
     rows.append(row)
+    if args.json:  # after every row, so a run cut short keeps what it has
+      with open(args.json, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if error is not None:
       print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} FAILED: {error}")
       return
@@ -294,7 +297,5 @@ def main(args: argparse.Namespace) -> int:
           emit(dname, op, label, n, t, nbytes, tbase, err)
       del xs
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
   return 0

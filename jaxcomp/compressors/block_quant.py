@@ -84,7 +84,8 @@ class IntBlock(Compressor):
     max_bits: wire width when ``bits`` is scheduled (one of 2, 4, 8), or None.
     implementation: for 8 bits, ``"pallas"`` (the int8 block kernel of
       :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
-      ``"xla"`` (its reference), or None (Pallas on NVIDIA GPUs).
+      ``"xla"`` (its reference), or None (the path measured faster on the
+      backend: XLA, see ``jaxcomp.kernels._select``).
 
   Raises:
     ValueError: ``bits``/``max_bits`` outside (2, 4, 8), ``bits > max_bits``,
@@ -148,8 +149,8 @@ class IntBlock(Compressor):
   def encode(self, x, key):
     n = x.shape[0]
     if _hparams.concrete(self.bits) == 8 and self.wire_bits == 8:
-      # 8 bits: the int8 block kernel (Pallas on NVIDIA GPUs, its jnp
-      # reference elsewhere) quantizes; same codes on the wire.
+      # 8 bits: the int8 block kernel or its jnp reference quantizes (by
+      # implementation); same codes on the wire.
       u = (jax.random.uniform(key, (n,), jnp.float32)
            if self.rounding == "stochastic" else None)
       q8, scales = quantize.int8_block_quantize_auto(

@@ -42,7 +42,9 @@ class ScaledSign(Compressor):
   Payload: ``signs`` uint32 ``(ceil(n / 32),)`` and ``scale`` float32 ``()``:
   ``4 * ceil(n / 32) + 4`` bytes. Wire format and reference:
   :func:`jaxcomp.kernels.quantize.sign_pack_reference`; packing runs the
-  Pallas kernel on NVIDIA GPUs (``implementation="pallas" | "xla" | None``).
+  Pallas kernel or the reference (``implementation="pallas" | "xla"``; None
+  takes the kernel on NVIDIA GPUs for float32 buckets of at least 2^22
+  elements in whole 256-element tiles, where it was 1.8x faster on an H100).
 
   Error bound: ``||decode(encode(x)) - x||_2^2 = ||x||_2^2 - ||x||_1^2 / n``
   exactly (the L1-scaled sign is the orthogonal projection of ``x`` onto
