@@ -74,6 +74,8 @@ def test_threshold_sends_what_passes_and_keeps_the_overflow(mesh8, xs):
 def test_random_k_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
     RandomK(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    jaxcomp.compressors.get("random_block", **kwargs)
 
 
 def test_bad_threshold_and_traced_ratio_without_capacity():
@@ -85,10 +87,11 @@ def test_bad_threshold_and_traced_ratio_without_capacity():
     jax.jit(lambda r: RandomK(ratio=r).encode(jnp.zeros(10), None))(0.5)
 
 
-def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs):
+@pytest.mark.parametrize("name", ["random_k", "random_block"])
+def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs, name):
   # ratio 0.2 -> 0.1 -> 0.05 over three steps, capacity fixed at 0.2.
   def make(ratio):
-    return jaxcomp.compressed_mean("random_k", "data", nonfinite="zero",
+    return jaxcomp.compressed_mean(name, "data", nonfinite="zero",
                                    error_feedback=False, ratio=ratio,
                                    max_ratio=0.2)
 

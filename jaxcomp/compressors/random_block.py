@@ -8,8 +8,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.compressors.base import (Compressor, check_ratio, num_selected,
-                                      register)
+from jaxcomp.compressors import _hparams
+from jaxcomp.compressors.base import Compressor, num_selected, register
 
 
 @register
@@ -22,13 +22,22 @@ class RandomBlock(Compressor):
   same coordinates, no indices travel, and ``lax.psum`` sums the blocks.
   Biased (unsent coordinates are dropped), so error feedback is on by default.
 
-  Payload: float32 ``(b,)``: ``4 * b`` bytes.
+  ``ratio`` may be scheduled (``optax.inject_hyperparams``) with
+  ``max_ratio`` as the static capacity: the block always has
+  ``b_max = ceil(max_ratio * n)`` slots, and the entries past the traced
+  ``ceil(ratio * n)`` are sent as zeros (and stay in the residual).
+
+  Payload: float32 ``(b,)`` (``(b_max,)`` with ``max_ratio``): ``4 * b``
+  bytes.
 
   Args:
-    ratio: fraction of entries sent, in (0, 1].
+    ratio: fraction of entries sent, in (0, 1]; may be traced when
+      ``max_ratio`` is set.
+    max_ratio: static capacity for a scheduled ``ratio``, or None.
 
   Raises:
-    ValueError: ``ratio`` outside (0, 1].
+    ValueError: ``ratio`` or ``max_ratio`` outside (0, 1], ``ratio >
+      max_ratio``, or a traced ``ratio`` without ``max_ratio``.
 
   References:
     Eghlidi & Jaggi, Sparse Communication for Training Deep Networks
@@ -40,12 +49,15 @@ class RandomBlock(Compressor):
   biased: ClassVar[bool] = True
   randomness: ClassVar[str] = "shared"
   ratio: float = 0.01
+  max_ratio: float | None = None
 
   def __post_init__(self):
-    check_ratio(self.ratio)
+    _hparams.check_ratio_capacity(self.ratio, self.max_ratio)
 
   def block_size(self, n: int) -> int:
-    return num_selected(self.ratio, n)
+    """Payload slots: ``ceil(ratio * n)``, or the capacity with max_ratio."""
+    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
+    return num_selected(float(cap), n)
 
   def block_indices(self, n: int, key: jax.Array) -> jax.Array:
     """int32 indices ``(b,)`` of the block for this key."""
@@ -53,7 +65,13 @@ class RandomBlock(Compressor):
     return (start + jnp.arange(self.block_size(n), dtype=jnp.int32)) % n
 
   def encode(self, x, key):
-    return x[self.block_indices(x.shape[0], key)]
+    n = x.shape[0]
+    values = x[self.block_indices(n, key)]
+    if self.max_ratio is None:
+      return values
+    live = jnp.arange(values.shape[0]) < _hparams.ceil_count(
+        self.ratio, n, self.block_size(n))
+    return jnp.where(live, values, jnp.zeros((), values.dtype))
 
   def decode(self, payload, n, key):
     return jnp.zeros((n,), jnp.float32).at[self.block_indices(n, key)].set(
