@@ -116,20 +116,25 @@ def _int8_multiplier(scales):
 
 
 def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array, *, levels: int,
-                            bucket_size: int) -> tuple[jax.Array, jax.Array]:
+                            bucket_size: int, bits: int | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
   """QSGD quantization with stochastic rounding, packed (see module doc).
 
   Args:
     x: float array of ``n`` elements (any shape; flattened).
     uniform: ``n`` random values, float in [0, 1) or uint32 bits.
-    levels: number of nonzero levels ``s`` (1 .. 32767).
+    levels: number of nonzero levels ``s`` (1 .. 32767); may be a traced
+      scalar when ``bits`` is given.
     bucket_size: elements per norm bucket.
+    bits: code width; default ``qsgd_bits(levels)``. A wider field than
+      ``levels`` needs (a scheduled ``levels`` under its static maximum)
+      gives the same levels in more bits.
 
   Returns:
     ``(words, norms)``: uint32 ``(packed_words(n, bits),)`` and float32
     ``(ceil(n / bucket_size),)``.
   """
-  bits = qsgd_bits(levels)
+  bits = qsgd_bits(levels) if bits is None else bits
   _check_size("bucket_size", bucket_size)
   n = x.size
   xb = _bucket_view(x, bucket_size)
@@ -144,9 +149,10 @@ def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array, *, levels: int,
 
 
 def qsgd_dequantize_reference(words: jax.Array, norms: jax.Array, *, n: int,
-                              levels: int, bucket_size: int) -> jax.Array:
+                              levels: int, bucket_size: int,
+                              bits: int | None = None) -> jax.Array:
   """Inverse of :func:`qsgd_quantize_reference`: float32 ``(n,)``."""
-  bits = qsgd_bits(levels)
+  bits = qsgd_bits(levels) if bits is None else bits
   codes = unpack_bits_reference(words, bits, n)
   level = (codes & jnp.uint32((1 << (bits - 1)) - 1)).astype(jnp.float32)
   sign = 1.0 - 2.0 * (codes >> (bits - 1)).astype(jnp.float32)

@@ -142,3 +142,31 @@ def test_int8_codes_come_from_the_kernel_path():
                                 np.asarray(scales))
   with pytest.raises(ValueError, match="implementation"):
     jaxcomp.compressors.get("int8_block", implementation="triton")
+
+
+def test_qsgd_levels_schedule_within_max_levels(x):
+  # A traced ``levels`` (optax.inject_hyperparams) quantizes to its own grid
+  # (decoded values are multiples of norm / levels) while the wire keeps the
+  # code width of max_levels; the same key gives the fixed-levels result.
+  from jaxcomp.compressors import QSGD
+
+  def rt(levels):
+    comp = QSGD(levels=levels, max_levels=15, bucket_size=BLOCK)
+    key = jax.random.key(3)
+    return comp.decode(comp.encode(x, key), N, key)
+
+  for s in (15, 3):
+    y = np.asarray(jax.jit(rt)(jnp.int32(s)))
+    fixed = QSGD(levels=s, bucket_size=BLOCK)
+    np.testing.assert_allclose(y, _roundtrip(fixed, x, key=3), rtol=1e-6)
+    xb = np.pad(np.asarray(x), (0, -N % BLOCK)).reshape(-1, BLOCK)
+    unit = np.repeat(np.linalg.norm(xb, axis=1), BLOCK)[:N] / s
+    steps = np.abs(y) / unit
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+    assert steps.max() <= s + 1e-4
+  assert QSGD(levels=3, max_levels=15).payload_bytes(N) == QSGD(
+      levels=15).payload_bytes(N)
+  with pytest.raises(ValueError, match="max_levels"):
+    QSGD(levels=16, max_levels=15)
+  with pytest.raises(ValueError, match="max_levels"):
+    jax.jit(lambda s: QSGD(levels=s).encode(x, jax.random.key(0)))(3)

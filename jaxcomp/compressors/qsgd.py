@@ -9,6 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import quantize
@@ -42,14 +43,24 @@ class QSGD(Compressor):
   (:mod:`jaxcomp.kernels.quantize`; both give the same words bit for bit);
   ``implementation=None`` takes the reference, measured faster on an H100.
 
+  ``levels`` may follow a schedule (``optax.inject_hyperparams``) with
+  ``max_levels`` as the static maximum: the code width is then
+  ``code_bits(max_levels)`` at every step (the payload's shape cannot
+  change), the traced ``levels`` is floored and clipped to
+  ``[1, max_levels]``, and encoding takes the ``jnp`` reference.
+
   Args:
-    levels: number of quantization levels s >= 1 (s = 1 is ternary).
+    levels: number of quantization levels s >= 1 (s = 1 is ternary); may be
+      traced when ``max_levels`` is set.
     bucket_size: elements sharing one norm, >= 1 (a multiple of 32 for the
       Pallas kernel).
     implementation: ``"pallas"``, ``"xla"`` or None (measured-faster path).
+    max_levels: static maximum of a scheduled ``levels``, or None.
 
   Raises:
-    ValueError: ``levels`` < 1 or > 32767, ``bucket_size`` < 1, an unknown
+    TypeError: ``levels``, ``max_levels`` or ``bucket_size`` not an integer.
+    ValueError: ``levels`` < 1 or > 32767, ``levels > max_levels``, a traced
+      ``levels`` without ``max_levels``, ``bucket_size`` < 1, an unknown
       ``implementation``.
 
   References:
@@ -62,39 +73,59 @@ class QSGD(Compressor):
   levels: int = 4
   bucket_size: int = 512
   implementation: str | None = None
+  max_levels: int | None = None
 
   def __post_init__(self):
-    for field in ("levels", "bucket_size"):
-      v = getattr(self, field)
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{field} must be an integer, got {field}={v!r}")
-    if self.levels < 1:
-      raise ValueError(f"levels must be >= 1, got levels={self.levels}")
+    v = self.bucket_size
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      raise TypeError(f"bucket_size must be an integer, got bucket_size={v!r}")
     if self.bucket_size < 1:
       raise ValueError(
           f"bucket_size must be >= 1, got bucket_size={self.bucket_size}")
-    code_bits(self.levels)
+    _hparams.check_number(self.levels, "levels", low=1, high=2**15 - 1,
+                          integer=True)
+    if self.max_levels is not None:
+      _hparams.check_number(self.max_levels, "max_levels", low=1,
+                            high=2**15 - 1, integer=True)
+    code_bits(int(_hparams.capacity(self.levels, self.max_levels, "levels",
+                                    "max_levels")))
     check_implementation(self.implementation)
 
   @property
   def bits(self) -> int:
-    return code_bits(self.levels)
+    """Code width on the wire (of ``max_levels`` when it is set)."""
+    return code_bits(int(_hparams.capacity(self.levels, self.max_levels,
+                                           "levels", "max_levels")))
+
+  def _levels(self):
+    """Concrete ``int`` levels, or the traced levels as float32 within
+    ``[1, max_levels]``."""
+    c = _hparams.concrete(self.levels)
+    if c is not None:
+      return int(c)
+    return jnp.clip(jnp.floor(_hparams.as_f32(self.levels)), 1.0,
+                    float(self.max_levels))
 
   def _buckets(self, n: int) -> int:
     return -(-n // self.bucket_size)
 
   def encode(self, x, key):
     u = jax.random.uniform(key, x.shape, jnp.float32)
-    codes, norms = quantize.qsgd_quantize_auto(
-        x, u, levels=self.levels, bucket_size=self.bucket_size,
-        implementation=self.implementation)
+    levels = self._levels()
+    if isinstance(levels, int) and self.bits == code_bits(levels):
+      codes, norms = quantize.qsgd_quantize_auto(
+          x, u, levels=levels, bucket_size=self.bucket_size,
+          implementation=self.implementation)
+    else:  # scheduled levels: the reference, with max_levels' code width
+      codes, norms = quantize.qsgd_quantize_reference(
+          x, u, levels=levels, bucket_size=self.bucket_size, bits=self.bits)
     return {"codes": codes, "norms": norms}
 
   def decode(self, payload, n, key):
     del key
     return quantize.qsgd_dequantize_reference(
-        payload["codes"], payload["norms"], n=n, levels=self.levels,
-        bucket_size=self.bucket_size)
+        payload["codes"], payload["norms"], n=n, levels=self._levels(),
+        bucket_size=self.bucket_size, bits=self.bits)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * bitpack.packed_words(n, self.bits) + 4 * self._buckets(n)
