@@ -501,38 +501,48 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
 
 
 def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Exact top-k set by ``lax.top_k`` of the int32 keys, in ascending index
-  order (the fast path's contract). Faster than :func:`topk_threshold_xla`
-  on small inputs, and than ``lax.top_k`` of ``|x|`` for 16-bit floats
-  (whose ``lax.top_k`` is 12x slower than float32's on an H100)."""
+  """Exact top-k set by ``lax.top_k`` of ``|x|`` in float32, in ascending
+  index order (the fast path's contract). Faster than
+  :func:`topk_threshold_xla` on small inputs. Float32 on purpose: XLA's
+  top-k of bfloat16 was 12x slower than float32's on an H100, and of int32
+  keys 30x slower on CPU (210 ms against 6.7 ms at 524,288 elements)."""
   flat = x.reshape(-1)
   _check_k(flat.shape[0], k)
   if k == 0:
     return _empty(flat)
-  _, idx = jax.lax.top_k(abs_key(flat), k)
+  _, idx = jax.lax.top_k(jnp.abs(flat.astype(jnp.float32)), k)
   idx = jnp.sort(idx.astype(jnp.int32))
   return flat[idx], idx
 
 
-# Below this many elements the XLA path sorts with lax.top_k instead of the
-# sampled-threshold fast path: on an H100 lax.top_k took 0.11 ms at 1e6
-# float32 elements against the fast path's 0.34 ms, and 1.05 ms at 2.5e7
-# against 0.59 ms (benchmarks/results/kernels_h100_f32.json); on CPU the fast
-# path was 11x faster at 2.5e7 and 3x slower at 1e5. The crossover between
-# the measured sizes was not measured.
-FAST_PATH_MIN_SIZE = 1 << 22
+# Below this many elements (by backend) the XLA path takes lax.top_k instead
+# of the sampled-threshold fast path. Measured at 1% density: on an H100
+# lax.top_k took 0.11 ms at 1e6 float32 elements against the fast path's
+# 0.34 ms, and 1.05 ms at 2.5e7 against 0.59 ms
+# (benchmarks/results/kernels_h100_f32.json); on this project's 2-core CPU
+# 4.3 ms against 5.9 ms at 3e5 and 6.7 ms against 5.3 ms at 524,288, and the
+# fast path was 11x faster at 2.5e7. Between the measured sizes the
+# crossover was not measured.
+FAST_PATH_MIN_SIZE = {"gpu": 1 << 22, "cuda": 1 << 22, "cpu": 1 << 19}
+
+
+def fast_path_min_size() -> int:
+  """The size from which :func:`topk_auto`'s XLA path samples a threshold
+  on the default backend (``1 << 19`` where nothing was measured)."""
+  return FAST_PATH_MIN_SIZE.get(jax.default_backend(), 1 << 19)
 
 
 def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
               config: TopKConfig = DEFAULT_CONFIG):
   """Exact top-k set of ``|x|`` in ascending index order, by the fastest
-  path measured: on the XLA path ``lax.top_k`` of the keys below
-  ``FAST_PATH_MIN_SIZE`` elements and :func:`topk_threshold_xla` above; the
+  path measured: on the XLA path ``lax.top_k`` below
+  :func:`fast_path_min_size` elements and :func:`topk_threshold_xla` from
+  there; the
   Pallas radix select only when asked (``implementation="pallas"``), as it
   was slower than the XLA path on an H100 at every size measured."""
   if _select.resolve_implementation(implementation, op="topk", n=x.size,
                                     dtype=x.dtype) == "pallas":
     return topk(x, k, config=config)
-  if x.size < FAST_PATH_MIN_SIZE:
+  if x.size < fast_path_min_size():
     return topk_exact_small(x, k)
   return topk_threshold_xla(x, k, config=config)

@@ -283,3 +283,18 @@ def test_sampled_topk():
   with pytest.raises(ValueError, match="sample_ratio"):
     topk.sampled_topk(x, k, key, sample_ratio=0.0)
 
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_topk_auto_on_both_sides_of_the_fast_path_size(dtype):
+  """topk_auto switches from lax.top_k to the sampled-threshold path at
+  ``fast_path_min_size()``: the same exact set in ascending index order on
+  either side."""
+  m = topk.fast_path_min_size()
+  for n in (m - 1000, m + 1000):
+    x = _normal(n, dtype, seed=n)
+    k = n // 100
+    v, i = topk.topk_auto(x, k, implementation="xla")
+    assert _set(i) == _set(topk.topk_reference(x, k)[1])
+    assert bool(jnp.all(jnp.diff(i) > 0))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(x[i]))
