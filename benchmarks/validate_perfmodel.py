@@ -169,6 +169,37 @@ def worker(args) -> None:
 
     train[spec] = one
 
+  # 4. The same training step on a one-device mesh of this process: the
+  #    transform, encode/decode and compute without any network (XLA drops
+  #    collectives over one device). ``--compute local`` predicts from it.
+  local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("data",))
+  lparams = jax.device_put(params, NamedSharding(local_mesh, P()))
+  lbatch = jax.device_put((xs, ys), NamedSharding(local_mesh, P("data")))
+  for spec in args.compressors:
+    name, kw = parse_compressor_spec(spec)
+    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
+                     optax.sgd(lr))
+    lstate, lspecs = jaxcomp.init_sharded(tx, lparams, local_mesh, "data")
+
+    def lstep_fn(prm, s, batch, tx=tx):
+      x, y = batch
+      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, x, y)
+      u, s = tx.update(g, s, prm)
+      return optax.apply_updates(prm, u), s, loss[None]
+
+    lstep = jax.jit(jaxcomp.shard_train_step(lstep_fn, mesh=local_mesh, state_specs=lspecs,
+                                             batch_spec=P("data"), out_aux_spec=P("data")))
+    lcarry = [lparams, lstate]
+    for _ in range(2):
+      lcarry[0], lcarry[1], _ = jax.block_until_ready(lstep(lcarry[0], lcarry[1], lbatch))
+
+    def lone(lstep=lstep, lcarry=lcarry):
+      t0 = time.perf_counter()
+      lcarry[0], lcarry[1], _ = jax.block_until_ready(lstep(lcarry[0], lcarry[1], lbatch))
+      return time.perf_counter() - t0
+
+    timed[f"local_step:{spec}"] = lone
+
   # Interleaved rounds: background load on this shared machine then affects
   # the link measurements, the compute and the training steps alike.
   for _ in range(2):  # warm up the collectives
@@ -188,6 +219,9 @@ def worker(args) -> None:
   out["collectives"] = [{"kind": k.split(":")[1], "bytes": int(k.split(":")[2]),
                          "seconds": med(v), "all": v}
                         for k, v in samples.items() if k.startswith("coll:")]
+  out["local_steps_all"] = {k.split(":", 1)[1]: v for k, v in samples.items()
+                            if k.startswith("local_step:")}
+  out["local_steps"] = {k: med(v) for k, v in out["local_steps_all"].items()}
   out["single_worker_step"] = med(samples["single_worker_step"])
   out["single_worker_all"] = samples["single_worker_step"]
   out["codecs"] = {}
@@ -246,7 +280,7 @@ class OnWire:
     return self.inner.payload_bytes(n) * self.factor
 
 
-def predict_run(res, specs, *, from_hlo=True):
+def predict_run(res, specs, *, from_hlo=True, compute="single"):
   from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   from jaxcomp.cli import parse_compressor_spec
@@ -273,15 +307,28 @@ def predict_run(res, specs, *, from_hlo=True):
   # compiled program sends: compressed_mean(bucketing="layerwise") makes one
   # bucket per tensor, XLA's all-reduce combiner merges same-typed all-reduces
   # into one, and a payload of k arrays travels as k all-gathers.
+  if compute == "local":
+    # Compute, transform and encode/decode as one measured local step.
+    if "local_steps" not in res:
+      raise ValueError("--compute local needs runs with local_steps (rerun)")
+    zero = pm.CodecCost.from_dict({"encode_fixed": 0.0, "encode_per_element": 0.0,
+                                   "decode_fixed": 0.0, "decode_per_element": 0.0,
+                                   "device": "local step"})
+    codecs = {s: zero for s in specs}
   leaves = len(res["leaf_sizes"])
   preds = {}
   for s in specs:
+    if compute == "local":
+      prof_s = pm.ModelProfile.from_dict(res["profile"])
+      prof_s = prof_s.scaled(res["local_steps"][s] / prof_s.compute_time)
+    else:
+      prof_s = prof
     n_ops = res["collective_ops"][s]
     if n_ops == 1:
       buckets, msgs = "single", 1
     else:
       buckets, msgs = "layer", max(1, round(n_ops / leaves))
-    preds[s] = pm.predict(prof, comps[s], net, codec=codecs[s], buckets=buckets,
+    preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
                           overlap=False, messages_per_bucket=msgs)
   return fits, preds
 
@@ -333,6 +380,9 @@ def merge_ranks(res, others):
   res["single_worker_all_ranks"] = [w["single_worker_all"] for w in everyone]
   res["single_worker_all"] = t1
   res["single_worker_step"] = statistics.median(t1)
+  for spec, mine in res.get("local_steps_all", {}).items():
+    res["local_steps"][spec] = statistics.median(
+        max(w["local_steps_all"][spec][i] for w in everyone) for i in range(len(mine)))
   sizes = res["codec_sizes"]
   from jaxcomp.perfmodel.codec import fit_codec
   for spec in res["codecs"]:
@@ -353,14 +403,14 @@ def formula_bytes(spec, n):
   return compressors.get(name, **kw).payload_bytes(n)
 
 
-def report(runs, specs, print_=print):
+def report(runs, specs, print_=print, compute="single"):
   lines = []
   say = lambda s="": (lines.append(s), print_(s))
   table = []
   for key, res in runs.items():
     nproc, rate = key
-    fits, preds = predict_run(res, specs)
-    _, formula = predict_run(res, specs, from_hlo=False)
+    fits, preds = predict_run(res, specs, compute=compute)
+    _, formula = predict_run(res, specs, from_hlo=False, compute=compute)
     alpha, beta = fits["link"]
     say(f"{nproc} workers, {rate}: fitted " + "; ".join(
         f"{k} alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B ({8 / b / 1e9:.3f} Gbit/s)"
@@ -460,6 +510,10 @@ def main(argv=None) -> int:
   ap.add_argument("--nproc", type=int, help=argparse.SUPPRESS)
   ap.add_argument("--coordinator", help=argparse.SUPPRESS)
   ap.add_argument("--result", help=argparse.SUPPRESS)
+  ap.add_argument("--compute", choices=("single", "local"), default="single",
+                  help="the model's compute: 'single' = the one-worker step plus "
+                  "measured encode/decode; 'local' = each compressor's training "
+                  "step on a one-device mesh (transform included)")
   ap.add_argument("--report-from", nargs="+", metavar="JSON",
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)
@@ -475,7 +529,7 @@ def main(argv=None) -> int:
     head = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}", ""]
     for line in head:
       print(line)
-    table, rep = report(runs, args.compressors)
+    table, rep = report(runs, args.compressors, compute=args.compute)
     if args.out:
       with open(args.out + ".txt", "w") as f:
         f.write("\n".join(head + rep) + "\n")
@@ -519,7 +573,7 @@ def main(argv=None) -> int:
   if args.out:  # raw measurements first, so a failing report loses nothing
     with open(args.out + ".json", "w") as f:
       json.dump({"runs": {f"{p}:{r}": v for (p, r), v in runs.items()}}, f, indent=1)
-  table, rep = report(runs, args.compressors)
+  table, rep = report(runs, args.compressors, compute=args.compute)
   if args.out:
     with open(args.out + ".txt", "w") as f:
       f.write("\n".join(lines + rep) + "\n")
