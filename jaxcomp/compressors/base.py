@@ -15,6 +15,8 @@ from typing import Any, Callable, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxcomp.compressors import _hparams
+
 Payload = Any  # a pytree of arrays with static shapes
 Randomness = Literal["none", "shared", "independent"]
 
@@ -174,3 +176,15 @@ def check_implementation(implementation) -> None:
 def num_selected(ratio: float, n: int) -> int:
   """k = ceil(ratio * n), at least 1 and at most n."""
   return max(1, min(n, int(-(-round(ratio * n * 1e6) // 1_000_000))))
+
+
+def ratio_slots(ratio, max_ratio, n: int) -> int:
+  """Static payload slots of a ``ratio`` that may be scheduled:
+  ``num_selected(max_ratio, n)`` when ``max_ratio`` is set, else
+  ``num_selected(ratio, n)`` (``ratio`` then concrete).
+
+  Raises:
+    ValueError: as :func:`_hparams.capacity`.
+  """
+  return num_selected(
+      float(_hparams.capacity(ratio, max_ratio, "ratio", "max_ratio")), n)

@@ -37,6 +37,19 @@ def _check_rounding(rounding) -> None:
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding=!r}")
 
 
+class _Rounded(Compressor):
+  """Randomness and bias follow the ``rounding`` field: stochastic rounding
+  draws per-device bits and is unbiased; nearest rounding is biased."""
+
+  @property
+  def randomness(self):
+    return "independent" if self.rounding == "stochastic" else "none"
+
+  @property
+  def biased(self):
+    return self.rounding == "nearest"
+
+
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
   """float32 ``(ceil(n / block_size), block_size)``, the last block
   zero-padded."""
@@ -53,7 +66,7 @@ def _per_element(scales: jax.Array, block_size: int, n: int) -> jax.Array:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class IntBlock(Compressor):
+class IntBlock(_Rounded):
   """Integer block quantization (int8 by default), one scale per block.
 
   The buffer is cut into blocks of ``block_size`` elements (the last block
@@ -115,14 +128,6 @@ class IntBlock(Compressor):
       if c is not None and c not in INT_BITS:
         raise ValueError(f"{field} must be one of {INT_BITS}, got {field}={c}")
     _hparams.capacity(self.bits, self.max_bits, "bits", "max_bits")
-
-  @property
-  def randomness(self):
-    return "independent" if self.rounding == "stochastic" else "none"
-
-  @property
-  def biased(self):
-    return self.rounding == "nearest"
 
   @property
   def wire_bits(self) -> int:
@@ -190,7 +195,7 @@ def _fp8_neighbour_away(bits_u8: jax.Array, away: jax.Array,
 
 @register
 @dataclasses.dataclass(frozen=True)
-class FP8Block(Compressor):
+class FP8Block(_Rounded):
   """fp8 block quantization (e4m3 or e5m2), one float32 scale per block.
 
   Per block of ``block_size`` elements (the last one may be partial),
@@ -232,14 +237,6 @@ class FP8Block(Compressor):
           f"format must be one of {sorted(FP8_FORMATS)}, got {self.format=!r}")
     _check_block(self.block_size)
     _check_rounding(self.rounding)
-
-  @property
-  def randomness(self):
-    return "independent" if self.rounding == "stochastic" else "none"
-
-  @property
-  def biased(self):
-    return self.rounding == "nearest"
 
   def encode(self, x, key):
     n = x.shape[0]

@@ -12,14 +12,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import Compressor, num_selected, register
-from jaxcomp.compressors.threshold import (masked_topk, scatter_decode,
-                                           scatter_decode_sum)
+from jaxcomp.compressors.base import ratio_slots, register
+from jaxcomp.compressors.threshold import SparsePayload, masked_topk
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class DGC(Compressor):
+class DGC(SparsePayload):
   """DGC top-k: the threshold is estimated from a random sample.
 
   For ``k = ceil(ratio * n)``: draw ``m = ceil(sample_ratio * n)`` entries
@@ -79,8 +78,7 @@ class DGC(Compressor):
     _hparams.check_number(self.max_adjust, "max_adjust", low=0, integer=True)
 
   def capacity(self, n: int) -> int:
-    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
-    return num_selected(float(cap), n)
+    return ratio_slots(self.ratio, self.max_ratio, n)
 
   def k(self, n: int) -> jax.Array:
     """int32 scalar: the number of entries selected (<= capacity)."""
@@ -118,17 +116,6 @@ class DGC(Compressor):
     values, idx = masked_topk(x, eligible, cap)
     values = jnp.where(jnp.arange(cap) < self.k(n), values, 0.0)
     return {"values": values, "indices": idx}
-
-  def decode(self, payload, n, key):
-    del key
-    return scatter_decode(payload, n)
-
-  def decode_sum(self, payloads, n, key):
-    del key
-    return scatter_decode_sum(payloads, n)
-
-  def payload_bytes(self, n: int) -> int:
-    return 8 * self.capacity(n)
 
 
 def dgc_warmup_schedule(final_ratio: float = 0.001, stage_steps: int = 1,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import Compressor, num_selected, register
+from jaxcomp.compressors.base import Compressor, ratio_slots, register
 
 
 @register
@@ -56,8 +56,7 @@ class RandomBlock(Compressor):
 
   def block_size(self, n: int) -> int:
     """Payload slots: ``ceil(ratio * n)``, or the capacity with max_ratio."""
-    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
-    return num_selected(float(cap), n)
+    return ratio_slots(self.ratio, self.max_ratio, n)
 
   def block_indices(self, n: int, key: jax.Array) -> jax.Array:
     """int32 indices ``(b,)`` of the block for this key."""

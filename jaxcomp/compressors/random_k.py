@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import Compressor, num_selected, register
+from jaxcomp.compressors.base import Compressor, ratio_slots, register
 
 
 @register
@@ -66,8 +66,7 @@ class RandomK(Compressor):
     return not self.unbiased
 
   def capacity(self, n: int) -> int:
-    cap = _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio")
-    return num_selected(float(cap), n)
+    return ratio_slots(self.ratio, self.max_ratio, n)
 
   def k(self, n: int) -> jax.Array:
     """int32 scalar: the number of entries really sent (<= capacity)."""

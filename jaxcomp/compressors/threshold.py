@@ -40,9 +40,31 @@ def scatter_decode_sum(payloads, n: int) -> jax.Array:
       payloads["values"].reshape(-1))
 
 
+class SparsePayload(Compressor):
+  """Base of the compressors whose payload is ``capacity(n)`` (value, index)
+  pairs: ``values`` float32 and ``indices`` int32, decoded by scatter-add
+  (one scatter-add for all devices' payloads in :meth:`decode_sum`).
+  Subclasses define ``encode`` and ``capacity``."""
+
+  def capacity(self, n: int) -> int:
+    raise NotImplementedError
+
+  def decode(self, payload, n, key):
+    del key
+    return scatter_decode(payload, n)
+
+  def decode_sum(self, payloads, n, key):
+    """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
+    del key
+    return scatter_decode_sum(payloads, n)
+
+  def payload_bytes(self, n: int) -> int:
+    return 8 * self.capacity(n)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
-class Threshold(Compressor):
+class Threshold(SparsePayload):
   """Sends the entries with ``|x| >= threshold``, at most ``capacity``.
 
   A fixed magnitude threshold (Strom 2015) sends a number of entries that
@@ -89,14 +111,3 @@ class Threshold(Compressor):
     eligible = jnp.abs(x) >= _hparams.as_f32(self.threshold)
     values, idx = masked_topk(x, eligible, self.capacity(x.shape[0]))
     return {"values": values, "indices": idx}
-
-  def decode(self, payload, n, key):
-    del key
-    return scatter_decode(payload, n)
-
-  def decode_sum(self, payloads, n, key):
-    del key
-    return scatter_decode_sum(payloads, n)
-
-  def payload_bytes(self, n: int) -> int:
-    return 8 * self.capacity(n)

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import (Compressor, check_implementation,
-                                      num_selected, register)
-from jaxcomp.compressors.threshold import scatter_decode, scatter_decode_sum
+from jaxcomp.compressors.base import check_implementation, ratio_slots, register
+from jaxcomp.compressors.threshold import SparsePayload
 from jaxcomp.kernels import topk as topk_kernels
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class TopK(Compressor):
+class TopK(SparsePayload):
   """Sends the k = ceil(ratio * n) entries of largest magnitude.
 
   Exact selection: the same set as ``lax.top_k`` of ``|x|`` (ties go to the
@@ -63,8 +62,11 @@ class TopK(Compressor):
 
   def k(self, n: int) -> int:
     """Payload slots: ``ceil(ratio * n)``, or the capacity with max_ratio."""
-    return num_selected(
-        _hparams.capacity(self.ratio, self.max_ratio, "ratio", "max_ratio"), n)
+    return ratio_slots(self.ratio, self.max_ratio, n)
+
+  def capacity(self, n: int) -> int:
+    """Payload slots (:class:`SparsePayload`): :meth:`k`."""
+    return self.k(n)
 
   def encode(self, x, key):
     del key
@@ -80,15 +82,3 @@ class TopK(Compressor):
       values = jnp.where(rank < k_now, values, jnp.zeros_like(values))
     return {"values": values.astype(jnp.float32),
             "indices": idx.astype(jnp.int32)}
-
-  def decode(self, payload, n, key):
-    del key
-    return scatter_decode(payload, n)
-
-  def decode_sum(self, payloads, n, key):
-    """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
-    del key
-    return scatter_decode_sum(payloads, n)
-
-  def payload_bytes(self, n: int) -> int:
-    return 8 * self.k(n)
