@@ -58,7 +58,6 @@ def worker(args) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(args.coordinator, args.nproc, args.rank,
                              initialization_timeout=120)
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax import lax
@@ -132,73 +131,56 @@ def worker(args) -> None:
     with jax.default_device(local):
       codec_runs[spec] = codec_timers(jaxcomp.compressors.get(name, **kw), sizes)
 
-  # 3. Real training steps with jaxcomp.compressed_mean.
+  # 3. Real training steps with jaxcomp.compressed_mean, and (4.) the same
+  #    step on a one-device mesh of this process: the transform,
+  #    encode/decode and compute without any network (XLA drops collectives
+  #    over one device); ``--compute local`` predicts from it.
+  def build_step(spec, on_mesh, prm, batch):
+    """(jitted step, carry [params, state]) of compressor ``spec``, warmed up."""
+    name, kw = parse_compressor_spec(spec)
+    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
+                     optax.sgd(lr))
+    state, specs = jaxcomp.init_sharded(tx, prm, on_mesh, "data")
+
+    def step_fn(p_, s, b):
+      x, y = b
+      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p_, x, y)
+      u, s = tx.update(g, s, p_)
+      return optax.apply_updates(p_, u), s, loss[None]
+
+    step = jax.jit(jaxcomp.shard_train_step(step_fn, mesh=on_mesh, state_specs=specs,
+                                            batch_spec=P("data"), out_aux_spec=P("data")))
+    carry = [prm, state]
+    for _ in range(2):  # compile and warm up
+      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+    return step, carry
+
+  def step_timer(step, carry, batch):
+    def one():
+      t0 = time.perf_counter()
+      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+      return time.perf_counter() - t0
+    return one
+
   gparams = global_array(params, P())
   gbatch = (global_array(xs, P("data")), global_array(ys, P("data")))
+  local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("data",))
+  lparams = jax.device_put(params, NamedSharding(local_mesh, P()))
+  lbatch = jax.device_put((xs, ys), NamedSharding(local_mesh, P("data")))
   train, wire, ops = {}, {}, {}
   out["wire_bytes"] = wire
   out["collective_ops"] = ops
   out["leaf_sizes"] = [int(np.prod(a.shape)) for a in jax.tree.leaves(params)]
   for spec in args.compressors:
-    name, kw = parse_compressor_spec(spec)
-    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
-                     optax.sgd(lr))
-    state, specs = jaxcomp.init_sharded(tx, gparams, mesh, "data")
-
-    def step_fn(prm, s, batch, tx=tx):
-      x, y = batch
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, x, y)
-      u, s = tx.update(g, s, prm)
-      return optax.apply_updates(prm, u), s, loss[None]
-
-    step = jax.jit(jaxcomp.shard_train_step(step_fn, mesh=mesh, state_specs=specs,
-                                            batch_spec=P("data"), out_aux_spec=P("data")))
+    step, carry = build_step(spec, mesh, gparams, gbatch)
     # What the compiled program really puts into collectives (XLA:CPU, for
     # one, promotes a bf16 all-reduce to f32).
-    traffic = jaxcomp.collective_traffic(step.lower(gparams, state, gbatch).compile())
+    traffic = jaxcomp.collective_traffic(step.lower(*carry, gbatch).compile())
     wire[spec] = traffic.operand_bytes
     ops[spec] = len(traffic.ops)
-    carry = [gparams, state]
-    for _ in range(2):  # compile and warm up
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], gbatch))
-
-    def one(step=step, carry=carry):
-      t0 = time.perf_counter()
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], gbatch))
-      return time.perf_counter() - t0
-
-    train[spec] = one
-
-  # 4. The same training step on a one-device mesh of this process: the
-  #    transform, encode/decode and compute without any network (XLA drops
-  #    collectives over one device). ``--compute local`` predicts from it.
-  local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("data",))
-  lparams = jax.device_put(params, NamedSharding(local_mesh, P()))
-  lbatch = jax.device_put((xs, ys), NamedSharding(local_mesh, P("data")))
-  for spec in args.compressors:
-    name, kw = parse_compressor_spec(spec)
-    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
-                     optax.sgd(lr))
-    lstate, lspecs = jaxcomp.init_sharded(tx, lparams, local_mesh, "data")
-
-    def lstep_fn(prm, s, batch, tx=tx):
-      x, y = batch
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, x, y)
-      u, s = tx.update(g, s, prm)
-      return optax.apply_updates(prm, u), s, loss[None]
-
-    lstep = jax.jit(jaxcomp.shard_train_step(lstep_fn, mesh=local_mesh, state_specs=lspecs,
-                                             batch_spec=P("data"), out_aux_spec=P("data")))
-    lcarry = [lparams, lstate]
-    for _ in range(2):
-      lcarry[0], lcarry[1], _ = jax.block_until_ready(lstep(lcarry[0], lcarry[1], lbatch))
-
-    def lone(lstep=lstep, lcarry=lcarry):
-      t0 = time.perf_counter()
-      lcarry[0], lcarry[1], _ = jax.block_until_ready(lstep(lcarry[0], lcarry[1], lbatch))
-      return time.perf_counter() - t0
-
-    timed[f"local_step:{spec}"] = lone
+    train[spec] = step_timer(step, carry, gbatch)
+    timed[f"local_step:{spec}"] = step_timer(*build_step(spec, local_mesh, lparams, lbatch),
+                                             lbatch)
 
   # Interleaved rounds: background load on this shared machine then affects
   # the link measurements, the compute and the training steps alike.
