@@ -15,6 +15,26 @@ def stacked(tree, mesh, axis="data"):
   return jax.device_put(tree, NamedSharding(mesh, P(axis)))
 
 
+def sharded_update(tx, params, mesh, axis="data"):
+  """``tx.update`` under ``jax.shard_map``, for per-device gradients.
+
+  Returns ``(f, state, specs)``: ``f(grads, state) -> (updates, state)`` is
+  jitted, takes gradients whose leaves have a leading device axis (sharded
+  over ``axis``, e.g. by :func:`stacked`) and returns replicated updates and
+  the state's global view; ``state`` is ``tx``'s initial state for
+  ``params``.
+  """
+  state, specs = jaxcomp.init_sharded(tx, params, mesh, axis)
+
+  def body(g, s):
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis), specs),
+                            out_specs=(P(), specs)))
+  return f, state, specs
+
+
 def run_shard_map(tx, grads, mesh, steps=1, axis="data"):
   """Applies ``tx.update`` ``steps`` times to per-device gradients.
 

@@ -12,11 +12,11 @@ is skipped there.
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
 import jaxcomp
+from tests.helpers import sharded_update, stacked
 
 pytestmark = pytest.mark.skipif(
     not jaxcomp.kernels._select.nvidia_gpu(),
@@ -59,16 +59,10 @@ def test_compressed_mean_same_through_either_path(name):
   for impl in ("pallas", "xla"):
     tx = jaxcomp.compressed_mean(name, "data", implementation=impl,
                                  min_compress_size=0, **CASES[name])
-    state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
-    def body(g, s, tx=tx, specs=specs):
-      u, s = tx.update(g, jaxcomp.to_local(s, specs))
-      return u, jaxcomp.to_global(s, specs)
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs),
-                              out_specs=(P(), specs)))
-    u1, state = f(grads, state)
-    u2, state = f(grads, state)  # error feedback from step 1 is used
+    f, state, _ = sharded_update(tx, params, mesh)
+    g = stacked(jax.tree.map(lambda x: x[None], grads), mesh)
+    u1, state = f(g, state)
+    u2, state = f(g, state)  # error feedback from step 1 is used
     outs.append((u1, u2))
   for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
     if name == "sign":  # the scale's summation order

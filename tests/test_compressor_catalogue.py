@@ -3,14 +3,13 @@ payload formula on all devices (8 simulated CPU devices in CI, the GPUs on a
 GPU machine), and float32 / bfloat16 / float16 gradients come back in their
 own dtype."""
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
 import jaxcomp
 from jaxcomp import collectives
+from tests.helpers import sharded_update, stacked
 
 # Small hyperparameters so that every compressor really compresses the test
 # leaves (and PowerSGD's min_compression_rate lets them through).
@@ -33,19 +32,10 @@ def _build(mesh, name):
   comp = jaxcomp.compressors.get(name, **KWARGS.get(name, {}))
   tx = jaxcomp.compressed_mean(comp, "data", nonfinite="zero")
   params = {k: jnp.zeros(s, d) for k, (s, d) in SHAPES.items()}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
-  def body(g, s):
-    g = jax.tree.map(lambda x: x[0], g)
-    u, s = tx.update(g, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
+  f, state, _ = sharded_update(tx, params, mesh)
   rng = np.random.default_rng(0)
-  grads = {k: jnp.asarray(rng.normal(size=(mesh.size,) + s), d)
-           for k, (s, d) in SHAPES.items()}
-  grads = jax.device_put(grads, NamedSharding(mesh, P("data")))
+  grads = stacked({k: jnp.asarray(rng.normal(size=(mesh.size,) + s), d)
+                   for k, (s, d) in SHAPES.items()}, mesh)
   return comp, f, grads, state
 
 

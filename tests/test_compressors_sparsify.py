@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.compressors import RandomK, Threshold
 from tests.exchange_helpers import exchange_fn
-from tests.helpers import run_shard_map
+from tests.helpers import run_shard_map, sharded_update, stacked
 
 N = 1000
 
@@ -97,16 +96,8 @@ def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs, name):
 
   sched = optax.exponential_decay(0.2, 1, 0.5)
   tx = optax.inject_hyperparams(make)(ratio=sched)
-  params = {"w": jnp.zeros((N,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
-
-  def body(g, s):
-    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
-  g = jax.device_put(xs, NamedSharding(mesh8, P("data")))
+  f, state, _ = sharded_update(tx, {"w": jnp.zeros((N,))}, mesh8)
+  g = stacked({"w": xs}, mesh8)
   nnz = []
   for _ in range(3):
     u, state = f(g, state)

@@ -5,13 +5,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
-import optax
 import pytest
 
 import jaxcomp
-from tests.helpers import run_pmap, run_shard_map
+from tests.helpers import run_pmap, run_shard_map, sharded_update, stacked
 
 P_DEV = 8
 
@@ -74,17 +72,7 @@ def test_error_feedback_conserves_mass(mesh8, name, kwargs):
   sent_total = None
   state = None
   params = {k: jnp.zeros(v.shape[1:]) for k, v in steps[0].items()}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
-  from jax.sharding import PartitionSpec as P
-  from tests.helpers import stacked
-
-  def body(g, s):
-    g = jax.tree.map(lambda x: x[0], g)
-    u, s = tx.update(g, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
+  f, state, _ = sharded_update(tx, params, mesh8)
   for g in steps:
     u, state = f(stacked(g, mesh8), state)
     flat_u = jnp.concatenate([u["l0"], u["l1"]])
