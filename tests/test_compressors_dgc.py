@@ -3,7 +3,6 @@ local clipping, and the exponential sparsity warm-up schedule."""
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -11,6 +10,7 @@ import pytest
 import jaxcomp
 from jaxcomp.compressors import DGC, dgc_warmup_schedule, dgc_warmup_steps
 from jaxcomp.feedback import DGCFeedback, DGCState
+from tests.helpers import sharded_update, stacked
 
 N = 4000
 
@@ -87,17 +87,9 @@ def test_warmup_schedule_drives_compressed_mean(mesh8):
   n = 1000
   tx = optax.inject_hyperparams(make)(
       ratio=dgc_warmup_schedule(final_ratio=0.01, stage_steps=1))
-  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((n,))}, mesh8, "data")
-
-  def body(g, s):
-    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
+  f, state, _ = sharded_update(tx, {"w": jnp.zeros((n,))}, mesh8)
   x = np.random.default_rng(1).normal(size=(n,))
-  g = jax.device_put(jnp.asarray(np.tile(x, (8, 1)), jnp.float32),
-                     NamedSharding(mesh8, P("data")))
+  g = stacked({"w": jnp.asarray(np.tile(x, (8, 1)), jnp.float32)}, mesh8)
   for k in (250, 63, 16, 10):
     u, state = f(g, state)
     nnz = int(jnp.sum(u["w"] != 0))

@@ -3,7 +3,6 @@ min_compression_rate, scheduled rank, bad input."""
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -12,6 +11,7 @@ import jaxcomp
 from jaxcomp.compressors import PowerSGD
 from jaxcomp.compressors.powersgd import matrix_shape, orthogonalize
 from tests.exchange_helpers import exchange_fn
+from tests.helpers import sharded_update, stacked
 
 ROWS = COLS = 32
 N = ROWS * COLS
@@ -99,17 +99,9 @@ def test_scheduled_rank(mesh8):
                                    rank=rank, max_rank=4)
 
   tx = optax.inject_hyperparams(make)(rank=lambda step: 1 + 2 * step)
-  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((ROWS, COLS))},
-                                      mesh8, "data")
-
-  def body(g, s):
-    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
-  g = jax.device_put(jnp.asarray(np.random.default_rng(5).normal(
-      size=(8, ROWS, COLS)), jnp.float32), NamedSharding(mesh8, P("data")))
+  f, state, _ = sharded_update(tx, {"w": jnp.zeros((ROWS, COLS))}, mesh8)
+  g = stacked({"w": jnp.asarray(np.random.default_rng(5).normal(
+      size=(8, ROWS, COLS)), jnp.float32)}, mesh8)
   ranks = []
   for _ in range(2):
     u, state = f(g, state)
