@@ -102,6 +102,18 @@ def abs_key(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(xf, jnp.int32) & jnp.int32(0x7FFFFFFF)
 
 
+def _abs_f32(x: jax.Array) -> jax.Array:
+  """``|x|`` in float32 for ``lax.top_k``: exact and order-preserving for
+  16-bit inputs, and XLA's top-k of float32 is the fast one (its bfloat16
+  top-k was 12x slower on an H100, its int32 top-k 30x slower on CPU)."""
+  return jnp.abs(x.astype(jnp.float32))
+
+
+def _kth_largest_key(flat: jax.Array, k: int) -> jax.Array:
+  """int32 key (see :func:`abs_key`) of the ``k``-th largest ``|flat|``."""
+  return abs_key(jax.lax.top_k(_abs_f32(flat), k)[0][k - 1])
+
+
 def _empty(x):
   return jnp.zeros((0,), x.dtype), jnp.zeros((0,), jnp.int32)
 
@@ -126,7 +138,7 @@ def topk_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   _check_k(flat.shape[0], k)
   if k == 0:
     return _empty(flat)
-  _, idx = jax.lax.top_k(jnp.abs(flat), k)
+  _, idx = jax.lax.top_k(_abs_f32(flat), k)
   idx = idx.astype(jnp.int32)
   return flat[idx], idx
 
@@ -266,7 +278,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
 
   def exact_from_top_k():
-    t = jax.lax.top_k(abs_key(flat), k)[0][k - 1]
+    t = _kth_largest_key(flat, k)
     words = _exact_words(_words_xla(flat, lambda kk: kk > t),
                          _words_xla(flat, lambda kk: kk == t), k)
     idx, _ = _bit_positions(words, k)
@@ -486,7 +498,7 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   m = max(1, min(n, round(n * sample_ratio)))
   ks = max(1, math.ceil(m * k / n))
   pick = jax.random.randint(key, (m,), 0, n)
-  t = jax.lax.top_k(abs_key(flat[pick]), ks)[0][ks - 1]
+  t = _kth_largest_key(flat[pick], ks)
   if _select.resolve_implementation(implementation, op="sampled_topk", n=n,
                                     dtype=x.dtype) == "pallas":
     _select.check_block_rows(config.block_rows)
@@ -501,18 +513,11 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
 
 
 def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Exact top-k set by ``lax.top_k`` of ``|x|`` in float32, in ascending
-  index order (the fast path's contract). Faster than
-  :func:`topk_threshold_xla` on small inputs. Float32 on purpose: XLA's
-  top-k of bfloat16 was 12x slower than float32's on an H100, and of int32
-  keys 30x slower on CPU (210 ms against 6.7 ms at 524,288 elements)."""
-  flat = x.reshape(-1)
-  _check_k(flat.shape[0], k)
-  if k == 0:
-    return _empty(flat)
-  _, idx = jax.lax.top_k(jnp.abs(flat.astype(jnp.float32)), k)
-  idx = jnp.sort(idx.astype(jnp.int32))
-  return flat[idx], idx
+  """:func:`topk_reference`'s set in ascending index order (the fast path's
+  contract); faster than :func:`topk_threshold_xla` on small inputs."""
+  values, idx = topk_reference(x, k)
+  order = jnp.argsort(idx)
+  return values[order], idx[order]
 
 
 # Below this many elements (by backend) the XLA path takes lax.top_k instead
@@ -520,9 +525,11 @@ def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 # lax.top_k took 0.11 ms at 1e6 float32 elements against the fast path's
 # 0.34 ms, and 1.05 ms at 2.5e7 against 0.59 ms
 # (benchmarks/results/kernels_h100_f32.json); on this project's 2-core CPU
-# 4.3 ms against 5.9 ms at 3e5 and 6.7 ms against 5.3 ms at 524,288, and the
-# fast path was 11x faster at 2.5e7. Between the measured sizes the
-# crossover was not measured.
+# (``python -m jaxcomp.bench kernels --sizes 3e5 524288 --ops topk``, rows
+# ``reference`` and ``xla``) 3.7 ms against 5.1 ms at 3e5, and within 10% of
+# each other at 524,288 (5.4 against 5.8 ms in one run, 6.7 against 5.3 in
+# another), and the fast path was 11x faster at 2.5e7. The crossover between
+# the measured sizes was not narrowed further.
 FAST_PATH_MIN_SIZE = {"gpu": 1 << 22, "cuda": 1 << 22, "cpu": 1 << 19}
 
 

@@ -126,25 +126,29 @@ def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
   return statistics.median(per_call)
 
 
-def _variants(args) -> list[tuple[str, topk.TopKConfig,
-                                  quantize.QuantizeConfig]]:
-  """``(label, top-k config, quantize config)`` for every knob combination."""
-  rows = args.block_rows or [None]
-  radix = args.radix_bits or [None]
-  out = []
-  for br in rows:
-    for rb in radix:
-      tcfg, qcfg, label = topk.DEFAULT_CONFIG, quantize.DEFAULT_CONFIG, []
-      if br is not None:
-        tcfg = dataclasses.replace(tcfg, block_rows=br)
-        qcfg = dataclasses.replace(qcfg, block_rows=br)
-        label.append(f"br{br}")
-      if rb is not None:
-        tcfg = dataclasses.replace(tcfg, radix_bits=rb)
-        label.append(f"rb{rb}")
-      out.append(("pallas" + (":" + ",".join(label) if label else ""), tcfg,
-                  qcfg))
-  return out
+def _label(**knobs) -> str:
+  """``pallas`` or ``pallas:br256,rb4`` for the knobs that were set."""
+  parts = [f"{k}{v}" for k, v in knobs.items() if v is not None]
+  return "pallas" + (":" + ",".join(parts) if parts else "")
+
+
+def _replace(config, **knobs):
+  return dataclasses.replace(
+      config, **{k: v for k, v in knobs.items() if v is not None})
+
+
+def _topk_variants(args) -> list[tuple[str, topk.TopKConfig]]:
+  """``(label, config)`` for every block_rows x radix_bits combination."""
+  return [(_label(br=br, rb=rb),
+           _replace(topk.DEFAULT_CONFIG, block_rows=br, radix_bits=rb))
+          for br in args.block_rows or [None]
+          for rb in args.radix_bits or [None]]
+
+
+def _quantize_variants(args) -> list[tuple[str, quantize.QuantizeConfig]]:
+  """``(label, config)`` for every block_rows (the only quantize knob)."""
+  return [(_label(br=br), _replace(quantize.DEFAULT_CONFIG, block_rows=br))
+          for br in args.block_rows or [None]]
 
 
 HEADER = (f"{'dtype':<5} {'op':<13} {'impl':<18} {'n':>11} {'ms':>9} "
@@ -251,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
           ref = jax.jit(lambda x: topk.topk_reference(x, k))
           cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
           cases["auto"] = jax.jit(lambda x: topk.topk_auto(x, k))
-          for label, tcfg, _ in _variants(args):
+          for label, tcfg in _topk_variants(args):
             cases[label] = jax.jit(
                 lambda x, c=tcfg: topk.topk(x, k, config=c))
         elif op == "sampled_topk":
@@ -260,14 +264,14 @@ def main(args: argparse.Namespace) -> int:
           key = jax.random.key(2)
           cases["xla"] = jax.jit(lambda x: topk.sampled_topk(
               x, k, key, sample_ratio=0.01, implementation="xla"))
-          for label, tcfg, _ in _variants(args):
+          for label, tcfg in _topk_variants(args):
             cases[label] = jax.jit(lambda x, c=tcfg: topk.sampled_topk(
                 x, k, key, sample_ratio=0.01, implementation="pallas",
                 config=c))
         elif op == "sign":
           nbytes = n * itemsize + n // 8
           ref = jax.jit(quantize.sign_pack_reference)
-          for label, _, qcfg in _variants(args):
+          for label, qcfg in _quantize_variants(args):
             cases[label] = jax.jit(
                 lambda x, c=qcfg: quantize.sign_pack(x, config=c))
         elif op == "qsgd":
@@ -275,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
           nbytes = n * itemsize + 4 * n + n * bits // 8
           ref = jax.jit(lambda x: quantize.qsgd_quantize_reference(
               x, u, levels=args.levels, bucket_size=args.bucket_size))
-          for label, _, qcfg in _variants(args):
+          for label, qcfg in _quantize_variants(args):
             cases[label] = jax.jit(lambda x, c=qcfg: quantize.qsgd_quantize(
                 x, u, levels=args.levels, bucket_size=args.bucket_size,
                 config=c))
@@ -283,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
           nbytes = n * itemsize + n
           ref = jax.jit(lambda x: quantize.int8_block_quantize_reference(
               x, block_size=args.bucket_size))
-          for label, _, qcfg in _variants(args):
+          for label, qcfg in _quantize_variants(args):
             cases[label] = jax.jit(
                 lambda x, c=qcfg: quantize.int8_block_quantize(
                     x, block_size=args.bucket_size, config=c))
