@@ -45,7 +45,9 @@ COMPRESSORS = ("identity", "bf16", "topk:ratio=0.01", "random_block:ratio=0.01",
                "qsgd:levels=16")
 LAYERS = (512, 1024, 512, 256, 10)  # MLP widths: input 512 ... 10 classes
 BATCH = 64  # per worker
-COLL_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19)  # float32 elements: 4 KiB .. 2 MiB
+# (float32 elements per array, arrays per collective): 4 KiB .. 2 MiB messages,
+# the small ones also as 8 operands of one collective.
+COLL_CASES = ((1 << 10, 1), (1 << 10, 8), (1 << 14, 1), (1 << 14, 8), (1 << 17, 1), (1 << 19, 1))
 
 
 # --------------------------------------------------------------- worker ---
@@ -99,15 +101,22 @@ def worker(args) -> None:
   lr = 0.01
   timed = {}  # name -> callable timing one call, run once per round
 
-  # 1. Collectives on this link: psum and all_gather of float32 buffers.
-  for n in COLL_SIZES:
-    x = global_array(np.ones((n,), np.float32), P("data"))  # n per device
-    ar = jax.jit(jax.shard_map(lambda v: lax.psum(v, "data"), mesh=mesh,
-                               in_specs=P("data"), out_specs=P()))
-    ag = jax.jit(jax.shard_map(lambda v: lax.all_gather(v, "data", to="invarying"),
-                               mesh=mesh, in_specs=P("data"), out_specs=P()))
+  # 1. Collectives on this link, as a training step issues them: a jitted
+  #    program with one psum (all_gather) over K arrays of n floats. XLA's
+  #    combiner makes that one tuple-shaped op and XLA:CPU runs one gloo
+  #    collective per operand, as it does for a step's per-tensor buckets;
+  #    K = 1 and K = 8 separate the per-message start-up (alpha) from the
+  #    per-program cost (dispatch), which the step's own compute time holds.
+  for n, k in COLL_CASES:
+    xs_k = [global_array(np.full((n,), j + 1, np.float32), P("data")) for j in range(k)]
+    specs_k = (P("data"),) * k
+    ar = jax.jit(jax.shard_map(lambda *v: tuple(lax.psum(a, "data") for a in v), mesh=mesh,
+                               in_specs=specs_k, out_specs=(P(),) * k))
+    ag = jax.jit(jax.shard_map(
+        lambda *v: tuple(lax.all_gather(a, "data", to="invarying") for a in v), mesh=mesh,
+        in_specs=specs_k, out_specs=(P(),) * k))
     for kind, f in (("allreduce", ar), ("allgather", ag)):
-      timed[f"coll:{kind}:{4 * n}"] = (lambda f=f, x=x: time_fn(f, x, repeats=1, warmup=0))
+      timed[f"coll:{kind}:{4 * n}:{k}"] = (lambda f=f, a=xs_k: time_fn(f, *a, repeats=args.burst, warmup=1))
 
   # 2. One worker's compute (gradient + SGD update, no exchange), the
   #    per-tensor split of the backward pass (profile_model), and each
@@ -122,7 +131,8 @@ def worker(args) -> None:
   out["profile"] = prof.to_dict()
   one_step = jax.jit(lambda prm, x, y: sgd(prm, jax.grad(loss_fn)(prm, x, y)))
   time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
-  timed["single_worker_step"] = lambda: time_fn(one_step, lp, lx, ly, repeats=1, warmup=0)
+  timed["single_worker_step"] = lambda: time_fn(one_step, lp, lx, ly, repeats=args.burst,
+                                                     warmup=1)
   sizes = sorted(set(int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
   out["codec_sizes"] = sizes
   codec_runs = {}
@@ -157,9 +167,12 @@ def worker(args) -> None:
 
   def step_timer(step, carry, batch):
     def one():
-      t0 = time.perf_counter()
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
-      return time.perf_counter() - t0
+      ts = []
+      for i in range(args.burst + 1):  # the first one absorbs the workers' skew
+        t0 = time.perf_counter()
+        carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+        ts.append(time.perf_counter() - t0)
+      return statistics.median(ts[1:])
     return one
 
   gparams = global_array(params, P())
@@ -167,9 +180,10 @@ def worker(args) -> None:
   local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("data",))
   lparams = jax.device_put(params, NamedSharding(local_mesh, P()))
   lbatch = jax.device_put((xs, ys), NamedSharding(local_mesh, P("data")))
-  train, wire, ops = {}, {}, {}
+  train, wire, ops, msgs = {}, {}, {}, {}
   out["wire_bytes"] = wire
   out["collective_ops"] = ops
+  out["collective_messages"] = msgs
   out["leaf_sizes"] = [int(np.prod(a.shape)) for a in jax.tree.leaves(params)]
   for spec in args.compressors:
     step, carry = build_step(spec, mesh, gparams, gbatch)
@@ -178,6 +192,7 @@ def worker(args) -> None:
     traffic = jaxcomp.collective_traffic(step.lower(*carry, gbatch).compile())
     wire[spec] = traffic.operand_bytes
     ops[spec] = len(traffic.ops)
+    msgs[spec] = traffic.messages
     train[spec] = step_timer(step, carry, gbatch)
     timed[f"local_step:{spec}"] = step_timer(*build_step(spec, local_mesh, lparams, lbatch),
                                              lbatch)
@@ -199,7 +214,7 @@ def worker(args) -> None:
       step_samples[spec].append(one())
   med = statistics.median
   out["collectives"] = [{"kind": k.split(":")[1], "bytes": int(k.split(":")[2]),
-                         "seconds": med(v), "all": v}
+                         "count": int(k.split(":")[3]), "seconds": med(v), "all": v}
                         for k, v in samples.items() if k.startswith("coll:")]
   out["local_steps_all"] = {k.split(":", 1)[1]: v for k, v in samples.items()
                             if k.startswith("local_step:")}
@@ -222,31 +237,39 @@ def worker(args) -> None:
 # --------------------------------------------------------- orchestrator ---
 
 def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
-  """Least squares of t = a·alpha + b·beta over the ring model's coefficients."""
+  """Least squares of ``t = c0 + K·(a·alpha + b·beta)`` over the measured
+  collectives, ``a`` and ``b`` the ring model's coefficients for one message,
+  ``K`` the messages (operands) per program.
+
+  Returns ``(alpha, beta, c0)`` in seconds, seconds per byte, seconds. The
+  per-program ``c0`` (dispatch) is fitted only where some program had more
+  than one message; otherwise it is 0 and alpha absorbs it.
+  """
   import numpy as np
   rows, ts = [], []
   for c in collectives:
     if c["kind"] not in kinds:
       continue
-    m = c["bytes"]
+    m, k = c["bytes"], c.get("count", 1)
     if c["kind"] == "allreduce":
-      rows.append((2 * (p - 1), 2 * (p - 1) / p * m))
+      rows.append((k * 2 * (p - 1), k * 2 * (p - 1) / p * m, 1.0))
     else:
-      rows.append((p - 1, (p - 1) * m))
+      rows.append((k * (p - 1), k * (p - 1) * m, 1.0))
     ts.append(c["seconds"])
   A, t = np.array(rows), np.array(ts)
+  if not any(c.get("count", 1) > 1 for c in collectives):
+    A = A[:, :2]
   # Relative least squares (each measurement weighted by 1/t), so that small
-  # messages constrain alpha and large ones beta; both kept >= 0.
+  # messages constrain alpha and large ones beta; all kept >= 0.
   w = 1.0 / t
-  (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
-  if alpha < 0:
-    alpha = 0.0
-    beta = float(np.sum(A[:, 1] * w * w * t) / np.sum((A[:, 1] * w) ** 2))
+  from scipy.optimize import nnls
+  coef, _ = nnls(A * w[:, None], t * w)
+  alpha, beta = float(coef[0]), float(coef[1])
+  c0 = float(coef[2]) if len(coef) > 2 else 0.0
   if beta <= 0:
-    big = A[:, 1] == A[:, 1].max()
-    beta = float(np.mean(t[big] / A[big, 1]))
-    alpha = float(max(0.0, np.mean((t - A[:, 1] * beta)[~big] / A[~big, 0])))
-  return float(alpha), float(beta)
+    raise ValueError("the measured collectives do not grow with their size; "
+                     "cannot fit beta (rerun on a quieter machine)")
+  return alpha, beta, c0
 
 
 class OnWire:
@@ -269,8 +292,8 @@ def predict_run(res, specs, *, from_hlo=True, compute="single"):
   p = res["nproc"]
   # One alpha and one beta for the link, fitted to all the measured
   # all-reduces and all-gathers together.
-  alpha, beta = fit_alpha_beta(res["collectives"], p)
-  fits = {"link": (alpha, beta)}
+  alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
+  fits = {"link": (alpha, beta), "per_program": c0}
   prof = pm.ModelProfile.from_dict(res["profile"])
   # profile_model gives the per-tensor split; its total is rescaled to the
   # one-worker step timed in the same interleaved rounds as the training.
@@ -287,8 +310,9 @@ def predict_run(res, specs, *, from_hlo=True, compute="single"):
   # XLA:CPU runs the step's collectives in program order on the compute
   # thread, so nothing overlaps the backward pass. The buckets are what the
   # compiled program sends: compressed_mean(bucketing="layerwise") makes one
-  # bucket per tensor, XLA's all-reduce combiner merges same-typed all-reduces
-  # into one, and a payload of k arrays travels as k all-gathers.
+  # bucket per tensor, and a payload of k arrays travels as k messages. XLA's
+  # combiner merges same-typed collectives into one tuple-shaped op, but
+  # XLA:CPU still runs one gloo collective per operand.
   if compute == "local":
     # Compute, transform and encode/decode as one measured local step.
     if "local_steps" not in res:
@@ -305,11 +329,14 @@ def predict_run(res, specs, *, from_hlo=True, compute="single"):
       prof_s = prof_s.scaled(res["local_steps"][s] / prof_s.compute_time)
     else:
       prof_s = prof
-    n_ops = res["collective_ops"][s]
-    if n_ops == 1:
+    # Messages, not ops: a tuple-shaped collective runs one gloo collective
+    # per operand (older result files only have the op count).
+    n_msgs = len(res["collective_messages"][s]) if "collective_messages" in res \
+        else res["collective_ops"][s]
+    if n_msgs == 1:
       buckets, msgs = "single", 1
     else:
-      buckets, msgs = "layer", max(1, round(n_ops / leaves))
+      buckets, msgs = "layer", max(1, round(n_msgs / leaves))
     preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
                           overlap=False, messages_per_bucket=msgs)
   return fits, preds
@@ -323,9 +350,13 @@ def run_one(cluster, nproc, rate, args, tmpdir):
   for i in range(nproc):
     log = open(os.path.join(tmpdir, f"w{nproc}_{rate}_{i}.log"), "w")
     logs.append(log)
-    argv = ["taskset", "-c", str(i % os.cpu_count()), sys.executable, os.path.abspath(__file__),
+    # --pin gives each worker one core, like one host each; gloo's network
+    # thread then shares that core with XLA's compute thread and every
+    # message waits for a scheduler slot (about 4 ms per message here).
+    pin = ["taskset", "-c", str(i % os.cpu_count())] if args.pin else []
+    argv = [*pin, sys.executable, os.path.abspath(__file__),
             "--worker", "--rank", str(i), "--nproc", str(nproc), "--coordinator", coord,
-            "--result", result, "--steps", str(args.steps),
+            "--result", result, "--steps", str(args.steps), "--burst", str(args.burst),
             "--compressors", *args.compressors]
     procs.append(cluster.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
   deadline = time.time() + args.timeout
@@ -394,10 +425,10 @@ def report(runs, specs, print_=print, compute="single"):
     fits, preds = predict_run(res, specs, compute=compute)
     _, formula = predict_run(res, specs, from_hlo=False, compute=compute)
     alpha, beta = fits["link"]
-    say(f"{nproc} workers, {rate}: fitted " + "; ".join(
-        f"{k} alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B ({8 / b / 1e9:.3f} Gbit/s)"
-        for k, (a, b) in fits.items())
-        + f"; one-worker step {res['single_worker_step'] * 1e3:.1f} ms")
+    say(f"{nproc} workers, {rate}: fitted alpha = {alpha * 1e6:.0f} us, beta = "
+        f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-program "
+        f"{fits['per_program'] * 1e3:.2f} ms; one-worker step "
+        f"{res['single_worker_step'] * 1e3:.1f} ms")
     for spec in specs:
       meas = res["steps"][spec]["median"]
       pred = preds[spec].step_time
@@ -483,7 +514,10 @@ def main(argv=None) -> int:
   ap.add_argument("--compressors", nargs="+", default=list(COMPRESSORS),
                   help="first one is the dense baseline")
   ap.add_argument("--steps", type=int, default=10,
-                  help="interleaved measurement rounds (one step per compressor each)")
+                  help="interleaved measurement rounds (one burst per compressor each)")
+  ap.add_argument("--burst", type=int, default=3,
+                  help="timed calls per round and measurement, after one untimed call, "
+                  "their median kept: steady state, as in a training loop")
   ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
   ap.add_argument("--port", type=int, default=12731)
   ap.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
@@ -496,6 +530,8 @@ def main(argv=None) -> int:
                   help="the model's compute: 'single' = the one-worker step plus "
                   "measured encode/decode; 'local' = each compressor's training "
                   "step on a one-device mesh (transform included)")
+  ap.add_argument("--pin", action="store_true",
+                  help="pin worker i to core i %% cores (taskset)")
   ap.add_argument("--report-from", nargs="+", metavar="JSON",
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)

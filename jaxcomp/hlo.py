@@ -84,6 +84,11 @@ class CollectiveOp:
   replica_groups: list[list[int]]  # device groups (pairs for permute)
   group_size: int  # devices per group (2 for collective-permute)
   ring_bytes: float  # bytes a ring sends per device (see module docstring)
+  # Bytes of each operand. XLA's combiner passes merge same-kind collectives
+  # into one op over a tuple, but XLA:CPU (gloo) still runs one collective
+  # per operand, each paying the start-up cost: that is the message count
+  # a cost model needs (``Traffic.messages``).
+  operand_sizes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,16 @@ class Traffic:
   ops: list[CollectiveOp]
   operand_bytes: int  # sum of ops' operand bytes, per device
   ring_bytes: float  # sum of ops' ring bytes, per device
+
+  @property
+  def messages(self) -> list[tuple[str, int]]:
+    """``(kind, operand bytes)`` of every operand of every op, in program order.
+
+    A tuple-shaped op (what XLA's all-reduce / all-gather combiners make)
+    counts once per operand: XLA:CPU's collectives run each operand as its
+    own gloo collective.
+    """
+    return [(op.kind, b) for op in self.ops for b in (op.operand_sizes or (op.operand_bytes,))]
 
   def by_kind(self) -> dict[str, int]:
     """Operand bytes per device for each collective kind present."""
@@ -189,12 +204,13 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
         args_end = i
         break
     args, attrs = rest[:args_end], rest[args_end + 1:]
-    operand = 0
+    sizes = []
     for arg in filter(None, (a.strip() for a in _split_top(args))):
       if "[" in arg:  # typed operand, e.g. "f32[8]{0} %x"
-        operand += _shape_bytes(arg)
+        sizes.append(_shape_bytes(arg))
       else:
-        operand += _shape_bytes(shapes.get(arg.lstrip("%"), ""))
+        sizes.append(_shape_bytes(shapes.get(arg.lstrip("%"), "")))
+    operand = sum(sizes)
     groups = _parse_groups(attrs, num_devices)
     g = len(groups[0]) if groups else 1
     if kind == "collective-permute":
@@ -203,6 +219,6 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     if start:  # async start returns (operands..., results...): halve
       result -= operand
     ops.append(CollectiveOp(kind, name, operand, result, groups, g,
-                            _ring_bytes(kind, operand, g)))
+                            _ring_bytes(kind, operand, g), tuple(sizes)))
   return Traffic(ops, sum(o.operand_bytes for o in ops),
                  sum(o.ring_bytes for o in ops))

@@ -231,3 +231,19 @@ class TestBadInput:
   def test_unknown_collective(self):
     with pytest.raises(ValueError, match="unknown collective 'ring'"):
       jaxcomp.compressed_mean("topk", "data", collective="ring")
+
+
+@pytest.mark.parametrize("p", [1, 3, 20])  # 20: past the unrolled sum, a loop
+def test_decode_sum_adds_every_payload_in_device_order(p):
+  from jaxcomp.collectives.base import decode_sum
+  comp = jaxcomp.compressors.get("qsgd", levels=16)
+  n = 1000
+  key = jax.random.key(3)
+  xs = jax.random.normal(jax.random.key(0), (p, n))
+  payloads = jax.vmap(lambda x, i: comp.encode(x, jax.random.fold_in(key, i)))(xs, jnp.arange(p))
+  want = comp.decode(jax.tree.map(lambda a: a[0], payloads), n, key)
+  for i in range(1, p):
+    want = want + comp.decode(jax.tree.map(lambda a: a[i], payloads), n, key)
+  got = jax.jit(lambda pl: decode_sum(comp, pl, n, key))(payloads)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

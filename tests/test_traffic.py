@@ -131,3 +131,20 @@ def test_hlo_parser_on_hand_written_text():
   assert ag.ring_bytes == 7 * 12
   assert cp.operand_bytes == 20 and cp.replica_groups == [[0, 1], [1, 0]]
   assert t.operand_bytes == ar.operand_bytes + 12 + 20
+  assert ar.operand_sizes == (16 * 4 * 4, 10 * 2)
+  assert t.messages == [("all-reduce", 256), ("all-reduce", 20), ("all-gather", 12),
+                        ("collective-permute", 20)]
+
+
+def test_messages_count_every_operand_of_a_combined_collective(mesh8):
+  # Three independent psums: XLA's all-reduce combiner may merge them into
+  # one tuple-shaped op, but each operand stays one message of its own size.
+  sizes = (8, 300, 5000)
+  f = jax.jit(jax.shard_map(lambda *xs: tuple(lax.psum(x, "data") for x in xs), mesh=mesh8,
+                            in_specs=(P("data"),) * 3, out_specs=(P(),) * 3))
+  args = [jax.device_put(jnp.ones((8 * n,), jnp.float32), NamedSharding(mesh8, P("data")))
+          for n in sizes]
+  traffic = jaxcomp.collective_traffic(f.lower(*args).compile())
+  assert sorted(traffic.messages) == [("all-reduce", 4 * n) for n in sizes]
+  assert sum(b for _, b in traffic.messages) == traffic.operand_bytes
+  assert len(traffic.ops) <= len(traffic.messages)
