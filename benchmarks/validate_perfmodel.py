@@ -28,6 +28,8 @@ worker processes are removed even when a run fails or on Ctrl-C / SIGTERM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -101,23 +103,6 @@ def worker(args) -> None:
   lr = 0.01
   timed = {}  # name -> callable timing one call, run once per round
 
-  # 1. Collectives on this link, as a training step issues them: a jitted
-  #    program with one psum (all_gather) over K arrays of n floats. XLA's
-  #    combiner makes that one tuple-shaped op and XLA:CPU runs one gloo
-  #    collective per operand, as it does for a step's per-tensor buckets;
-  #    K = 1 and K = 8 separate the per-message start-up (alpha) from the
-  #    per-program cost (dispatch), which the step's own compute time holds.
-  for n, k in COLL_CASES:
-    xs_k = [global_array(np.full((n,), j + 1, np.float32), P("data")) for j in range(k)]
-    specs_k = (P("data"),) * k
-    ar = jax.jit(jax.shard_map(lambda *v: tuple(lax.psum(a, "data") for a in v), mesh=mesh,
-                               in_specs=specs_k, out_specs=(P(),) * k))
-    ag = jax.jit(jax.shard_map(
-        lambda *v: tuple(lax.all_gather(a, "data", to="invarying") for a in v), mesh=mesh,
-        in_specs=specs_k, out_specs=(P(),) * k))
-    for kind, f in (("allreduce", ar), ("allgather", ag)):
-      timed[f"coll:{kind}:{4 * n}:{k}"] = (lambda f=f, a=xs_k: time_fn(f, *a, repeats=args.burst, warmup=1))
-
   # 2. One worker's compute (gradient + SGD update, no exchange), the
   #    per-tensor split of the backward pass (profile_model), and each
   #    compressor's encode/decode at the model's tensor sizes. Each process
@@ -133,6 +118,36 @@ def worker(args) -> None:
   time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
   timed["single_worker_step"] = lambda: time_fn(one_step, lp, lx, ly, repeats=args.burst,
                                                      warmup=1)
+
+  # 1. Collectives on this link, as a training step issues them: the
+  #    one-worker compute above, then one psum (all_gather) over K arrays of
+  #    n floats that depend on it, on the global mesh. XLA's combiner makes
+  #    that one tuple-shaped op and XLA:CPU runs one gloo collective per
+  #    operand, as for a step's per-tensor buckets. Less the one-worker step
+  #    of the same round, the time is t = c0 + K·(message), from which
+  #    alpha, beta and c0 (the workers waiting for each other after their
+  #    compute, once per step) are fitted; K = 1 and K = 8 separate c0 from
+  #    alpha. Collectives alone, without the compute, measured a per-message
+  #    cost about half of what a step pays.
+  gparams_c = global_array(params, P())
+  gx_c, gy_c = global_array(xs, P("data")), global_array(ys, P("data"))
+  for n, k in COLL_CASES:
+    xs_k = [global_array(np.full((n,), j + 1, np.float32), P("data")) for j in range(k)]
+
+    def body(prm, x, y, *v, gather):
+      new = sgd(prm, jax.grad(loss_fn)(prm, x, y))
+      s_ = new["layer0"]["b"][0]
+      coll = ((lambda a: lax.all_gather(a, "data", to="invarying")) if gather
+              else (lambda a: lax.psum(a, "data")))
+      return new, tuple(coll(a + s_) for a in v)
+
+    for kind in ("allreduce", "allgather"):
+      f = jax.jit(jax.shard_map(functools.partial(body, gather=kind == "allgather"), mesh=mesh,
+                                in_specs=(P(), P("data"), P("data")) + (P("data"),) * k,
+                                out_specs=(P(), (P(),) * k), check_vma=False))
+      timed[f"coll:{kind}:{4 * n}:{k}"] = (
+          lambda f=f, a=xs_k: time_fn(f, gparams_c, gx_c, gy_c, *a, repeats=args.burst, warmup=1))
+
   sizes = sorted(set(int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
   out["codec_sizes"] = sizes
   codec_runs = {}
@@ -213,8 +228,10 @@ def worker(args) -> None:
     for spec, one in train.items():
       step_samples[spec].append(one())
   med = statistics.median
+  t1 = samples["single_worker_step"]
   out["collectives"] = [{"kind": k.split(":")[1], "bytes": int(k.split(":")[2]),
-                         "count": int(k.split(":")[3]), "seconds": med(v), "all": v}
+                         "count": int(k.split(":")[3]), "after_compute": True,
+                         "seconds": med(t - c for t, c in zip(v, t1)), "all": v}
                         for k, v in samples.items() if k.startswith("coll:")]
   out["local_steps_all"] = {k.split(":", 1)[1]: v for k, v in samples.items()
                             if k.startswith("local_step:")}
@@ -237,12 +254,13 @@ def worker(args) -> None:
 # --------------------------------------------------------- orchestrator ---
 
 def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
-  """Least squares of ``t = c0 + K·(a·alpha + b·beta)`` over the measured
+  """Fits ``t = c0 + K·(a·alpha + b·beta)`` to the measured
   collectives, ``a`` and ``b`` the ring model's coefficients for one message,
   ``K`` the messages (operands) per program.
 
   Returns ``(alpha, beta, c0)`` in seconds, seconds per byte, seconds. The
-  per-program ``c0`` (dispatch) is fitted only where some program had more
+  per-program ``c0`` (for collectives measured after the step's compute: the
+  workers waiting for each other) is fitted only where some program had more
   than one message; otherwise it is 0 and alpha absorbs it.
   """
   import numpy as np
@@ -256,16 +274,27 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
     else:
       rows.append((k * (p - 1), k * (p - 1) * m, 1.0))
     ts.append(c["seconds"])
-  A, t = np.array(rows), np.array(ts)
-  if not any(c.get("count", 1) > 1 for c in collectives):
-    A = A[:, :2]
-  # Relative least squares (each measurement weighted by 1/t), so that small
-  # messages constrain alpha and large ones beta; all kept >= 0.
-  w = 1.0 / t
+  A, t = np.array(rows), np.maximum(np.array(ts), 1e-5)  # a noisy difference may be <= 0
+  multi = any(c.get("count", 1) > 1 for c in collectives if c["kind"] in kinds)
+  # Hockney-style, in two alternating stages: beta from the large messages
+  # (>= 512 KiB), which dominate a step's time, given alpha and c0; alpha
+  # and c0 from the small ones (<= 64 KiB) given beta. One least-squares fit
+  # over all sizes at once let the many small messages pull beta off the
+  # large ones' (gloo over tbf is not exactly affine in the size).
+  msg = np.array([c["bytes"] for c in collectives if c["kind"] in kinds])
+  large = msg >= (1 << 19)
+  if not large.any() or large.all():
+    raise ValueError("need collectives of both small (< 512 KiB) and large (>= 512 KiB) "
+                     f"messages to fit alpha and beta; got sizes {sorted(set(msg.tolist()))}")
   from scipy.optimize import nnls
-  coef, _ = nnls(A * w[:, None], t * w)
-  alpha, beta = float(coef[0]), float(coef[1])
-  c0 = float(coef[2]) if len(coef) > 2 else 0.0
+  alpha = beta = c0 = 0.0
+  for _ in range(20):
+    rest = t[large] - A[large, 0] * alpha - c0
+    beta = max(float(np.sum(rest * A[large, 1]) / np.sum(A[large, 1] ** 2)), 0.0)
+    y = t[~large] - A[~large, 1] * beta
+    cols = [0, 2] if multi else [0]
+    coef, _ = nnls(A[~large][:, cols] / t[~large, None], y / t[~large])  # relative errors
+    alpha, c0 = float(coef[0]), (float(coef[1]) if multi else 0.0)
   if beta <= 0:
     raise ValueError("the measured collectives do not grow with their size; "
                      "cannot fit beta (rerun on a quieter machine)")
@@ -285,20 +314,29 @@ class OnWire:
     return self.inner.payload_bytes(n) * self.factor
 
 
-def predict_run(res, specs, *, from_hlo=True, compute="single"):
+def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   from jaxcomp.cli import parse_compressor_spec
   p = res["nproc"]
   # One alpha and one beta for the link, fitted to all the measured
-  # all-reduces and all-gathers together.
+  # all-reduces and all-gathers together, and (fit="per-kind") one pair per
+  # collective kind: gloo's all-gather is not the ideal ring (at 100 Mbit it
+  # moves the same bytes 1.3-1.45x slower than its all-reduce).
   alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
   fits = {"link": (alpha, beta), "per_program": c0}
+  per_kind = None
+  if fit == "per-kind":
+    per_kind = {}
+    for kind in ("allreduce", "allgather"):
+      a, b, _ = fit_alpha_beta(res["collectives"], p, kinds=(kind,))
+      fits[kind] = (a, b)
+      per_kind[kind] = pm.Link(a, b)
   prof = pm.ModelProfile.from_dict(res["profile"])
   # profile_model gives the per-tensor split; its total is rescaled to the
   # one-worker step timed in the same interleaved rounds as the training.
   prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
-  net = pm.Network(p, pm.Link(alpha, beta))
+  net = pm.Network(p, pm.Link(alpha, beta), per_collective=per_kind)
   comps = {}
   for spec in specs:
     name, kw = parse_compressor_spec(spec)
@@ -322,6 +360,10 @@ def predict_run(res, specs, *, from_hlo=True, compute="single"):
                                    "device": "local step"})
     codecs = {s: zero for s in specs}
   leaves = len(res["leaf_sizes"])
+  # Synchronisation: the workers wait for each other once per step, c0 of
+  # the collectives measured after the compute (older files: none).
+  sync = c0 if p > 1 and any(c.get("after_compute") for c in res["collectives"]) else 0.0
+  fits["sync"] = sync
   preds = {}
   for s in specs:
     if compute == "local":
@@ -339,6 +381,17 @@ def predict_run(res, specs, *, from_hlo=True, compute="single"):
       buckets, msgs = "layer", max(1, round(n_msgs / leaves))
     preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
                           overlap=False, messages_per_bucket=msgs)
+    extra = sync
+    if compute == "local" and not comps[s].linear:
+      # The one-device step decodes one payload per bucket; p devices
+      # all-gather and decode p: add the p - 1 others, micro-benchmarked.
+      dec = pm.CodecCost.from_dict(res["codecs"][s])
+      extra += (p - 1) * sum(dec.decode(n) for n in res["leaf_sizes"])
+    if extra:
+      preds[s] = dataclasses.replace(
+          preds[s], step_time=preds[s].step_time + extra,
+          compute_time=preds[s].compute_time + extra, codec_time=preds[s].codec_time + extra,
+          scaling_factor=prof_s.compute_time / (preds[s].step_time + extra))
   return fits, preds
 
 
@@ -416,19 +469,24 @@ def formula_bytes(spec, n):
   return compressors.get(name, **kw).payload_bytes(n)
 
 
-def report(runs, specs, print_=print, compute="single"):
+def report(runs, specs, print_=print, compute="single", fit="per-kind"):
   lines = []
   say = lambda s="": (lines.append(s), print_(s))
   table = []
   for key, res in runs.items():
     nproc, rate = key
-    fits, preds = predict_run(res, specs, compute=compute)
-    _, formula = predict_run(res, specs, from_hlo=False, compute=compute)
+    fits, preds = predict_run(res, specs, compute=compute, fit=fit)
+    _, formula = predict_run(res, specs, from_hlo=False, compute=compute, fit=fit)
     alpha, beta = fits["link"]
     say(f"{nproc} workers, {rate}: fitted alpha = {alpha * 1e6:.0f} us, beta = "
-        f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-program "
-        f"{fits['per_program'] * 1e3:.2f} ms; one-worker step "
+        f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-step sync "
+        f"{fits['sync'] * 1e3:.2f} ms; one-worker step "
         f"{res['single_worker_step'] * 1e3:.1f} ms")
+    for kind in ("allreduce", "allgather"):
+      if kind in fits:
+        a, b = fits[kind]
+        say(f"  {kind} alone: alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B "
+            f"({8 / b / 1e9:.3f} Gbit/s){'  (used)' if fit == 'per-kind' else ''}")
     for spec in specs:
       meas = res["steps"][spec]["median"]
       pred = preds[spec].step_time
@@ -441,7 +499,7 @@ def report(runs, specs, print_=print, compute="single"):
           "measured_speedup": res["steps"][specs[0]]["median"] / meas,
           "predicted_speedup": preds[specs[0]].step_time / pred,
           "measured_scaling": res["single_worker_step"] / meas,
-          "predicted_scaling": preds[spec].scaling_factor,
+          "predicted_scaling": res["single_worker_step"] / pred,
           "alpha_us": alpha * 1e6, "beta_ns_per_byte": beta * 1e9})
   say()
   hdr = ("workers", "link", "compressor", "measured ms", "predicted ms", "error",
@@ -515,7 +573,7 @@ def main(argv=None) -> int:
                   help="first one is the dense baseline")
   ap.add_argument("--steps", type=int, default=10,
                   help="interleaved measurement rounds (one burst per compressor each)")
-  ap.add_argument("--burst", type=int, default=3,
+  ap.add_argument("--burst", type=int, default=8,
                   help="timed calls per round and measurement, after one untimed call, "
                   "their median kept: steady state, as in a training loop")
   ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
@@ -532,6 +590,8 @@ def main(argv=None) -> int:
                   "step on a one-device mesh (transform included)")
   ap.add_argument("--pin", action="store_true",
                   help="pin worker i to core i %% cores (taskset)")
+  ap.add_argument("--fit", choices=("per-kind", "link"), default="per-kind",
+                  help="alpha/beta per collective kind (default) or one pair for the link")
   ap.add_argument("--report-from", nargs="+", metavar="JSON",
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)
@@ -547,7 +607,7 @@ def main(argv=None) -> int:
     head = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}", ""]
     for line in head:
       print(line)
-    table, rep = report(runs, args.compressors, compute=args.compute)
+    table, rep = report(runs, args.compressors, compute=args.compute, fit=args.fit)
     if args.out:
       with open(args.out + ".txt", "w") as f:
         f.write("\n".join(head + rep) + "\n")
@@ -591,7 +651,7 @@ def main(argv=None) -> int:
   if args.out:  # raw measurements first, so a failing report loses nothing
     with open(args.out + ".json", "w") as f:
       json.dump({"runs": {f"{p}:{r}": v for (p, r), v in runs.items()}}, f, indent=1)
-  table, rep = report(runs, args.compressors, compute=args.compute)
+  table, rep = report(runs, args.compressors, compute=args.compute, fit=args.fit)
   if args.out:
     with open(args.out + ".txt", "w") as f:
       f.write("\n".join(lines + rep) + "\n")
