@@ -10,13 +10,14 @@ framework runs the same number of steps of each of its systems:
 
 * dense: ``compressed_mean("identity", bucketing="whole")`` (one float32
   all-reduce) and DDP with no hook (float32 all-reduce);
-* fp16: ``compressed_mean("fp16", bucketing="whole")`` and DDP's
-  ``fp16_compress_hook``;
+* fp16: ``compressed_mean("fp16", bucketing="whole")`` (psum), the same with
+  ``collective="two_phase"`` (all-to-all and all-gather of the float16 bits,
+  sums in float32), and DDP's ``fp16_compress_hook``;
 * PowerSGD rank 4 with error feedback and warm start:
-  ``compressed_mean("powersgd", rank=4)`` per weight matrix (vectors under
-  ``min_compress_size`` go through an exact ``pmean``, as PyTorch all-reduces
-  vectors uncompressed) and DDP's ``powerSGD_hook`` (``start_powerSGD_iter=2``,
-  the smallest it allows with error feedback; warm-up steps are not timed).
+  ``compressed_mean("powersgd", rank=4, bucketing="whole")``, each weight its
+  own matrix and the vectors exact (as the hook does), and DDP's
+  ``powerSGD_hook`` (``start_powerSGD_iter=2``, the smallest it allows with
+  error feedback; warm-up steps are not timed).
 
 DDP runs with one gradient bucket (``bucket_cap_mb=64``; see the comment in
 ``_torch_systems``), jaxcomp with ``nonfinite="zero"`` (no extra all-reduce
@@ -59,8 +60,11 @@ LAYERS = (784, 1024, 1024, 10)  # MLP widths
 BATCH = 64  # per process
 LR = 0.01
 RANK = 4
-PAIRS = (("dense (float32)", "dense"), ("fp16", "fp16"),
-         (f"PowerSGD rank {RANK} + EF", "powersgd"))
+# (row label, PyTorch system, jaxcomp system); the target is checked per
+# compressor on the best jaxcomp row of it.
+PAIRS = (("dense (float32)", "dense", "dense"), ("fp16 (psum)", "fp16", "fp16"),
+         ("fp16 (jaxcomp two-phase)", "fp16", "fp16_2p"),
+         (f"PowerSGD rank {RANK} + EF", "powersgd", "powersgd"))
 
 
 def _tx_bytes(interface: str | None) -> int:
@@ -140,18 +144,23 @@ def _jax_systems(args, say):
 
   params = [(global_array(w, P()), global_array(b, P())) for w, b in zip(ws, bs)]
   batch = (global_array(xs, P("data")), global_array(ys, P("data")))
-  # As DDP here: one bucket for dense and fp16 (DDP's single bucket), per
-  # matrix for PowerSGD (the hook's per-tensor view) with vectors through an
-  # exact pmean (the hook all-reduces them uncompressed); no non-finite
-  # check (DDP has none, and "skip" costs one more all-reduce).
+  # As DDP here: one bucket for the whole model (DDP's single bucket); for
+  # PowerSGD each weight its own matrix and the vectors exact (the hook's
+  # per-tensor view), all P's and vectors in one psum and all Q's in another
+  # (the hook's three all-reduces, two here); no non-finite check (DDP has
+  # none, and "skip" costs one more all-reduce). fp16 twice: through psum,
+  # which JAX's gloo sums in float16 about 4x slower than float32, and
+  # through the two-phase collective (all-to-all and all-gather of the
+  # float16 bits, sums in float32), which moves the same bytes.
   transforms = {
       "dense": jaxcomp.compressed_mean("identity", "data", bucketing="whole",
                                        nonfinite="zero"),
       "fp16": jaxcomp.compressed_mean("fp16", "data", bucketing="whole",
                                       nonfinite="zero"),
+      "fp16_2p": jaxcomp.compressed_mean("fp16", "data", bucketing="whole",
+                                         collective="two_phase", nonfinite="zero"),
       "powersgd": jaxcomp.compressed_mean(
-          "powersgd", "data", rank=RANK, nonfinite="zero",
-          min_compress_size=max(LAYERS[1:]) + 1),
+          "powersgd", "data", rank=RANK, bucketing="whole", nonfinite="zero"),
   }
   systems, info = {}, {"hlo_operand_bytes": {}, "payload_bytes": {}}
   for name, ctx in transforms.items():
@@ -435,9 +444,9 @@ def write_markdown(res, args, path, elapsed):
       f"median on process 0 over {res['steps_timed']} steps. Wire bytes are "
       "what process 0's interface sent per step (payload, gloo and TCP/IP "
       "headers); payload is the compressor's formula (jaxcomp: its "
-      "statistics). Settings matched: DDP with one gradient bucket; "
-      "jaxcomp with one bucket for dense and fp16, one per weight matrix for "
-      "PowerSGD (vectors exact on both sides), `nonfinite=\"zero\"`; "
+      "statistics). Settings matched: one gradient bucket on both sides; "
+      "PowerSGD per weight matrix (vectors exact on both sides), "
+      "`nonfinite=\"zero\"`; "
       "PowerSGD with error feedback and warm start on both sides; no loss "
       "averaging on either. 'compute only' is one process's forward, "
       "backward and update with no exchange. "
@@ -449,15 +458,17 @@ def write_markdown(res, args, path, elapsed):
   pb = res["payload_bytes"]
   for link, r in res["links"].items():
     med, wire = r["median_s"], r["wire_bytes_per_step"]
-    for label, key in PAIRS:
-      tt, jt = med[f"torch {key}"], med[f"jax {key}"]
-      tw, jw = wire[f"torch {key}"], wire[f"jax {key}"]
+    best = {}
+    for label, tkey, jkey in PAIRS:
+      tt, jt = med[f"torch {tkey}"], med[f"jax {jkey}"]
+      tw, jw = wire[f"torch {tkey}"], wire[f"jax {jkey}"]
       lines.append(
           f"| {link} | {label} | {1e3 * tt:.1f} | {1e3 * jt:.1f} | "
           f"{jt / tt:.2f} | {tw:.0f} | {jw:.0f} | {jw / max(tw, 1):.2f} | "
-          f"{pb[f'torch {key}']:.0f} | {pb[f'jax {key}']:.0f} |")
-      if key != "dense":
-        checks.append((link, label, jt / tt))
+          f"{pb[f'torch {tkey}']:.0f} | {pb[f'jax {jkey}']:.0f} |")
+      if tkey != "dense" and (tkey not in best or jt / tt < best[tkey][1]):
+        best[tkey] = (label, jt / tt)
+    checks += [(link, label, ratio) for label, ratio in best.values()]
     lines.append(
         f"| {link} | compute only (one process, no exchange) | "
         f"{1e3 * med['torch local']:.1f} | {1e3 * med['jax local']:.1f} | "
@@ -466,7 +477,7 @@ def write_markdown(res, args, path, elapsed):
             "(`jaxcomp.collective_traffic`): " + ", ".join(
                 f"{k}: {v}" for k, v in res["hlo_operand_bytes"].items()),
             "", "## Target: jaxcomp's step time no worse than PyTorch's with "
-            "the same compressor on every link", ""]
+            "the same compressor on every link (jaxcomp's faster row of it)", ""]
   for link, label, ratio in checks:
     lines.append(f"- {link}, {label}: jaxcomp / PyTorch = {ratio:.2f} "
                  f"**{'met' if ratio <= 1.0 else 'missed'}**")

@@ -149,19 +149,23 @@ def compressed_mean(
 
   def make_plan(leaves):
     sizes = [math.prod(jnp.shape(x)) for x in leaves]
-    return sizes, bucketing_lib.plan_buckets(
+    bplan = bucketing_lib.plan_buckets(
         sizes, strategy=bucketing, min_size=min_compress_size,
         bucket_elements=bucket_elements, bucket_bytes=bucket_bytes,
         plan=plan)
+    # Each bucket's compressor, told the shapes of the tensors in it.
+    comps = [comp.for_bucket(tuple(tuple(jnp.shape(leaves[i])) for i in b))
+             for b in bplan.buckets]
+    return sizes, bplan, comps
 
   def bucket_sizes(sizes, bplan):
     return [sum(sizes[i] for i in b) for b in bplan.buckets]
 
-  def static_stats(sizes, bplan):
+  def static_stats(sizes, bplan, comps):
     n_total = sum(sizes)
     p = _axis_devices(axis_name)
-    sent = sum(coll.payload_bytes(comp, n, p)
-               for n in bucket_sizes(sizes, bplan))
+    sent = sum(coll.payload_bytes(c, n, p)
+               for c, n in zip(comps, bucket_sizes(sizes, bplan)))
     sent += 4 * sum(sizes[i] for i in bplan.exact)
     return float(sent), float(4 * n_total)
 
@@ -169,18 +173,18 @@ def compressed_mean(
     leaves = jax.tree.leaves(params)
     _check_leaves(leaves, "params")
     check_axis_bound(axis_name, "compressed_mean.init")
-    sizes, bplan = make_plan(leaves)
-    for n in bucket_sizes(sizes, bplan):
-      comp.check_size(n)
+    sizes, bplan, comps = make_plan(leaves)
+    for c, n in zip(comps, bucket_sizes(sizes, bplan)):
+      c.check_size(n)
     key = jax.random.key_data(jax.random.key(seed))
-    sent, dense = static_stats(sizes, bplan)
+    sent, dense = static_stats(sizes, bplan, comps)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=key,
         feedback=tuple(fb.init(n, axis_name)
                        for n in bucket_sizes(sizes, bplan)),
-        exchange_state=tuple(coll.init_state(comp, n, axis_name)
-                             for n in bucket_sizes(sizes, bplan)),
+        exchange_state=tuple(coll.init_state(c, n, axis_name)
+                             for c, n in zip(comps, bucket_sizes(sizes, bplan))),
         stats=CompressionStats(
             bytes_sent=jnp.asarray(sent, jnp.float32),
             dense_bytes=jnp.asarray(dense, jnp.float32),
@@ -193,7 +197,7 @@ def compressed_mean(
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves(leaves, "gradient")
     check_axis_bound(axis_name, "compressed_mean.update")
-    sizes, bplan = make_plan(leaves)
+    sizes, bplan, comps = make_plan(leaves)
     if len(bplan.buckets) != len(state.feedback):
       raise ValueError(
           f"the gradient has {len(bplan.buckets)} buckets but the state was "
@@ -227,12 +231,11 @@ def compressed_mean(
     for bi, bucket in enumerate(bplan.buckets):
       xs = jnp.concatenate([flat[i] for i in bucket])
       key = jax.random.fold_in(step_key, bi)
-      key = coll.device_key(comp, key, axis_name)
+      key = coll.device_key(comps[bi], key, axis_name)
       holder = {}
 
-      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder):
-        mean, local, holder["state"] = coll.exchange(comp, v, key, axis_name,
-                                                     old)
+      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder, c=comps[bi]):
+        mean, local, holder["state"] = coll.exchange(c, v, key, axis_name, old)
         return mean, local
 
       mean, fstate = fb.apply(xs, state.feedback[bi], exchange)

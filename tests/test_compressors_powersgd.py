@@ -120,6 +120,51 @@ def test_bad_input():
     PowerSGD(start_iter=-1)
   with pytest.raises(ValueError, match="min_compression_rate"):
     PowerSGD(min_compression_rate=0.0)
+  with pytest.raises(ValueError, match="view"):
+    PowerSGD(view="square")
+  with pytest.raises(ValueError, match="shapes"):
+    PowerSGD().for_bucket(((4, 8),)).segments(33)
   # A rank above min(rows, cols) is capped (documented pass-through).
   assert PowerSGD(rank=100, min_compression_rate=0.1).shape_and_rank(64) == (
       8, 8, 8)
+
+
+def _per_tensor_run(view, r=2, steps=1):
+  """compressed_mean over one bucket holding a (64, 16) kernel whose mean
+  gradient has rank r and a (16,) bias."""
+  rng = np.random.default_rng(7)
+  a = rng.normal(size=(64, r))
+  w = np.einsum("rk,dck->drc", a, rng.normal(size=(8, 16, r)))
+  g = {"b": rng.normal(size=(8, 16)), "w": w}
+  g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+  tx = jaxcomp.compressed_mean("powersgd", "data", rank=r, view=view, bucketing="whole",
+                               nonfinite="zero")
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape[1:]), g)
+  return g, params, tx
+
+
+def test_per_tensor_view_recovers_each_kernel_and_sends_two_messages(mesh8):
+  g, params, tx = _per_tensor_run("tensor")
+  f, state, specs = sharded_update(tx, params, mesh8)
+  u, state = f(stacked(g, mesh8), state)
+  mean = jax.tree.map(lambda x: np.asarray(x).mean(0), g)
+  # The kernel as its own (64, 16) matrix: a rank-2 mean is recovered.
+  np.testing.assert_allclose(np.asarray(u["w"]), mean["w"], atol=1e-4 * np.abs(mean["w"]).max())
+  # The bias goes through the exact all-reduce, in the same psum as the P's.
+  np.testing.assert_allclose(np.asarray(u["b"]), mean["b"], rtol=1e-5, atol=1e-6)
+  traffic = jaxcomp.collective_traffic(f.lower(stacked(g, mesh8), state).compile())
+  assert sorted(b for _, b in traffic.messages) == sorted([4 * (16 + 64 * 2), 4 * 16 * 2])
+  stats = jaxcomp.get_stats(state)
+  assert float(stats.bytes_sent) == 4 * (16 + 64 * 2 + 16 * 2)
+  q = jax.tree.leaves(state.exchange_state)
+  assert any(np.shape(x)[-2:] == (16, 2) for x in q)  # Q of the (64, 16) kernel
+
+
+def test_flat_view_mixes_rows_and_loses_the_low_rank_structure(mesh8):
+  g, params, tx = _per_tensor_run("flat")
+  f, state, _ = sharded_update(tx, params, mesh8)
+  u, _ = f(stacked(g, mesh8), state)
+  mean = np.asarray(g["w"]).mean(0)
+  # 64 x 16 + 16 = 1040 elements viewed as 26 x 40: rank 2 no longer fits.
+  err = np.linalg.norm(np.asarray(u["w"]) - mean)
+  assert err > 0.05 * np.linalg.norm(mean)

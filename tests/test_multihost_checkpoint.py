@@ -290,14 +290,14 @@ def test_hierarchical_identity_matches_flat_mean():
 def test_powersgd_q_round_trips_bit_exact(tmp_path):
   if "powersgd" not in jaxcomp.compressors.names():
     pytest.skip("PowerSGD is not registered in this checkout")
-  run = Run(4, "powersgd", rank=2).steps(2)
+  run = Run(4, "powersgd", rank=2, hidden=32).steps(2)  # w1 (6, 32) is compressed
   exchange = run.opt_state[0].exchange_state
   qs = [x for x in jax.tree.leaves(exchange) if x.ndim == 2]
   assert qs and all(q.sharding.is_fully_replicated for q in qs)  # shared Q
   ckpt = distributed.Checkpointer(tmp_path, config={"compressor": "powersgd",
                                                     "rank": 2})
   ckpt.save(2, run.state)
-  step, state = ckpt.restore(Run(4, "powersgd", rank=2).fresh)
+  step, state = ckpt.restore(Run(4, "powersgd", rank=2, hidden=32).fresh)
   assert step == 2
   _leaves_equal(state, run.state)
   assert distributed.check_consistency(state) >= len(qs) + 2

@@ -437,11 +437,19 @@ def test_validation_fit_recovers_alpha_beta():
   spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  p, link = 4, pm.Link(2e-4, 8e-9)
+  p, link, c0 = 4, pm.Link(2e-4, 8e-9), 1.5e-3
   meas = []
-  for m in (4096, 65536, 524288, 2097152):
-    meas.append({"kind": "allreduce", "bytes": m, "seconds": pm.allreduce_time(m, p, link)})
-    meas.append({"kind": "allgather", "bytes": m, "seconds": pm.allgather_time(m, p, link)})
-  alpha, beta = mod.fit_alpha_beta(meas, p)
+  for m, k in ((4096, 1), (4096, 8), (65536, 1), (65536, 8), (524288, 1), (2097152, 1)):
+    for kind, fn in (("allreduce", pm.allreduce_time), ("allgather", pm.allgather_time)):
+      meas.append({"kind": kind, "bytes": m, "count": k, "seconds": c0 + k * fn(m, p, link)})
+  alpha, beta, sync = mod.fit_alpha_beta(meas, p)
   assert alpha == pytest.approx(link.alpha, rel=1e-6)
   assert beta == pytest.approx(link.beta, rel=1e-6)
+  assert sync == pytest.approx(c0, rel=1e-6)
+  # Single-message programs only: no c0 (alpha absorbs it).
+  single = [dict(c, seconds=c["seconds"] - c0) for c in meas if c["count"] == 1]
+  alpha, beta, sync = mod.fit_alpha_beta(single, p)
+  assert (alpha, sync) == (pytest.approx(link.alpha, rel=1e-6), 0.0)
+  assert beta == pytest.approx(link.beta, rel=1e-6)
+  with pytest.raises(ValueError, match="small"):
+    mod.fit_alpha_beta([c for c in meas if c["bytes"] >= 524288], p)

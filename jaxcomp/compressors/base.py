@@ -77,6 +77,14 @@ class Compressor:
     :class:`jaxcomp.collectives.Collective.exchange` does."""
     raise NotImplementedError(f"{self.name} has no exchange of its own")
 
+  def for_bucket(self, shapes: tuple[tuple[int, ...], ...]) -> "Compressor":
+    """The compressor for one bucket, the flattened concatenation of tensors
+    of ``shapes`` (in bucket order); :func:`jaxcomp.compressed_mean` calls
+    it per bucket. The default ignores the shapes; PowerSGD views each
+    tensor as a matrix."""
+    del shapes
+    return self
+
   def payload_bytes(self, n: int) -> int:
     """Bytes one device puts on the wire for an ``n``-element buffer.
 
