@@ -103,11 +103,14 @@ class Traffic:
   def messages(self) -> list[tuple[str, int]]:
     """``(kind, operand bytes)`` of every operand of every op, in program order.
 
-    A tuple-shaped op (what XLA's all-reduce / all-gather combiners make)
+    A tuple-shaped all-reduce or all-gather (what XLA's combiners make)
     counts once per operand: XLA:CPU's collectives run each operand as its
-    own gloo collective.
+    own gloo collective. An all-to-all counts once: its tuple form holds one
+    operand per peer of a single exchange.
     """
-    return [(op.kind, b) for op in self.ops for b in (op.operand_sizes or (op.operand_bytes,))]
+    return [(op.kind, b) for op in self.ops
+            for b in ((op.operand_bytes,) if op.kind == "all-to-all" or not op.operand_sizes
+                      else op.operand_sizes)]
 
   def by_kind(self) -> dict[str, int]:
     """Operand bytes per device for each collective kind present."""

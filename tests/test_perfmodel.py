@@ -151,6 +151,37 @@ def test_nonlinear_uses_allgather_and_decodes_p_payloads():
   assert ef.codec_time == pytest.approx(1e-3 + (p + 1) * 2e-3)
 
 
+def test_two_phase_and_auto_price_both_phases():
+  n, p = 1_000_000, 8
+  prof = _profile([n], [0.0], fwd=0.0)
+  net = pm.Network(p, LINK)
+  codec = pm.CodecCost(encode_fixed=1e-3, decode_fixed=2e-3)
+  c = FakeCompressor(0.01, linear=False)
+  chunk = c.payload_bytes(n // p)
+  tp = pm.predict(prof, c, net, codec=codec, buckets="single", collective="two_phase")
+  assert tp.comm_time == pytest.approx(pm.alltoall_time(p * chunk, p, LINK)
+                                       + pm.allgather_time(chunk, p, LINK))
+  assert tp.bytes_per_worker == (p + 1) * chunk
+  # p chunk encodes; p decodes, a re-encode, p decodes of the gathered chunks.
+  assert tp.codec_time == pytest.approx(p * 1e-3 + 2 * p * 2e-3 + 1e-3)
+  # Auto takes two-phase here (2 * payload(n / p) < payload(n) at p = 8) ...
+  auto = pm.predict(prof, c, net, codec=codec, buckets="single", collective="auto")
+  assert auto.comm_time == tp.comm_time
+  # ... and the all-gather where the chunks' payloads would not be smaller,
+  # like jaxcomp.collectives.Auto.
+  class Fixed(FakeCompressor):  # a fixed-size payload
+    def payload_bytes(self, m):
+      return 64
+
+  flat = Fixed(0.01, linear=False)
+  ag = pm.predict(prof, flat, net, buckets="single", collective="auto")
+  assert ag.comm_time == pytest.approx(pm.allgather_time(64, p, LINK))
+  with pytest.raises(ValueError, match="linear"):
+    pm.predict(prof, FakeCompressor(0.01, linear=True), net, collective="two_phase")
+  with pytest.raises(ValueError, match="collective"):
+    pm.predict(prof, c, net, collective="ring")
+
+
 def test_monotone_in_bandwidth_and_workers():
   prof = pm.builtin_profile("resnet50")
   c = FakeCompressor(0.25)

@@ -246,12 +246,25 @@ class Prediction:
   speedup: float = float("nan")  # over dense; set by compare()
 
 
+_COLLECTIVE_CHOICES = ("allreduce", "allgather", "two_phase", "auto")
+
+
 def _comm_kind(compressor, collective: str | None) -> str:
   if collective is not None:
-    if collective not in ("allreduce", "allgather"):
-      raise ValueError(f"collective must be 'allreduce' or 'allgather', got {collective!r}")
+    if collective not in _COLLECTIVE_CHOICES:
+      raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
+    if collective in ("two_phase", "auto") and compressor.linear:
+      raise ValueError(f"collective={collective!r} is for compressors that are not linear "
+                       "(linear ones are summed by an all-reduce)")
     return collective
   return "allreduce" if compressor.linear else "allgather"
+
+
+def _two_phase_pays(compressor, n: int, p: int) -> bool:
+  """``jaxcomp.collectives.Auto``'s rule: two-phase where its ring bytes,
+  ``2 (p - 1) payload(ceil(n / p))``, are below the all-gather's
+  ``(p - 1) payload(n)`` (ties go to the all-gather)."""
+  return 2 * compressor.payload_bytes(-(-n // p)) < compressor.payload_bytes(n)
 
 
 def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], float] | None = None,
@@ -319,13 +332,19 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       compressor's own communication cost).
     overlap: whether communication may overlap the backward pass (WFBP).
     collective: force ``"allreduce"`` or ``"allgather"`` instead of the one
-      ``compressor.linear`` implies.
+      ``compressor.linear`` implies; or, for compressors that are not
+      linear, ``"two_phase"`` (:class:`jaxcomp.collectives.TwoPhase`: an
+      all-to-all of ``p`` chunk payloads of ``ceil(n / p)`` elements, a
+      decode-sum, a re-encode, an all-gather of one chunk payload) or
+      ``"auto"`` (per bucket the cheaper of the two, as
+      :class:`jaxcomp.collectives.Auto` picks).
     error_feedback: whether the worker also decodes its own payload to keep
       the residual (one more decode per bucket); default ``compressor.biased``
       (jaxcomp.compressed_mean's default), False where it has no such attribute.
-    messages_per_bucket: collectives per bucket (a payload of several arrays,
-      e.g. top-k's values and indices, travels as one collective each); each
-      extra message adds the collective's start-up cost.
+    messages_per_bucket: arrays per payload (a payload of several arrays,
+      e.g. top-k's values and indices, travels as one collective each, per
+      phase for two-phase); each extra array adds the collectives' start-up
+      cost.
 
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
@@ -340,17 +359,42 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
   if isinstance(messages_per_bucket, bool) or not isinstance(messages_per_bucket, int) \
       or messages_per_bucket < 1:
     raise ValueError(f"messages_per_bucket must be an integer >= 1, got {messages_per_bucket!r}")
-  startup = (messages_per_bucket - 1) * costs.collective_time(kind, 0, network)
+  def uses_two_phase(n: int) -> bool:
+    return kind == "two_phase" or (kind == "auto" and p > 1 and _two_phase_pays(compressor, n, p))
 
   def bucket_comm(n: int) -> float:
-    return costs.collective_time(kind, compressor.payload_bytes(n), network) + startup
+    extra = messages_per_bucket - 1
+    if uses_two_phase(n):
+      chunk = compressor.payload_bytes(-(-n // p))
+      return (costs.collective_time("alltoall", p * chunk, network)
+              + costs.collective_time("allgather", chunk, network)
+              + extra * (costs.collective_time("alltoall", 0, network)
+                         + costs.collective_time("allgather", 0, network)))
+    k = "allreduce" if kind == "allreduce" else "allgather"
+    return (costs.collective_time(k, compressor.payload_bytes(n), network)
+            + extra * costs.collective_time(k, 0, network))
+
+  def bucket_bytes(n: int) -> float:
+    if uses_two_phase(n):
+      return (p + 1) * compressor.payload_bytes(-(-n // p))
+    return compressor.payload_bytes(n)
+
+  def bucket_codec(n: int) -> tuple[float, float]:
+    """(encode before the exchange, decode work after it), seconds."""
+    if uses_two_phase(n):
+      c = -(-n // p)
+      # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
+      # the gathered chunks, and (error feedback) the p own chunk payloads.
+      dec = (2 * p + (p if error_feedback else 0)) * codec.decode(c) + codec.encode(c)
+      return p * codec.encode(c), dec
+    decodes = (p if kind != "allreduce" else 1) + (1 if error_feedback else 0)
+    return codec.encode(n), decodes * codec.decode(n)
 
   plan = bucket_plan(buckets, profile,
                      comm_time=lambda nbytes: bucket_comm(int(nbytes) // 4))
 
   if error_feedback is None:
     error_feedback = bool(getattr(compressor, "biased", False))
-  decodes_per_bucket = (p if kind == "allgather" else 1) + (1 if error_feedback else 0)
   t = profile.forward_time
   net_free = 0.0
   comm_total = codec_total = sent = 0.0
@@ -359,11 +403,11 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
     n = sum(sizes[i] for i in b)
     t += sum(profile.backward_times[i] for i in b)
     if p > 1 and n > 0:
-      enc = codec.encode(n)
+      enc, _ = bucket_codec(n)
       t += enc
       codec_total += enc
       c = bucket_comm(n)
-      sent += compressor.payload_bytes(n)
+      sent += bucket_bytes(n)
       comm_total += c
       start = max(t if overlap else -1.0, net_free)
       net_free = start + c
@@ -376,7 +420,7 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       shifted.append((net_free, n))
     arrivals = shifted
   for arrive, n in arrivals:
-    dec = decodes_per_bucket * codec.decode(n)
+    _, dec = bucket_codec(n)
     t = max(t, arrive) + dec
     codec_total += dec
   t += profile.update_time
