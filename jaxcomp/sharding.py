@@ -14,8 +14,7 @@ Two traps that this module closes:
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp

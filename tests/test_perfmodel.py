@@ -10,7 +10,6 @@ import random
 import pytest
 
 from jaxcomp import perfmodel as pm
-from jaxcomp.perfmodel import costs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,7 +125,6 @@ def main(argv=None) -> int:
       heartbeat_timeout_seconds=args.heartbeat_timeout)
 
   import jax
-  import jax.numpy as jnp
   from jax import lax
   from jax.sharding import PartitionSpec as P
   import numpy as np

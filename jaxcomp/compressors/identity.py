@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors.base import Compressor, register

@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel import mgwfbp as _mgwfbp

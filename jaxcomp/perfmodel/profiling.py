@@ -11,8 +11,6 @@ backward time of one group; it is split over the group's tensors by size.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable
 
 import jax

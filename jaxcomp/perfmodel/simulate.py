@@ -9,7 +9,6 @@ over an ideal (linear, free) compressor.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Mapping, Sequence
 
