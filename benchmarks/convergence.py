@@ -33,11 +33,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (label, compressor, hyperparameters, error_feedback); None: the default
-# (on for biased compressors, off for unbiased ones).
+# (label, compressor, hyperparameters, error_feedback[, other Config
+# fields]); error_feedback None: the default (on for biased compressors, off
+# for unbiased ones).
 SPECS = [
     ("dense (float32 all-reduce)", "identity", {}, None),
     ("top-k 1% + EF", "topk", {"ratio": 0.01}, True),
+    ("top-k 1% + EF, tensors < 1024 exact", "topk", {"ratio": 0.01}, True,
+     {"min_compress_size": 1024}),
     ("random-block 1% + EF", "random_block", {"ratio": 0.01}, True),
     ("QSGD 4 levels", "qsgd", {"levels": 4}, None),
     ("sign + EF", "sign", {}, True),
@@ -84,7 +87,7 @@ def worker(example: str, args, out_path: str) -> None:
   if os.path.exists(out_path):  # --resume: keep the runs already there
     with open(out_path) as f:
       done = {(r["label"], r.get("seed")) for r in map(json.loads, f)}
-  for label, name, hp, ef in SPECS:
+  for label, name, hp, ef, *extra in SPECS:
     if args.compressors and name not in args.compressors:
       continue
     if name not in available:
@@ -95,7 +98,8 @@ def worker(example: str, args, out_path: str) -> None:
     for seed in args.seeds:
       if (label, seed) in done:
         continue
-      config = _config(train_module, dict(base, seed=seed), name, hp, ef)
+      config = _config(train_module, dict(base, seed=seed, **(extra[0] if extra else {})),
+                       name, hp, ef)
       t0 = time.perf_counter()
       with jax.numpy_dtype_promotion("standard"):
         r = train_module.train_and_evaluate(config)
@@ -124,7 +128,7 @@ def summarize(rows, args):
   out = {}
   for ex in EXAMPLES:
     out[ex] = []
-    for label, name, hp, ef in SPECS:
+    for label, name, hp, ef, *_ in SPECS:
       if args.compressors and name not in args.compressors:
         continue
       rs = [r for r in rows if r["example"] == ex and r["label"] == label]

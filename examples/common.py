@@ -40,6 +40,9 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
                  help="int8_block / fp8_block elements per scale")
   p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
                  default="auto", help="auto: on for biased compressors")
+  p.add_argument("--min-compress-size", type=int, default=0,
+                 help="tensors with fewer elements go through an exact "
+                 "all-reduce (biases, norms)")
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices (ignored on GPU/TPU)")
   p.add_argument("--seed", type=int, default=0)
@@ -55,6 +58,7 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       threshold=args.threshold, block_size=args.block_size,
       error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
+      min_compress_size=args.min_compress_size,
       seed=args.seed, max_steps=args.max_steps,
       progress=not args.no_progress)
 

@@ -101,6 +101,17 @@ def test_main_runs_a_few_steps(mesh8, capsys):
   assert "bits per character" in out and "bytes sent per device per step" in out
 
 
+def test_min_compress_size_keeps_small_tensors_exact(mesh8):
+  small = dict(TINY, max_steps=1, epochs=1)
+  every = train.train_and_evaluate(train.Config(compressor="topk", ratio=0.01, **small))
+  # Every tensor below 10^9 elements (all of them) goes through the exact
+  # all-reduce: the dense byte count, nothing compressed.
+  exact = train.train_and_evaluate(train.Config(compressor="topk", ratio=0.01,
+                                                min_compress_size=10**9, **small))
+  assert exact["bytes_per_step"] == exact["dense_bytes_per_step"]
+  assert every["bytes_per_step"] < every["dense_bytes_per_step"] / 5
+
+
 def test_bad_batch_and_compressor():
   with pytest.raises(ValueError, match="batch_size"):
     train.train_and_evaluate(train.Config(batch_size=12, **{
@@ -121,13 +132,15 @@ def test_convergence_benchmark_configs():
   spec = importlib.util.spec_from_file_location("convergence", path)
   conv = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(conv)
-  for _, name, hp, ef in conv.SPECS:
+  for _, name, hp, ef, *extra in conv.SPECS:
     if name not in jaxcomp.compressors.names():
       continue
     for module in (train, fashion_train):
-      config = conv._config(module, {"seed": 3}, name, hp, ef)
+      config = conv._config(module, {"seed": 3, **(extra[0] if extra else {})}, name, hp, ef)
       assert config.compressor == name and config.seed == 3
       assert config.error_feedback == ef
+      for field, value in (extra[0] if extra else {}).items():
+        assert getattr(config, field) == value
       for k, v in hp.items():
         assert common.compressor_kwargs(config)[k] == v
   with pytest.raises(ValueError, match="takes"):

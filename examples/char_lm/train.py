@@ -31,6 +31,7 @@ class Config:
   threshold: float = 1e-3  # threshold compressor's magnitude threshold
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased compressors
+  min_compress_size: int = 0  # smaller tensors: exact all-reduce
   epochs: int = 3
   steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
   batch_size: int = 32  # global, split over the devices
@@ -88,6 +89,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                                    max(config.warmup_steps, 1))
   tx = optax.chain(
       jaxcomp.compressed_mean(config.compressor, "data",
+                              min_compress_size=config.min_compress_size,
                               error_feedback=config.error_feedback,
                               seed=config.seed, **kwargs),
       optax.adam(schedule))

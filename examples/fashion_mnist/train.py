@@ -31,6 +31,7 @@ class Config:
   threshold: float = 1e-3  # threshold compressor's magnitude threshold
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased ones
+  min_compress_size: int = 0  # smaller tensors: exact all-reduce
   epochs: int = 2
   batch_size: int = 256  # global, split over the devices
   learning_rate: float = 2e-3
@@ -91,6 +92,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   kwargs = common.compressor_kwargs(config)
   tx = optax.chain(
       jaxcomp.compressed_mean(config.compressor, "data",
+                              min_compress_size=config.min_compress_size,
                               error_feedback=config.error_feedback,
                               seed=config.seed, **kwargs),
       optax.adam(config.learning_rate))
