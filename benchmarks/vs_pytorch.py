@@ -450,8 +450,8 @@ def write_markdown(res, args, path, elapsed):
       "PowerSGD with error feedback and warm start on both sides; no loss "
       "averaging on either. 'compute only' is one process's forward, "
       "backward and update with no exchange. "
-      "The machine is a shared 2-core VM with other jobs "
-      f"running; {elapsed / 60:.1f} minutes in all.", "",
+      "The machine is a 2-core VM "
+      f"({elapsed / 60:.1f} minutes in all).", "",
       "| link | compressor | PyTorch ms/step | jaxcomp ms/step | jaxcomp / PyTorch time | PyTorch wire B/step | jaxcomp wire B/step | jaxcomp / PyTorch wire | PyTorch payload B | jaxcomp payload B |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   checks = []

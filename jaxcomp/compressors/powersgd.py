@@ -78,8 +78,8 @@ class PowerSGD(Compressor):
   ``view="flat"`` views the whole flat bucket as one near-square matrix
   (:func:`matrix_shape`; PyTorch's ``batched_powerSGD_hook`` without the
   padding); it mixes rows of a tensor and loses its low-rank structure (on
-  the Fashion-MNIST CNN, rank 4 lost 5.5 points of accuracy against dense
-  with it, ``benchmarks/convergence.py``). A compressor used on its own,
+  the Fashion-MNIST CNN after 480 steps, rank 4 was 5.50 points of accuracy
+  behind dense with it and 0.63 per tensor; ``docs/convergence.md``). A compressor used on its own,
   outside the transform, sees only flat buffers and uses the flat view.
 
   Per step, following PyTorch's ``powerSGD_hook``, for every matrix ``M`` of
