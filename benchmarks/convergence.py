@@ -82,6 +82,11 @@ def worker(example: str, args, out_path: str) -> None:
     base = dict(epochs=1, steps_per_epoch=args.lm_steps,
                 batch_size=args.lm_batch, d_model=args.lm_d_model,
                 progress=False)
+  ex = "fashion" if example == "fashion_mnist" else "lm"
+  if getattr(args, f"{ex}_optimizer"):
+    base["optimizer"] = getattr(args, f"{ex}_optimizer")
+  if getattr(args, f"{ex}_lr"):
+    base["learning_rate"] = getattr(args, f"{ex}_lr")
   available = set(jaxcomp.compressors.names())
   done = set()
   if os.path.exists(out_path):  # --resume: keep the runs already there
@@ -186,13 +191,15 @@ def write_markdown(summary, args, path, png_name, elapsed):
     if dense is None:
       continue
     if ex == "fashion_mnist":
+      opt = f", {args.fashion_optimizer or 'adam'}" + (f" lr {args.fashion_lr}" if args.fashion_lr else "")
       lines += [f"## Fashion-MNIST CNN ({dense['dataset']}), "
-                f"{dense['steps']} steps of batch {args.fashion_batch}", "",
+                f"{dense['steps']} steps of batch {args.fashion_batch}{opt}", "",
                 "| compressor | test accuracy | vs dense (points) | bytes/step/device | total MB/device | fewer bytes | wall s |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
     else:
+      opt = f", {args.lm_optimizer or 'adam'}" + (f" lr {args.lm_lr}" if args.lm_lr else "")
       lines += [f"## Character LM (d_model {args.lm_d_model}; {dense['dataset']}), "
-                f"{dense['steps']} steps of batch {args.lm_batch}", "",
+                f"{dense['steps']} steps of batch {args.lm_batch}{opt}", "",
                 "| compressor | validation loss (nats) | bits/char | vs dense | bytes/step/device | total MB/device | fewer bytes | wall s |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -265,6 +272,11 @@ def parse(argv=None):
   p.add_argument("--lm-steps", type=int, default=300)
   p.add_argument("--lm-batch", type=int, default=32)
   p.add_argument("--lm-d-model", type=int, default=64)
+  for ex in ("fashion", "lm"):
+    p.add_argument(f"--{ex}-optimizer", choices=("adam", "momentum"), default=None,
+                   help="default: the example's (adam)")
+    p.add_argument(f"--{ex}-lr", type=float, default=None,
+                   help="learning rate; default: the example's")
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--jobs", type=int, default=2, choices=[1, 2])

@@ -50,6 +50,25 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
   p.add_argument("--no-progress", action="store_true")
 
 
+OPTIMIZERS = ("adam", "momentum")
+
+
+def optimizer(name: str, learning_rate):
+  """The examples' optimizer after the compressed mean: ``"adam"`` or
+  ``"momentum"`` (SGD with Nesterov momentum 0.9, the optimizer of the
+  PowerSGD and DGC papers).
+
+  Raises:
+    ValueError: another name.
+  """
+  import optax
+  if name == "adam":
+    return optax.adam(learning_rate)
+  if name == "momentum":
+    return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
+  raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
 def compression_config(args: argparse.Namespace) -> dict[str, Any]:
   """The Config fields that :func:`add_compression_flags` sets."""
   return dict(

@@ -93,6 +93,7 @@ def test_topk_run_learns_and_sends_fewer_bytes(mesh8):
 
 def test_main_runs_a_few_steps(mesh8, capsys):
   assert main_lib.main(["--compressor=random_block", "--ratio=0.1", "--epochs=1",
+                        "--optimizer=momentum", "--learning-rate=0.3",
                         "--max-steps=2", "--batch-size=16", "--context=16",
                         "--d-model=32", "--layers=1", "--heads=2",
                         "--no-progress"]) == 0
@@ -113,6 +114,9 @@ def test_min_compress_size_keeps_small_tensors_exact(mesh8):
 
 
 def test_bad_batch_and_compressor():
+  from examples import common
+  with pytest.raises(ValueError, match="optimizer"):
+    common.optimizer("rmsprop", 1e-3)
   with pytest.raises(ValueError, match="batch_size"):
     train.train_and_evaluate(train.Config(batch_size=12, **{
         k: v for k, v in TINY.items() if k != "batch_size"}))

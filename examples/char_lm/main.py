@@ -24,6 +24,8 @@ def parse(argv=None):
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--learning-rate", type=float, default=3e-3)
+  p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
+                 help="after the compressed mean: adam, or SGD with momentum")
   return p.parse_args(argv)
 
 
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
       epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
       batch_size=args.batch_size, context=args.context, d_model=args.d_model,
       num_layers=args.layers, num_heads=args.heads,
-      learning_rate=args.learning_rate, **common.compression_config(args))
+      learning_rate=args.learning_rate, optimizer=args.optimizer,
+      **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)
   result = train.train_and_evaluate(config)

@@ -32,6 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased compressors
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  optimizer: str = "adam"  # or "momentum" (examples.common.optimizer)
   epochs: int = 3
   steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
   batch_size: int = 32  # global, split over the devices
@@ -92,7 +93,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                               min_compress_size=config.min_compress_size,
                               error_feedback=config.error_feedback,
                               seed=config.seed, **kwargs),
-      optax.adam(schedule))
+      common.optimizer(config.optimizer, schedule))
 
   def step_fn(p, s, windows):
     loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, windows)

@@ -19,6 +19,8 @@ def parse(argv=None):
   p.add_argument("--epochs", type=int, default=2)
   p.add_argument("--batch-size", type=int, default=256, help="global batch")
   p.add_argument("--learning-rate", type=float, default=2e-3)
+  p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
+                 help="after the compressed mean: adam, or SGD with momentum")
   p.add_argument("--dataset", default="auto",
                  choices=["auto", "fashion_mnist", "digits"])
   return p.parse_args(argv)
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
 
   config = train.Config(
       dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
-      learning_rate=args.learning_rate, **common.compression_config(args))
+      learning_rate=args.learning_rate, optimizer=args.optimizer,
+      **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)
   result = train.train_and_evaluate(config)

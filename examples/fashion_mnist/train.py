@@ -32,6 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased ones
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  optimizer: str = "adam"  # or "momentum" (examples.common.optimizer)
   epochs: int = 2
   batch_size: int = 256  # global, split over the devices
   learning_rate: float = 2e-3
@@ -95,7 +96,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                               min_compress_size=config.min_compress_size,
                               error_feedback=config.error_feedback,
                               seed=config.seed, **kwargs),
-      optax.adam(config.learning_rate))
+      common.optimizer(config.optimizer, config.learning_rate))
   opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
   step = jax.jit(jaxcomp.shard_train_step(
       make_step(tx), mesh=mesh, state_specs=specs, batch_spec=P("data")),
@@ -110,7 +111,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   traffic = jaxcomp.collective_traffic(
       step.lower(params, opt_state, example))
   dense_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"),
-                         optax.adam(config.learning_rate))
+                         common.optimizer(config.optimizer, config.learning_rate))
   dense_state, dense_specs = jaxcomp.init_sharded(dense_tx, params, mesh, "data")
   dense_traffic = jaxcomp.collective_traffic(jax.jit(jaxcomp.shard_train_step(
       make_step(dense_tx), mesh=mesh, state_specs=dense_specs,
