@@ -3,18 +3,24 @@
 Runs 2 to 4 JAX processes (one CPU device each, collectives over gloo), each
 in its own network namespace on a bridge, every link limited by ``tc tbf``
 (100 Mbit, 1 Gbit, 10 Gbit, unlimited; no netem, so no added latency).
-For each link and worker count the processes:
+For each link and worker count the processes measure, in interleaved rounds
+of bursts of steady-state calls:
 
-1. time psum and all_gather of float32 buffers (4 KiB .. 4 MiB) on that link,
-   from which alpha and beta are fitted by least squares on the ring model;
-2. profile the model (jaxcomp.perfmodel.profile_model: per-tensor backward
-   times) and micro-benchmark each compressor's encode/decode (measure_codec);
-3. run real data-parallel training steps of an MLP with
-   ``jaxcomp.compressed_mean`` for dense (identity) and the compressors, and
-   time them.
+1. the link: the one-worker compute followed by a psum / all_gather of K
+   float32 arrays (4 KiB .. 2 MiB; K = 1 and 8) in one program on the global
+   mesh; less the compute, alpha, beta (per collective kind) and a per-step
+   synchronisation cost are fitted (``fit_alpha_beta``);
+2. the one-worker step, the per-tensor backward times
+   (jaxcomp.perfmodel.profile_model) and each compressor's encode/decode
+   (measure_codec);
+3. each compressor's training step on a one-device mesh (no network);
+4. real data-parallel training steps of an MLP with
+   ``jaxcomp.compressed_mean`` for dense (identity) and the compressors.
 
-The orchestrator then predicts every training run from (1) and (2) only and
-prints measured next to predicted with the relative error.
+The orchestrator then predicts every training run of (4) from (1) to (3)
+and the compiled step's collective messages (``--compute local`` takes (3)
+as the compute; ``--compute single`` the one-worker step plus encode/decode)
+and prints measured next to predicted with the relative error.
 
 Usage (root, iproute2 with tc):
   python benchmarks/validate_perfmodel.py --out docs/perfmodel_validation
