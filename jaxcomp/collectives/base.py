@@ -45,9 +45,9 @@ def decode_sum(compressor: Compressor, payloads, n: int, key) -> jax.Array:
   Uses the compressor's own ``decode_sum`` where it has one (top-k scatter-adds
   all payloads at once), else decodes each payload and adds it to a float32
   accumulator, device 0 first. (Decoding all payloads under ``vmap`` and
-  reducing over the device axis was measured 7x slower on XLA:CPU for QSGD:
-  its reduce over a leading axis of 2 ran as one slow fusion, 24 ms per 2^19
-  elements, ``benchmarks/validate_perfmodel.py``.)
+  reducing over the device axis made XLA:CPU run one slow fusion per bucket;
+  in a profile of the 2-process QSGD step of
+  ``benchmarks/validate_perfmodel.py`` it took most of the step.)
   """
   fn = getattr(compressor, "decode_sum", None)
   if fn is not None:
