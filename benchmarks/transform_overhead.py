@@ -1,7 +1,7 @@
 """What jaxcomp's transform costs a step on one device, against dense.
 
-Times the training step of an MLP (784-1024-1024-10, the shape of
-``benchmarks/vs_pytorch.py``; batch 64; SGD) on a one-device mesh, where XLA
+Times the training step of ``benchmarks/vs_pytorch.py``'s MLP
+(784-1024-1024-10, its weights and batch of 64; SGD) on a one-device mesh, where XLA
 drops the collectives, so what is left is the compute plus the transform:
 flattening into buckets, encode/decode, error feedback and the statistics.
 Prints the median step time of each compressor and its ratio to dense
@@ -42,25 +42,15 @@ def main(argv=None) -> int:
   import jaxcomp
   from jaxcomp.cli import parse_compressor_spec
 
-  layers = (784, 1024, 1024, 10)
-  rng = np.random.default_rng(0)
-  params = [(rng.standard_normal((a, b)).astype(np.float32) / np.sqrt(a),
-             np.zeros((b,), np.float32)) for a, b in zip(layers[:-1], layers[1:])]
-  xs = rng.standard_normal((64, layers[0])).astype(np.float32)
-  ys = rng.integers(0, layers[-1], (64,)).astype(np.int32)
-
-  def loss_fn(prm, x, y):
-    h = x
-    for i, (w, b) in enumerate(prm):
-      h = h @ w + b
-      if i < len(prm) - 1:
-        h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from vs_pytorch import BATCH, LAYERS as layers, mlp_and_batch, mlp_loss as loss_fn
+  ws, bs, xs, ys = mlp_and_batch(0)
+  params = list(zip(ws, bs))
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   batch = jax.device_put((xs, ys), NamedSharding(mesh, P("data")))
   print(f"one {jax.devices()[0].platform} device, MLP {'-'.join(map(str, layers))}, "
-        f"batch 64, bucketing={args.bucketing!r}, median of {args.steps} steps")
+        f"batch {BATCH}, bucketing={args.bucketing!r}, median of {args.steps} steps")
   base = None
   for spec in args.specs:
     head, _, rest = spec.partition(":")

@@ -97,7 +97,23 @@ def payload_bytes(system: str, shapes) -> int:
 
 # --------------------------------------------------------------- worker ---
 
-def _mlp_and_batch(rank):
+def mlp_loss(prm, x, y):
+  """Mean softmax cross-entropy of the MLP ``prm`` (a list of ``(w, b)``,
+  ReLU between layers) on a batch ``x`` (float32 ``(B, 784)``), ``y``
+  (int32 ``(B,)``)."""
+  import jax
+  import optax
+  h = x
+  for i, (w, b) in enumerate(prm):
+    h = h @ w + b
+    if i < len(prm) - 1:
+      h = jax.nn.relu(h)
+  return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+
+def mlp_and_batch(rank):
+  """The MLP's weights (``ws``), biases (``bs``) and process ``rank``'s batch
+  (``xs``, ``ys``), as NumPy arrays; the same weights on every rank."""
   import numpy as np
   rng = np.random.default_rng(0)
   ws = [(rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
@@ -126,21 +142,13 @@ def _jax_systems(args, say):
   say("jax.distributed ready")
 
   mesh = jax.make_mesh((jax.process_count(),), ("data",))
-  ws, bs, xs, ys = _mlp_and_batch(args.rank)
+  ws, bs, xs, ys = mlp_and_batch(args.rank)
 
   def global_array(a, spec):
     sharding = NamedSharding(mesh, spec)
     if spec == P():
       return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
     return jax.make_array_from_process_local_data(sharding, a)
-
-  def loss_fn(prm, x, y):
-    h = x
-    for i, (w, b) in enumerate(prm):
-      h = h @ w + b
-      if i < len(prm) - 1:
-        h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
 
   params = [(global_array(w, P()), global_array(b, P())) for w, b in zip(ws, bs)]
   batch = (global_array(xs, P("data")), global_array(ys, P("data")))
@@ -169,7 +177,7 @@ def _jax_systems(args, say):
       state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
 
     def step_fn(prm, s, b, tx=tx):
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, *b)
+      loss, g = jaxcomp.per_device_value_and_grad(mlp_loss, "data")(prm, *b)
       u, s = tx.update(g, s, prm)
       # The per-process loss, not averaged (DDP does not average it either).
       return optax.apply_updates(prm, u), s, loss[None]
@@ -196,7 +204,7 @@ def _jax_systems(args, say):
   lcarry = {"p": jax.device_put([(w, b) for w, b in zip(ws, bs)], local)}
   lbatch = jax.device_put((xs, ys), local)
   local_step = jax.jit(lambda prm, x, y: jax.tree.map(
-      lambda a, g: a - LR * g, prm, jax.grad(loss_fn)(prm, x, y)))
+      lambda a, g: a - LR * g, prm, jax.grad(mlp_loss)(prm, x, y)))
 
   def run_local():
     lcarry["p"] = jax.block_until_ready(local_step(lcarry["p"], *lbatch))
@@ -219,7 +227,7 @@ def _torch_systems(args, say):
   dist.init_process_group("gloo", init_method=f"tcp://{args.coordinator}",
                           rank=args.rank, world_size=args.nproc)
   say("torch.distributed ready")
-  ws, bs, xs, ys = _mlp_and_batch(args.rank)
+  ws, bs, xs, ys = mlp_and_batch(args.rank)
   tx_t, ty_t = torch.from_numpy(xs), torch.from_numpy(ys.astype("int64"))
 
   def make_mlp():
