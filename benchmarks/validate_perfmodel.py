@@ -333,7 +333,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   # collective kind: gloo's all-gather is not the ideal ring (at 100 Mbit it
   # moves the same bytes 1.3-1.45x slower than its all-reduce).
   alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
-  fits = {"link": (alpha, beta), "per_program": c0}
+  fits = {"link": (alpha, beta)}
   per_kind = None
   if fit == "per-kind":
     per_kind = {}
