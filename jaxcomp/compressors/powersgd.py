@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from typing import ClassVar, NamedTuple
@@ -79,8 +80,9 @@ class PowerSGD(Compressor):
   (:func:`matrix_shape`; PyTorch's ``batched_powerSGD_hook`` without the
   padding); it mixes rows of a tensor and loses its low-rank structure (on
   the Fashion-MNIST CNN after 480 steps, rank 4 was 5.50 points of accuracy
-  behind dense with it and 0.63 per tensor; ``docs/convergence.md``). A compressor used on its own,
-  outside the transform, sees only flat buffers and uses the flat view.
+  behind dense with it and 0.63 per tensor; ``docs/convergence.md``). A
+  compressor used on its own, outside the transform, sees only flat buffers
+  and uses the flat view.
 
   Per step, following PyTorch's ``powerSGD_hook``, for every matrix ``M`` of
   the bucket at once:
@@ -302,8 +304,5 @@ class PowerSGD(Compressor):
 
 
 def _split(buf: jax.Array, sizes) -> list[jax.Array]:
-  out, off = [], 0
-  for size in sizes:
-    out.append(buf[off:off + size])
-    off += size
-  return out
+  """``buf`` cut into consecutive pieces of ``sizes`` elements."""
+  return jnp.split(buf, list(itertools.accumulate(sizes))[:-1])
