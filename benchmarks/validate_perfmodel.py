@@ -400,7 +400,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       per_bucket = 2 if coll else 1  # two-phase: two collectives per array
       buckets, msgs = "layer", max(1, round(n_msgs / leaves / per_bucket))
     preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
-                          overlap=False, messages_per_bucket=msgs, collective=coll)
+                          overlap="serial", messages_per_bucket=msgs, collective=coll)
     extra = sync
     if compute == "local" and not comps[s].linear:
       # The one-device step encodes each bucket once and decodes it once
@@ -411,7 +411,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       # dispatch of a jitted call of its own, which a fused step does not
       # pay per bucket or per chunk (two-phase encodes its chunks vmapped).
       dec = pm.CodecCost.from_dict(dict(res["codecs"][s], encode_fixed=0.0, decode_fixed=0.0))
-      full = pm.predict(prof_s, comps[s], net, codec=dec, buckets=buckets, overlap=False,
+      full = pm.predict(prof_s, comps[s], net, codec=dec, buckets=buckets, overlap="serial",
                         messages_per_bucket=msgs, collective=coll)
       ef = 2 if getattr(comps[s], "biased", False) else 1
       one = sum(dec.encode(n) + ef * dec.decode(n) for n in res["leaf_sizes"])

@@ -182,7 +182,9 @@ def _run_whatif(args) -> int:
   network = _network(args)
   comps = _build_compressors(args.compressors)
   codecs, codec_note = _codecs(args, comps)
-  kw = dict(codecs=codecs, buckets=args.buckets, overlap=not args.no_overlap)
+  overlap = "after_backward" if args.no_overlap else args.overlap
+  collective = None if args.collective == "default" else args.collective
+  kw = dict(codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective)
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
@@ -193,19 +195,23 @@ def _run_whatif(args) -> int:
         + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
            if network.algorithm == "hierarchical" else "")
         + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
-        + ("; no overlap" if args.no_overlap else "; overlap with backward (WFBP)"), file=out)
+        + {"wfbp": "; overlap with backward (WFBP)",
+           "after_backward": "; collectives after the backward pass",
+           "serial": "; nothing overlaps (serial)"}[overlap], file=out)
   print(codec_note, file=out)
   print(file=out)
   rows = []
   for name, pr in res.items():
-    kind = "allreduce" if name == "dense" or comps[name].linear else "allgather"
+    kind = "allreduce" if name == "dense" else (
+        collective if collective and not comps[name].linear
+        and not comps[name].own_exchange else perfmodel.default_collective(comps[name]))
     rows.append([name, kind, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
                  f"{pr.comm_time * 1e3:.1f}", f"{pr.exposed_comm * 1e3:.1f}",
                  f"{pr.codec_time * 1e3:.1f}", f"{pr.scaling_factor:.3f}", f"{pr.speedup:.2f}x"])
   _print_table(["compressor", "collective", "MB/worker", "step_ms", "comm_ms", "exposed_ms",
                 "codec_ms", "scaling", "speedup"], rows, out)
   r = perfmodel.required_ratio(profile, network, target_scaling=args.target_scaling,
-                               buckets=args.buckets, overlap=not args.no_overlap)
+                               buckets=args.buckets, overlap=overlap)
   print(f"\nan ideal linear compressor (free encode/decode) needs ratio "
         f"{'>1e4 (start-up costs dominate)' if math.isinf(r) else f'{r:.2f}x'} "
         f"for scaling factor >= {args.target_scaling:g}", file=out)
@@ -290,8 +296,17 @@ def _add_whatif(sub):
                  "'none', or a JSON file {compressor spec: CodecCost fields}")
   p.add_argument("--buckets", type=_buckets, default="mgwfbp",
                  help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, single, or a bucket size in MB")
+  p.add_argument("--overlap", choices=("wfbp", "after_backward", "serial"), default="wfbp",
+                 help="wfbp (default): a bucket's collective overlaps the rest of the backward "
+                      "pass; after_backward: collectives start after it; serial: nothing "
+                      "overlaps (collectives run on the compute thread, as on XLA:CPU)")
   p.add_argument("--no-overlap", action="store_true",
-                 help="communication does not overlap the backward pass")
+                 help="the same as --overlap after_backward")
+  p.add_argument("--collective", choices=("default", "allgather", "two_phase", "auto"),
+                 default="default",
+                 help="collective for the compressors that are not linear: default (what "
+                      "jaxcomp.compressed_mean uses: auto for the quantizers, allgather for "
+                      "the sparsifiers), allgather, two_phase or auto")
   p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
                  help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,

@@ -483,3 +483,67 @@ def test_validation_fit_recovers_alpha_beta():
   assert beta == pytest.approx(link.beta, rel=1e-6)
   with pytest.raises(ValueError, match="small"):
     mod.fit_alpha_beta([c for c in meas if c["bytes"] >= 524288], p)
+
+
+def test_serial_overlap_is_the_sum_of_everything():
+  # Two buckets, codec costs on: "serial" adds every collective and every
+  # decode to the compute, where "after_backward" lets bucket 1's decode
+  # run during bucket 0's collective.
+  prof = _profile([250_000, 250_000], [0.010, 0.010], fwd=0.002, update=0.001)
+  net = pm.Network(2, pm.Link(0.0, 1e-8))
+  codec = pm.CodecCost(encode_fixed=1e-3, decode_fixed=4e-3)
+  c = FakeCompressor(0.5, linear=True)
+  comm = pm.allreduce_time(c.payload_bytes(250_000), 2, net.link)
+  serial = pm.predict(prof, c, net, codec=codec, buckets="layer", overlap="serial")
+  assert serial.step_time == pytest.approx(prof.compute_time + 2 * (1e-3 + comm + 4e-3))
+  assert serial.codec_time == pytest.approx(2 * (1e-3 + 4e-3))
+  after = pm.predict(prof, c, net, codec=codec, buckets="layer", overlap="after_backward")
+  assert after.step_time == pm.predict(prof, c, net, codec=codec, buckets="layer",
+                                       overlap=False).step_time
+  # The first decode (4 ms) hides under the second collective (comm > 4 ms).
+  assert comm > 4e-3
+  assert after.step_time == pytest.approx(serial.step_time - 4e-3)
+  with pytest.raises(ValueError, match="overlap"):
+    pm.predict(prof, c, net, overlap="sometimes")
+
+
+def test_default_collective_follows_the_library():
+  from jaxcomp import compressors
+  kinds = {n: pm.default_collective(compressors.get(n))
+           for n in ("bf16", "random_block", "topk", "sign", "qsgd", "int8_block",
+                     "powersgd", "terngrad")}
+  assert kinds == {"bf16": "allreduce", "random_block": "allreduce", "topk": "allgather",
+                   "sign": "allgather", "qsgd": "auto", "int8_block": "auto",
+                   "powersgd": "allreduce", "terngrad": "allgather"}
+  # PowerSGD is priced as the all-reduce it runs, not an all-gather.
+  n, p = 1_000_000, 8
+  prof = _profile([n], [0.0], fwd=0.0)
+  net = pm.Network(p, LINK)
+  psgd = compressors.get("powersgd", rank=4)
+  pr = pm.predict(prof, psgd, net, buckets="single")
+  assert pr.comm_time == pytest.approx(pm.allreduce_time(psgd.payload_bytes(n), p, LINK))
+  with pytest.raises(ValueError, match="own"):
+    pm.predict(prof, psgd, net, collective="two_phase")
+  # QSGD goes through Auto, which takes two-phase at 8 workers.
+  q = compressors.get("qsgd", levels=16)
+  assert pm.predict(prof, q, net, buckets="single").comm_time == pytest.approx(
+      pm.predict(prof, q, net, buckets="single", collective="two_phase").comm_time)
+
+
+def test_compare_collective_applies_to_compressors_that_are_not_linear():
+  n, p = 1_000_000, 8
+  prof = _profile([n], [0.0], fwd=0.0)
+  net = pm.Network(p, LINK)
+  comps = {"lin": FakeCompressor(0.5, linear=True), "sparse": FakeCompressor(0.01, linear=False)}
+  res = pm.compare(prof, comps, net, buckets="single", collective="two_phase")
+  assert res["lin"].comm_time == pytest.approx(pm.allreduce_time(2 * n, p, LINK))
+  assert res["sparse"].comm_time == pytest.approx(
+      pm.predict(prof, comps["sparse"], net, buckets="single",
+                 collective="two_phase").comm_time)
+  per_name = pm.compare(prof, comps, net, buckets="single", collective={"sparse": "allgather"})
+  assert per_name["sparse"].comm_time == pytest.approx(
+      pm.allgather_time(comps["sparse"].payload_bytes(n), p, LINK))
+  with pytest.raises(ValueError, match="not in compressors"):
+    pm.compare(prof, comps, net, collective={"other": "auto"})
+  with pytest.raises(ValueError, match="collective"):
+    pm.compare(prof, comps, net, collective="ring")

@@ -106,3 +106,30 @@ def test_subcommand_registry():
     cli.register_subcommand("whatif", lambda sub: None)
   with pytest.raises(SystemExit):
     cli.main([])  # a subcommand is required
+
+
+def test_whatif_collective_and_overlap_flags(capsys):
+  base = ["whatif", "-p", "16", "-b", "10", "-c", "qsgd:levels=16", "topk:ratio=0.01", *FAST]
+  assert cli.main(base) == 0
+  default = _table(capsys.readouterr().out)
+  # The default is what compressed_mean uses: Auto for QSGD, all-gather for top-k.
+  assert default["qsgd:levels=16"]["collective"] == "auto"
+  assert default["topk:ratio=0.01"]["collective"] == "allgather"
+  assert cli.main(base + ["--collective", "allgather"]) == 0
+  gathered = _table(capsys.readouterr().out)
+  assert gathered["qsgd:levels=16"]["collective"] == "allgather"
+  # At 16 workers QSGD's two-phase moves far fewer ring bytes than its
+  # all-gather (about 2 / p of them), so it spends far less time on the link.
+  assert float(default["qsgd:levels=16"]["comm_ms"]) < float(
+      gathered["qsgd:levels=16"]["comm_ms"]) / 2
+  assert cli.main(base + ["--overlap", "serial"]) == 0
+  out = capsys.readouterr().out
+  serial = _table(out)
+  assert "nothing overlaps" in out
+  for name in default:
+    assert float(serial[name]["step_ms"]) >= float(default[name]["step_ms"])
+  assert float(serial["dense"]["exposed_ms"]) == pytest.approx(
+      float(serial["dense"]["comm_ms"]), abs=0.051)
+  with pytest.raises(SystemExit) as e:
+    cli.main(base + ["--collective", "ring"])
+  assert e.value.code == 2

@@ -139,6 +139,8 @@ class PowerSGD(Compressor):
   name: ClassVar[str] = "powersgd"
   biased: ClassVar[bool] = True
   own_exchange: ClassVar[bool] = True
+  # What the exchange runs, for jaxcomp.perfmodel: its P and Q psums.
+  exchange_collective: ClassVar[str] = "allreduce"
   rank: int = 1
   start_iter: int = 0
   min_compression_rate: float = 2.0

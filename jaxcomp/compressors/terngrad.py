@@ -52,6 +52,8 @@ class TernGrad(Compressor):
   name: ClassVar[str] = "terngrad"
   randomness: ClassVar[str] = "independent"
   own_exchange: ClassVar[bool] = True
+  # What the exchange runs, for jaxcomp.perfmodel: a scalar pmax, then an all-gather of the packed words.
+  exchange_collective: ClassVar[str] = "allgather"
   clip_sigma: float | None = None
 
   def __post_init__(self):

@@ -24,6 +24,7 @@ from jaxcomp.perfmodel.model import ModelProfile
 from jaxcomp.perfmodel.model import Prediction
 from jaxcomp.perfmodel.model import bucket_plan
 from jaxcomp.perfmodel.model import compare
+from jaxcomp.perfmodel.model import default_collective
 from jaxcomp.perfmodel.model import load_profile_file
 from jaxcomp.perfmodel.model import predict
 from jaxcomp.perfmodel.model import save_profile

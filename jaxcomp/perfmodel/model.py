@@ -9,12 +9,15 @@ One training step on each of ``p`` workers is modelled as two streams:
 * the **network** carries one bucket at a time, in order: a bucket's collective
   starts at ``max(its encode has finished, the previous bucket's collective has
   finished)`` (wait-free backpropagation, WFBP; Zhang et al. 2017, Shi et al.
-  2019). With ``overlap=False`` no collective starts before the backward pass
-  has finished (what a runtime that runs collectives synchronously does).
+  2019). With ``overlap="after_backward"`` (or False) no collective starts
+  before the backward pass has finished; with ``overlap="serial"`` nothing
+  overlaps at all (a runtime that runs collectives synchronously on the
+  compute thread, such as XLA:CPU).
 
 Linear compressors (``compressor.linear``) are summed in flight by an
 all-reduce of their payload and decoded once; the others are exchanged with an
-all-gather and every worker decodes all ``p`` payloads (Agarwal et al. 2022:
+all-gather (or jaxcomp's two-phase all-reduce, see :func:`default_collective`)
+and every worker decodes all ``p`` payloads (Agarwal et al. 2022:
 the all-gather cost and the decode both grow with ``p``). With error feedback
 each worker also decodes its own payload to update the residual.
 
@@ -45,6 +48,7 @@ __all__ = [
     "IdealCompressor",
     "predict",
     "compare",
+    "default_collective",
     "bucket_plan",
     "save_profile",
     "load_profile_file",
@@ -57,6 +61,8 @@ class Compressor(Protocol):
 
   ``payload_bytes(n)``: bytes one worker puts on the wire for an ``n``-element
   float32 buffer. ``linear``: True when payloads can be summed by an all-reduce.
+  Optional: ``exchange_collective``, the collective kind of a compressor that
+  runs its own exchange (see :func:`default_collective`).
   """
 
   linear: bool
@@ -247,17 +253,57 @@ class Prediction:
 
 
 _COLLECTIVE_CHOICES = ("allreduce", "allgather", "two_phase", "auto")
+_OVERLAP_MODES = ("wfbp", "after_backward", "serial")
+# jaxcomp.collectives names -> the kinds this model prices.
+_LIBRARY_KINDS = {"psum": "allreduce", "allgather": "allgather", "two_phase": "two_phase",
+                  "auto": "auto"}
+
+
+def _overlap_mode(overlap) -> str:
+  if overlap is True:
+    return "wfbp"
+  if overlap is False:
+    return "after_backward"
+  if overlap in _OVERLAP_MODES:
+    return overlap
+  raise ValueError(f"overlap must be True, False or one of {_OVERLAP_MODES}, got {overlap!r}")
+
+
+def default_collective(compressor) -> str:
+  """The collective kind :func:`jaxcomp.compressed_mean` uses by default for
+  ``compressor``: ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
+  ``"auto"``.
+
+  A compressor that runs its own exchange names what it runs in an
+  ``exchange_collective`` attribute (PowerSGD: ``"allreduce"``, TernGrad:
+  ``"allgather"``); linear compressors are all-reduced; other jaxcomp
+  compressors follow :func:`jaxcomp.collectives.default_for` (``"auto"`` for
+  the quantizers, ``"allgather"`` for the sparsifiers); anything else that is
+  not linear is all-gathered.
+  """
+  named = getattr(compressor, "exchange_collective", None)
+  if named is not None:
+    return named
+  if compressor.linear:
+    return "allreduce"
+  from jaxcomp.collectives import base as _collectives
+  from jaxcomp.compressors import base as _compressors
+  if isinstance(compressor, _compressors.Compressor) and not compressor.own_exchange:
+    return _LIBRARY_KINDS.get(_collectives.default_for(compressor).name, "allgather")
+  return "allgather"
 
 
 def _comm_kind(compressor, collective: str | None) -> str:
   if collective is not None:
     if collective not in _COLLECTIVE_CHOICES:
       raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
-    if collective in ("two_phase", "auto") and compressor.linear:
+    if collective in ("two_phase", "auto") and (
+        compressor.linear or getattr(compressor, "own_exchange", False)):
       raise ValueError(f"collective={collective!r} is for compressors that are not linear "
-                       "(linear ones are summed by an all-reduce)")
+                       "and have no exchange of their own (linear ones are summed by an "
+                       "all-reduce)")
     return collective
-  return "allreduce" if compressor.linear else "allgather"
+  return default_collective(compressor)
 
 
 def _two_phase_pays(compressor, n: int, p: int) -> bool:
@@ -317,7 +363,7 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
 
 
 def predict(profile: ModelProfile, compressor: Compressor, network: costs.Network, *,
-            codec: CodecCost | None = None, buckets="layer", overlap: bool = True,
+            codec: CodecCost | None = None, buckets="layer", overlap: bool | str = True,
             collective: str | None = None, error_feedback: bool | None = None,
             messages_per_bucket: int = 1) -> Prediction:
   """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
@@ -330,10 +376,18 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
     codec: encode/decode cost on this device; ``None`` means free.
     buckets: bucket plan, see :func:`bucket_plan` (``"mgwfbp"`` plans with this
       compressor's own communication cost).
-    overlap: whether communication may overlap the backward pass (WFBP).
-    collective: force ``"allreduce"`` or ``"allgather"`` instead of the one
-      ``compressor.linear`` implies; or, for compressors that are not
-      linear, ``"two_phase"`` (:class:`jaxcomp.collectives.TwoPhase`: an
+    overlap: what runs at the same time as what. ``True`` or ``"wfbp"``: a
+      bucket's collective starts as soon as its gradient is encoded and
+      overlaps the rest of the backward pass (wait-free backpropagation);
+      ``False`` or ``"after_backward"``: collectives start when the backward
+      pass has finished, but a bucket's decode still overlaps the next
+      buckets' collectives; ``"serial"``: nothing overlaps, the step is the
+      sum of compute, encode, collectives and decode (a runtime that runs
+      collectives synchronously on the compute thread, such as XLA:CPU).
+    collective: None: the collective jaxcomp uses by default
+      (:func:`default_collective`); or force ``"allreduce"`` or
+      ``"allgather"``; or, for compressors that are not linear,
+      ``"two_phase"`` (:class:`jaxcomp.collectives.TwoPhase`: an
       all-to-all of ``p`` chunk payloads of ``ceil(n / p)`` elements, a
       decode-sum, a re-encode, an all-gather of one chunk payload) or
       ``"auto"`` (per bucket the cheaper of the two, as
@@ -352,6 +406,7 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
   if not isinstance(network, costs.Network):
     raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
   codec = codec or CodecCost()
+  mode = _overlap_mode(overlap)
   kind = _comm_kind(compressor, collective)
   p = network.workers
   sizes = profile.layer_sizes
@@ -409,10 +464,17 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       c = bucket_comm(n)
       sent += bucket_bytes(n)
       comm_total += c
-      start = max(t if overlap else -1.0, net_free)
+      start = max(t if mode == "wfbp" else -1.0, net_free)
       net_free = start + c
       arrivals.append((net_free, n))
-  if not overlap:
+  if mode == "serial":
+    # One thing at a time: each collective, then its decode.
+    for _, n in arrivals:
+      _, dec = bucket_codec(n)
+      t += bucket_comm(n) + dec
+      codec_total += dec
+    arrivals = []
+  elif mode == "after_backward":
     # No collective starts before the backward pass (and its encodes) ends.
     net_free, shifted = t, []
     for _, n in arrivals:
@@ -438,16 +500,40 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
 
 def compare(profile: ModelProfile, compressors: Mapping[str, Compressor], network: costs.Network,
             *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
-            overlap: bool = True) -> dict[str, Prediction]:
+            overlap: bool | str = True,
+            collective: str | Mapping[str, str | None] | None = None) -> dict[str, Prediction]:
   """Predicts every compressor and the dense baseline; fills ``speedup``.
+
+  ``collective``: None (each compressor's :func:`default_collective`), one
+  of ``"allgather"``, ``"two_phase"``, ``"auto"`` for every compressor that
+  is neither linear nor runs its own exchange (the others keep their
+  default), or a mapping from names in ``compressors`` to a collective or
+  None. The other arguments are :func:`predict`'s.
 
   The result maps ``"dense"`` and each name in ``compressors`` to a
   :class:`Prediction`; ``speedup`` is dense step time over that step time.
+
+  Raises:
+    ValueError: ``collective`` is not one of those, or names a compressor
+      that is not in ``compressors``.
   """
   codecs = codecs or {}
+  if isinstance(collective, Mapping):
+    unknown = sorted(set(collective) - set(compressors))
+    if unknown:
+      raise ValueError(f"collective names {unknown}, which are not in compressors")
+    chosen = dict(collective)
+  else:
+    if collective not in (None, "allgather", "two_phase", "auto"):
+      raise ValueError("collective must be None, 'allgather', 'two_phase', 'auto' or a "
+                       f"mapping of compressor names, got {collective!r}")
+    chosen = {name: None if c.linear or getattr(c, "own_exchange", False)
+              or getattr(c, "exchange_collective", None) else collective
+              for name, c in compressors.items()}
   dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap)
   out = {"dense": dataclasses.replace(dense, speedup=1.0)}
   for name, c in compressors.items():
-    pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap)
+    pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap,
+                 collective=chosen.get(name))
     out[name] = dataclasses.replace(pr, speedup=dense.step_time / pr.step_time)
   return out

@@ -23,8 +23,8 @@ DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, _model.Compressor],
                   network: costs.Network, workers: Sequence[int] = DEFAULT_WORKERS, *,
-                  codecs=None, buckets="layer", overlap: bool = True
-                  ) -> dict[int, dict[str, _model.Prediction]]:
+                  codecs=None, buckets="layer", overlap: bool | str = True,
+                  collective=None) -> dict[int, dict[str, _model.Prediction]]:
   """``{p: compare(...)}`` for each worker count ``p`` (same links)."""
   out = {}
   for p in workers:
@@ -32,20 +32,20 @@ def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, _model
     if net.algorithm == "hierarchical" and p % net.workers_per_node:
       raise ValueError(f"workers={p} is not a multiple of workers_per_node={net.workers_per_node}")
     out[p] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
-                            overlap=overlap)
+                            overlap=overlap, collective=collective)
   return out
 
 
 def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, _model.Compressor],
                     network: costs.Network, gbps: Sequence[float], *, codecs=None,
-                    buckets="layer", overlap: bool = True
+                    buckets="layer", overlap: bool | str = True, collective=None
                     ) -> dict[float, dict[str, _model.Prediction]]:
   """``{gbps: compare(...)}``, the inter-worker link set to each bandwidth."""
   out = {}
   for g in gbps:
     net = network.with_link(costs.Link.from_bandwidth(g, network.link.alpha))
     out[g] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
-                            overlap=overlap)
+                            overlap=overlap, collective=collective)
   return out
 
 
@@ -63,7 +63,7 @@ def stops_paying(sweep: Mapping[float, Mapping[str, _model.Prediction]], name: s
 
 
 def required_ratio(profile: _model.ModelProfile, network: costs.Network, *,
-                   target_scaling: float = 0.9, buckets="layer", overlap: bool = True,
+                   target_scaling: float = 0.9, buckets="layer", overlap: bool | str = True,
                    max_ratio: float = 1e4) -> float:
   """Smallest compression ratio of an ideal compressor reaching ``target_scaling``.
 
