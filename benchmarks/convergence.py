@@ -273,7 +273,7 @@ def parse(argv=None):
   p.add_argument("--lm-batch", type=int, default=32)
   p.add_argument("--lm-d-model", type=int, default=64)
   for ex in ("fashion", "lm"):
-    p.add_argument(f"--{ex}-optimizer", choices=("adam", "momentum"), default=None,
+    p.add_argument(f"--{ex}-optimizer", choices=("adam", "momentum", "sgd"), default=None,
                    help="default: the example's (adam)")
     p.add_argument(f"--{ex}-lr", type=float, default=None,
                    help="learning rate; default: the example's")

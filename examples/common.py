@@ -50,13 +50,15 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
   p.add_argument("--no-progress", action="store_true")
 
 
-OPTIMIZERS = ("adam", "momentum")
+OPTIMIZERS = ("adam", "momentum", "sgd")
 
 
 def optimizer(name: str, learning_rate):
-  """The examples' optimizer after the compressed mean: ``"adam"`` or
+  """The examples' optimizer after the compressed mean: ``"adam"``,
   ``"momentum"`` (SGD with Nesterov momentum 0.9, the optimizer of the
-  PowerSGD and DGC papers).
+  PowerSGD and DGC papers) or ``"sgd"`` (plain SGD: for
+  ``error_feedback="dgc"``, whose momentum correction keeps the momentum
+  before the exchange).
 
   Raises:
     ValueError: another name.
@@ -66,6 +68,8 @@ def optimizer(name: str, learning_rate):
     return optax.adam(learning_rate)
   if name == "momentum":
     return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
+  if name == "sgd":
+    return optax.sgd(learning_rate)
   raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
