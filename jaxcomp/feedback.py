@@ -1,23 +1,35 @@
 """Error feedback: what happens to what the compressor did not send.
 
-A feedback scheme wraps one compressed exchange of a flat float32 buffer. Its
-``apply(x, state, exchange)`` gets the device's gradient ``x`` (float32
-``(n,)``), its own state for that buffer, and ``exchange(v) -> (mean, local)``
-(see :mod:`jaxcomp.collectives`), and returns the averaged update and the new
-state. The per-device parts of the state are created *varying* over the axis,
-so ``jax.shard_map`` keeps one copy per device.
+A feedback scheme wraps one compressed exchange of a gradient bucket. A bucket
+is held as its *parts*: a tuple with one flat float32 ``(size_i,)`` array per
+tensor in it, in bucket order (:data:`Parts`). The scheme's
+``apply(x, state, exchange)`` gets the device's gradient parts ``x``, its own
+state for that bucket, and ``exchange(v) -> (mean, local)`` (parts in, parts
+out; the transform concatenates them for the collective, see
+:mod:`jaxcomp.collectives`), and returns the averaged update (parts) and the
+new state.
+
+The state keeps one array per tensor, not one per bucket: a per-tensor
+residual is updated with per-tensor arithmetic, where a flat bucket residual
+would need the bucket's concatenation fused into every update (on XLA:CPU
+such multi-operand concatenate fusions run several times slower than the
+arithmetic itself), and where the compressor works per tensor (PowerSGD)
+no concatenation is left at all. The per-device parts of the state are
+created *varying* over the axis, so ``jax.shard_map`` keeps one copy per
+device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-Exchange = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+Parts = tuple  # tuple[jax.Array, ...]: one float32 (size_i,) array per tensor
+Exchange = Callable[[Parts], tuple[Parts, Parts]]
 
 
 class Feedback:
@@ -25,17 +37,26 @@ class Feedback:
 
   name: ClassVar[str] = ""
 
-  def init(self, n: int, axis_name) -> Any:
-    """State for one buffer of ``n`` elements (inside shard_map/pmap)."""
+  def init(self, sizes: Sequence[int], axis_name) -> Any:
+    """State for one bucket whose tensors have ``sizes`` elements (inside
+    shard_map/pmap)."""
     raise NotImplementedError
 
-  def apply(self, x: jax.Array, state: Any,
-            exchange: Exchange) -> tuple[jax.Array, Any]:
+  def apply(self, x: Parts, state: Any,
+            exchange: Exchange) -> tuple[Parts, Any]:
     raise NotImplementedError
 
-  def residual(self, state: Any) -> jax.Array | None:
-    """The per-device residual in ``state`` (for statistics), if any."""
+  def residual(self, state: Any) -> Parts | None:
+    """The per-device residual parts in ``state`` (for statistics), if any."""
     return None
+
+
+def _add(a: Parts, b: Parts) -> Parts:
+  return tuple(x + y for x, y in zip(a, b))
+
+
+def _sub(a: Parts, b: Parts) -> Parts:
+  return tuple(x - y for x, y in zip(a, b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +65,8 @@ class NoFeedback(Feedback):
 
   name: ClassVar[str] = "none"
 
-  def init(self, n, axis_name):
-    del n, axis_name
+  def init(self, sizes, axis_name):
+    del sizes, axis_name
     return ()
 
   def apply(self, x, state, exchange):
@@ -58,13 +79,25 @@ def varying_zeros(n: int, axis_name) -> jax.Array:
   return lax.pcast(jnp.zeros((n,), jnp.float32), axis_name, to="varying")
 
 
+def varying_zero_parts(sizes: Sequence[int], axis_name) -> Parts:
+  """One :func:`varying_zeros` per size."""
+  return tuple(varying_zeros(n, axis_name) for n in sizes)
+
+
+def concat_parts(parts: Parts) -> jax.Array:
+  """The parts as one flat array (the bucket's layout), e.g. to inspect a
+  bucket's residual; works on the state's global arrays too (leading device
+  axis), concatenating along the last axis."""
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResidualFeedback(Feedback):
   """Residual error feedback (EF-SGD).
 
-  Each device keeps ``e`` (float32, shape ``(n,)``), compresses ``v = x + e``
-  and keeps ``e' = v - local`` where ``local`` is what it actually
-  contributed. Mass is conserved: ``local + e' == x + e`` per device (up to
+  Each device keeps ``e`` (float32 parts, one ``(size_i,)`` array per
+  tensor), compresses ``v = x + e`` and keeps ``e' = v - local`` where
+  ``local`` is what it actually contributed. Mass is conserved: ``local + e' == x + e`` per device (up to
   one float32 rounding of the subtraction).
 
   References:
@@ -76,13 +109,13 @@ class ResidualFeedback(Feedback):
 
   name: ClassVar[str] = "residual"
 
-  def init(self, n, axis_name):
-    return varying_zeros(n, axis_name)
+  def init(self, sizes, axis_name):
+    return varying_zero_parts(sizes, axis_name)
 
   def apply(self, x, state, exchange):
-    v = x + state
+    v = _add(x, state)
     mean, local = exchange(v)
-    return mean, v - local
+    return mean, _sub(v, local)
 
   def residual(self, state):
     return state
@@ -91,8 +124,8 @@ class ResidualFeedback(Feedback):
 class EF21State(NamedTuple):
   """State of :class:`EF21` for one buffer."""
 
-  local: jax.Array  # shape=(n,), float32, g_i: this device's estimate (varying)
-  shared: jax.Array  # shape=(n,), float32, g = mean_i g_i (invariant)
+  local: Parts  # per tensor (size_i,), float32, g_i: this device's estimate (varying)
+  shared: Parts  # per tensor (size_i,), float32, g = mean_i g_i (invariant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +141,7 @@ class EF21(Feedback):
   rounding of the two running sums).
 
   State: :class:`EF21State` (``local`` varying over the axis, ``shared``
-  invariant), float32 ``(n,)`` each.
+  invariant), float32 parts (one ``(size_i,)`` array per tensor) each.
 
   References:
     Richtarik, Sokolov & Fatkhullin, EF21: A New, Simpler, Theoretically
@@ -118,21 +151,21 @@ class EF21(Feedback):
 
   name: ClassVar[str] = "ef21"
 
-  def init(self, n, axis_name):
-    return EF21State(local=varying_zeros(n, axis_name),
-                     shared=jnp.zeros((n,), jnp.float32))
+  def init(self, sizes, axis_name):
+    return EF21State(local=varying_zero_parts(sizes, axis_name),
+                     shared=tuple(jnp.zeros((n,), jnp.float32) for n in sizes))
 
   def apply(self, x, state, exchange):
-    mean, local = exchange(x - state.local)
-    shared = state.shared + mean
-    return shared, EF21State(local=state.local + local, shared=shared)
+    mean, local = exchange(_sub(x, state.local))
+    shared = _add(state.shared, mean)
+    return shared, EF21State(local=_add(state.local, local), shared=shared)
 
 
 class DGCState(NamedTuple):
   """State of :class:`DGCFeedback` for one buffer (both varying)."""
 
-  momentum: jax.Array  # shape=(n,), float32, u: corrected momentum
-  accumulation: jax.Array  # shape=(n,), float32, v: accumulated, unsent
+  momentum: Parts  # per tensor (size_i,), float32, u: corrected momentum
+  accumulation: Parts  # per tensor (size_i,), float32, v: accumulated, unsent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +175,7 @@ class DGCFeedback(Feedback):
   Per device and step, with gradient ``g``:
 
   1. local gradient clipping (if ``clip_norm``): ``g *= min(1, clip_norm /
-     ||g||_2)`` over the buffer. DGC clips each node at the global threshold
+     ||g||_2)`` over the bucket. DGC clips each node at the global threshold
      times ``N ** -0.5``: pass that product as ``clip_norm``;
   2. momentum correction: ``u = momentum * u + g``; ``v = v + u``;
   3. send ``v`` through the compressor (e.g. ``"dgc"`` or ``"topk"``); with
@@ -176,21 +209,22 @@ class DGCFeedback(Feedback):
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm=}")
 
-  def init(self, n, axis_name):
-    return DGCState(momentum=varying_zeros(n, axis_name),
-                    accumulation=varying_zeros(n, axis_name))
+  def init(self, sizes, axis_name):
+    return DGCState(momentum=varying_zero_parts(sizes, axis_name),
+                    accumulation=varying_zero_parts(sizes, axis_name))
 
   def apply(self, x, state, exchange):
     if self.clip_norm is not None:
-      norm = jnp.sqrt(jnp.sum(x * x))
-      x = x * jnp.minimum(1.0, jnp.float32(self.clip_norm) / jnp.maximum(
+      norm = jnp.sqrt(sum(jnp.sum(p * p) for p in x))
+      scale = jnp.minimum(1.0, jnp.float32(self.clip_norm) / jnp.maximum(
           norm, jnp.finfo(jnp.float32).tiny))
-    u = jnp.float32(self.momentum) * state.momentum + x
-    v = state.accumulation + u
+      x = tuple(p * scale for p in x)
+    u = _add(tuple(jnp.float32(self.momentum) * m for m in state.momentum), x)
+    v = _add(state.accumulation, u)
     mean, local = exchange(v)
-    sent = local != 0
-    return mean, DGCState(momentum=jnp.where(sent, 0.0, u),
-                          accumulation=v - local)
+    return mean, DGCState(
+        momentum=tuple(jnp.where(l != 0, 0.0, ui) for l, ui in zip(local, u)),
+        accumulation=_sub(v, local))
 
   def residual(self, state):
     return state.accumulation

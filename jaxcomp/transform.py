@@ -39,8 +39,9 @@ class CompressedMeanState(NamedTuple):
 
   count: jax.Array  # shape=(), int32, steps taken (skipped ones included)
   key: jax.Array  # shape=(2,), uint32, raw PRNG key shared by all devices
-  feedback: tuple  # per bucket: the feedback state (residual float32 (n,),
-  #                  varying over the axis), or () without error feedback
+  feedback: tuple  # per bucket: the feedback state (the residual: one float32
+  #                  (size_i,) array per tensor in the bucket, varying over
+  #                  the axis), or () without error feedback
   exchange_state: tuple  # per bucket: the collective's state (e.g. PowerSGD's
   #                        Q or a second-phase residual), or ()
   stats: CompressionStats
@@ -181,8 +182,8 @@ def compressed_mean(
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=key,
-        feedback=tuple(fb.init(n, axis_name)
-                       for n in bucket_sizes(sizes, bplan)),
+        feedback=tuple(fb.init(tuple(sizes[i] for i in b), axis_name)
+                       for b in bplan.buckets),
         exchange_state=tuple(coll.init_state(c, n, axis_name)
                              for c, n in zip(comps, bucket_sizes(sizes, bplan))),
         stats=CompressionStats(
@@ -225,20 +226,25 @@ def compressed_mean(
     if bplan.exact:
       xs = jnp.concatenate([flat[i] for i in bplan.exact])
       mean = lax.pmean(xs, axis_name)
-      _scatter(out, mean, bplan.exact, sizes)
+      for i, m in zip(bplan.exact, _split(mean, [sizes[i] for i in bplan.exact])):
+        out[i] = m
     new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
     for bi, bucket in enumerate(bplan.buckets):
-      xs = jnp.concatenate([flat[i] for i in bucket])
+      parts = tuple(flat[i] for i in bucket)
+      part_sizes = [sizes[i] for i in bucket]
       key = jax.random.fold_in(step_key, bi)
       key = coll.device_key(comps[bi], key, axis_name)
       holder = {}
 
-      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder, c=comps[bi]):
-        mean, local, holder["state"] = coll.exchange(c, v, key, axis_name, old)
-        return mean, local
+      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder,
+                   c=comps[bi], part_sizes=part_sizes):
+        # One flat buffer for the collective; cut back into tensors after.
+        mean, local, holder["state"] = coll.exchange(
+            c, feedback_lib.concat_parts(v), key, axis_name, old)
+        return _split(mean, part_sizes), _split(local, part_sizes)
 
-      mean, fstate = fb.apply(xs, state.feedback[bi], exchange)
+      mean, fstate = fb.apply(parts, state.feedback[bi], exchange)
       estate = holder["state"]
       if nonfinite != "zero":
         # A skipped step sends nothing and leaves no trace in the state.
@@ -246,13 +252,14 @@ def compressed_mean(
             lambda new, old: jnp.where(any_bad, old, new), (fstate, estate),
             (state.feedback[bi], state.exchange_state[bi]))
         if nonfinite == "skip":
-          mean = jnp.where(any_bad, 0.0, mean)
+          mean = tuple(jnp.where(any_bad, 0.0, m) for m in mean)
       new_fb.append(fstate)
       new_exchange.append(estate)
       r = fb.residual(fstate)
       if r is not None:
-        sq_residual = sq_residual + jnp.sum(r * r)
-      _scatter(out, mean, bucket, sizes)
+        sq_residual = sq_residual + sum(jnp.sum(x * x) for x in r)
+      for i, m in zip(bucket, mean):
+        out[i] = m
 
     mean_leaves = []
     for i, (m, leaf) in enumerate(zip(out, leaves)):
@@ -274,11 +281,15 @@ def _axis_devices(axis_name) -> int:
   return lax.axis_size(axis_name)
 
 
-def _scatter(out, flat_mean, indices, sizes) -> None:
-  offset = 0
-  for i in indices:
-    out[i] = flat_mean[offset:offset + sizes[i]]
-    offset += sizes[i]
+def _split(flat: jax.Array, sizes) -> tuple[jax.Array, ...]:
+  """``flat`` cut into consecutive pieces of ``sizes`` elements."""
+  if len(sizes) == 1:
+    return (flat,)
+  out, offset = [], 0
+  for n in sizes:
+    out.append(flat[offset:offset + n])
+    offset += n
+  return tuple(out)
 
 
 def get_stats(state) -> CompressionStats | None:

@@ -1,3 +1,4 @@
+from jaxcomp.feedback import concat_parts
 """Hierarchical collective on a ("hosts", "devices") = (2, 4) mesh: exactness,
 equality with the flat exchange, error feedback, traffic per axis, bad axes."""
 
@@ -83,7 +84,7 @@ def topk_psum_run(mesh):
 def test_residual_is_the_host_error(topk_psum_run):
   g, (u, _, state, _) = topk_psum_run
   x = np.asarray(g["w"]).reshape(HOSTS, PER_HOST, N)
-  e = np.asarray(state.feedback[0]).reshape(HOSTS, PER_HOST, N)
+  e = np.asarray(concat_parts(state.feedback[0])).reshape(HOSTS, PER_HOST, N)
   host_mean = x.mean(axis=1)
   for h in range(HOSTS):
     # Same residual on every device of a host: the host mean minus its
@@ -124,7 +125,7 @@ def test_reduce_scatter_mass_and_slow_bytes(mesh):
       "topk", AX, ratio=0.25,
       collective=Hierarchical(fast="reduce_scatter", inner="allgather"))
   u, _, state, compiled = run(tx, g, mesh)
-  e = np.asarray(state.feedback[0])
+  e = np.asarray(concat_parts(state.feedback[0]))
   np.testing.assert_allclose(8 * np.asarray(u["w"]),
                              (np.asarray(g["w"]) - e).sum(0), rtol=1e-5,
                              atol=1e-5)

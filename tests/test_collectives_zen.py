@@ -12,6 +12,7 @@ import pytest
 import jaxcomp
 from jaxcomp.collectives import AllGatherMean, PsumMean, Zen
 from jaxcomp.collectives.zen import hash_index, hash_multiplier, unhash_index
+from jaxcomp.feedback import concat_parts
 from tests.helpers import stacked
 
 P_DEV = 8
@@ -94,7 +95,7 @@ def test_topk_then_zen_keeps_both_errors(mesh8):
                                               capacity_factor=0.5))
   f, state = _step_fn(tx, mesh8, N)
   mean, state = f(stacked(jnp.asarray(g), mesh8), state)
-  e = np.asarray(state.feedback[0], np.float64)
+  e = np.asarray(concat_parts(state.feedback[0]), np.float64)
   o = np.asarray(state.exchange_state[0], np.float64)
   assert np.abs(e).sum() > 0 and np.abs(o).sum() > 0
   np.testing.assert_allclose(P_DEV * np.asarray(mean, np.float64) + o.sum(0),

@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.compressors import DGC, dgc_warmup_schedule, dgc_warmup_steps
-from jaxcomp.feedback import DGCFeedback, DGCState
+from jaxcomp.feedback import DGCFeedback, DGCState, concat_parts
 from tests.helpers import sharded_update, stacked
 
 N = 4000
@@ -31,32 +31,44 @@ def test_selection_is_a_top_prefix_within_bounds():
 
 
 def _top1_exchange(v):
-  sent = jnp.zeros_like(v).at[jnp.argmax(jnp.abs(v))].set(1.0) * v
+  """Sends the largest |entry| of the bucket (parts (2,) and (1,))."""
+  flat = concat_parts(v)
+  sent = jnp.zeros_like(flat).at[jnp.argmax(jnp.abs(flat))].set(1.0) * flat
+  sent = (sent[:2], sent[2:])
   return sent, sent
+
+
+def _parts(a):
+  """A 3-element bucket of two tensors, (2,) and (1,)."""
+  a = jnp.asarray(a, jnp.float32)
+  return (a[:2], a[2:])
 
 
 def test_momentum_correction_and_factor_masking_by_hand():
   fb = DGCFeedback(momentum=0.5)
-  state = DGCState(momentum=jnp.zeros(3), accumulation=jnp.zeros(3))
-  g1 = jnp.asarray([1.0, 0.5, -2.0])
-  g2 = jnp.asarray([0.2, 1.0, 0.4])
+  state = DGCState(momentum=_parts(jnp.zeros(3)), accumulation=_parts(jnp.zeros(3)))
+  g1 = _parts([1.0, 0.5, -2.0])
+  g2 = _parts([0.2, 1.0, 0.4])
   mean, state = fb.apply(g1, state, _top1_exchange)
-  # u = g1, v = g1; entry 2 is sent; u and v are zeroed there.
-  np.testing.assert_array_equal(mean, [0.0, 0.0, -2.0])
-  np.testing.assert_array_equal(state.momentum, [1.0, 0.5, 0.0])
-  np.testing.assert_array_equal(state.accumulation, [1.0, 0.5, 0.0])
+  # u = g1, v = g1; entry 2 (the second tensor) is sent; u and v are zeroed
+  # there.
+  np.testing.assert_array_equal(concat_parts(mean), [0.0, 0.0, -2.0])
+  np.testing.assert_array_equal(concat_parts(state.momentum), [1.0, 0.5, 0.0])
+  np.testing.assert_array_equal(concat_parts(state.accumulation), [1.0, 0.5, 0.0])
   mean, state = fb.apply(g2, state, _top1_exchange)
   # u = 0.5 [1, .5, 0] + g2 = [.7, 1.25, .4]; v = [1, .5, 0] + u.
-  np.testing.assert_allclose(mean, [0.0, 1.75, 0.0], rtol=1e-7)
-  np.testing.assert_allclose(state.momentum, [0.7, 0.0, 0.4], rtol=1e-6)
-  np.testing.assert_allclose(state.accumulation, [1.7, 0.0, 0.4], rtol=1e-6)
+  np.testing.assert_allclose(concat_parts(mean), [0.0, 1.75, 0.0], rtol=1e-7)
+  np.testing.assert_allclose(concat_parts(state.momentum), [0.7, 0.0, 0.4], rtol=1e-6)
+  np.testing.assert_allclose(concat_parts(state.accumulation), [1.7, 0.0, 0.4], rtol=1e-6)
 
 
 def test_local_clipping():
+  # The norm is the bucket's, over both of its tensors: ||(3, 4)|| = 5.
   fb = DGCFeedback(momentum=0.0, clip_norm=1.0)
-  state = DGCState(momentum=jnp.zeros(2), accumulation=jnp.zeros(2))
-  mean, _ = fb.apply(jnp.asarray([3.0, 4.0]), state, lambda v: (v, v))
-  np.testing.assert_allclose(mean, [0.6, 0.8], rtol=1e-6)
+  state = DGCState(momentum=(jnp.zeros(1), jnp.zeros(1)),
+                   accumulation=(jnp.zeros(1), jnp.zeros(1)))
+  mean, _ = fb.apply((jnp.asarray([3.0]), jnp.asarray([4.0])), state, lambda v: (v, v))
+  np.testing.assert_allclose(concat_parts(mean), [0.6, 0.8], rtol=1e-6)
   with pytest.raises(ValueError, match="momentum"):
     DGCFeedback(momentum=1.0)
   with pytest.raises(ValueError, match="clip_norm"):

@@ -7,6 +7,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.kernels import bitpack
+from jaxcomp.feedback import concat_parts
 from tests.exchange_helpers import exchange_fn
 from tests.helpers import run_shard_map
 
@@ -60,7 +61,7 @@ def test_onebit_reconstruction_values_are_the_means_of_each_side(xs):
 def test_sign_with_error_feedback_conserves_mass(mesh8, xs):
   tx = jaxcomp.compressed_mean("sign", "data", nonfinite="zero")
   u, ref, state, _ = run_shard_map(tx, {"w": xs.reshape(8, 40, 25)}, mesh8)
-  residual = state.feedback[0]  # (8, N): one residual per device
+  residual = concat_parts(state.feedback[0])  # (8, N): one residual per device
   # mean_i x_i == update + mean_i e_i: what was not sent is kept.
   np.testing.assert_allclose(
       np.asarray(u["w"]).reshape(-1) + np.asarray(residual).mean(axis=0),

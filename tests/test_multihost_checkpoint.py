@@ -12,6 +12,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import distributed
+from jaxcomp.feedback import concat_parts
 
 AXES = ("hosts", "devices")
 
@@ -101,7 +102,7 @@ def _leaves_equal(a, b):
 
 def test_round_trip_is_bit_exact_and_continues_identically(tmp_path):
   run = Run(4, ratio=0.25).steps(3)
-  residuals = np.asarray(run.opt_state[0].feedback[0])
+  residuals = np.asarray(concat_parts(run.opt_state[0].feedback[0]))
   assert residuals.shape[0] == 4 and np.abs(residuals).sum() > 0
   assert not np.array_equal(residuals[0], residuals[1])  # per device
   with distributed.Checkpointer(tmp_path, config=CONFIG) as ckpt:
@@ -146,7 +147,7 @@ def test_other_state_structure_is_refused(tmp_path):
   # Same (empty) config, but no error feedback: the residual leaves are absent.
   with pytest.raises(distributed.CheckpointMismatchError,
                      match=r"another state structure.*only in the checkpoint: "
-                     r"\[\"\['opt_state'\]\[0\]\.feedback\[0\]\""):
+                     r"\[\"\['opt_state'\]\[0\]\.feedback\[0\]\[0\]\""):
     distributed.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
 
 
@@ -171,14 +172,14 @@ def test_other_device_count_is_refused_or_averaged(tmp_path):
     ckpt.restore(target)
   step, state = ckpt.restore(target, on_topology_change="average")
   assert step == 3
-  old = np.asarray(run.opt_state[0].feedback[0])
-  new = np.asarray(state["opt_state"][0].feedback[0])
+  old = np.asarray(concat_parts(run.opt_state[0].feedback[0]))
+  new = np.asarray(concat_parts(state["opt_state"][0].feedback[0]))
   assert old.shape[0] == 4 and new.shape[0] == 8
   # Every new device holds the mean residual: the pending mean update is kept.
   np.testing.assert_allclose(new, np.broadcast_to(old.mean(0), new.shape),
                              rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(new.mean(0), old.mean(0), rtol=1e-6, atol=1e-7)
-  assert state["opt_state"][0].feedback[0].sharding.spec[0] == AXES
+  assert all(r.sharding.spec[0] == AXES for r in state["opt_state"][0].feedback[0])
   # Replicated leaves (params, key, count, Adam moments) are exact.
   _leaves_equal(state["params"], run.params)
   np.testing.assert_array_equal(np.asarray(state["opt_state"][0].key),
@@ -273,7 +274,7 @@ def test_hierarchical_identity_matches_flat_mean():
   g = np.random.default_rng(1).standard_normal((8, 5)).astype(np.float32)
   tx = jaxcomp.compressed_mean("topk", "hosts", ratio=1.0)
   state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(5)}, mesh, "hosts")
-  assert specs.feedback[0] == P("hosts")
+  assert specs.feedback[0] == (P("hosts"),)
 
   def body(g, s):
     g = lax.pmean({"w": g[0]}, "devices")

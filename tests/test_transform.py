@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
+from jaxcomp.feedback import concat_parts
 from tests.helpers import run_pmap, run_shard_map, sharded_update, stacked
 
 P_DEV = 8
@@ -54,7 +55,7 @@ def test_topk_ratio_one_leaves_zero_residual(mesh8):
   _, _, state, _ = run_shard_map(
       jaxcomp.compressed_mean("topk", "data", ratio=1.0), g, mesh8)
   for r in state.feedback:
-    np.testing.assert_array_equal(np.asarray(r), 0.0)
+    np.testing.assert_array_equal(np.asarray(concat_parts(r)), 0.0)
 
 
 @pytest.mark.parametrize("name,kwargs", [("topk", {"ratio": 0.05}),
@@ -78,7 +79,7 @@ def test_error_feedback_conserves_mass(mesh8, name, kwargs):
     flat_u = jnp.concatenate([u["l0"], u["l1"]])
     sent_total = flat_u if sent_total is None else sent_total + flat_u
   g_total = sum(jnp.concatenate([g["l0"], g["l1"]], axis=1) for g in steps)
-  residual = state.feedback[0]  # (devices, n)
+  residual = concat_parts(state.feedback[0])  # (devices, n)
   lhs = P_DEV * sent_total
   rhs = jnp.sum(g_total - residual, axis=0)
   np.testing.assert_allclose(np.asarray(lhs), np.asarray(rhs), rtol=1e-5,
@@ -150,7 +151,7 @@ def test_nonfinite_never_reaches_the_residual(mesh8, policy):
   bad = jax.tree.map(lambda x: x.at[3, 7].set(jnp.nan).at[5, 2].set(jnp.inf),
                      good)
   u, _, state, _ = run_shard_map(tx, [good, bad], mesh8)
-  assert np.isfinite(np.asarray(state.feedback[0])).all()
+  assert np.isfinite(np.asarray(concat_parts(state.feedback[0]))).all()
   if policy == "skip":
     np.testing.assert_array_equal(np.asarray(u["l0"]), 0.0)
     assert int(state.stats.skipped_steps) == 1
@@ -161,7 +162,7 @@ def test_nonfinite_never_reaches_the_residual(mesh8, policy):
   # The step after is normal again and its residual is finite.
   u2, _, state2, _ = run_shard_map(tx, [good, bad, good], mesh8)
   assert np.isfinite(np.asarray(u2["l0"])).all()
-  assert np.isfinite(np.asarray(state2.feedback[0])).all()
+  assert np.isfinite(np.asarray(concat_parts(state2.feedback[0]))).all()
 
 
 def test_skip_leaves_state_unchanged(mesh8):
@@ -170,8 +171,8 @@ def test_skip_leaves_state_unchanged(mesh8):
   bad = jax.tree.map(lambda x: x.at[0, 0].set(jnp.nan), good)
   _, _, s1, _ = run_shard_map(tx, [good], mesh8)
   _, _, s2, _ = run_shard_map(tx, [good, bad], mesh8)
-  np.testing.assert_array_equal(np.asarray(s1.feedback[0]),
-                                np.asarray(s2.feedback[0]))
+  np.testing.assert_array_equal(np.asarray(concat_parts(s1.feedback[0])),
+                                np.asarray(concat_parts(s2.feedback[0])))
 
 
 def test_bf16_and_fp16_gradients_keep_their_dtype(mesh8):

@@ -30,7 +30,7 @@ class DGC(SparsePayload):
   set). So at most ``k`` entries travel; slots left free carry zeros.
   Biased: error feedback is on by default; DGC's momentum correction and
   factor masking are the ``"dgc"`` feedback
-  (:class:`jaxcomp.feedback_variants.DGCFeedback`, use
+  (:class:`jaxcomp.feedback.DGCFeedback`, use
   ``error_feedback="dgc"`` and plain SGD after the transform) and its sparsity
   warm-up is :func:`dgc_warmup_schedule`.
 
