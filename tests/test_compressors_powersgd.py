@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.compressors import PowerSGD
-from jaxcomp.compressors.powersgd import matrix_shape, orthogonalize
+from jaxcomp.compressors.powersgd import matrix_shape, orthogonalize, tensor_matrix_shape
 from tests.exchange_helpers import exchange_fn
 from tests.helpers import sharded_update, stacked
 
@@ -168,3 +168,31 @@ def test_flat_view_mixes_rows_and_loses_the_low_rank_structure(mesh8):
   # 64 x 16 + 16 = 1040 elements viewed as 26 x 40: rank 2 no longer fits.
   err = np.linalg.norm(np.asarray(u["w"]) - mean)
   assert err > 0.05 * np.linalg.norm(mean)
+
+
+def test_tensor_matrix_shape_splits_where_most_square():
+  assert tensor_matrix_shape((64, 16)) == (64, 16)  # Dense (in, out)
+  assert tensor_matrix_shape((3, 3, 32, 64)) == (288, 64)  # conv: im2col
+  assert tensor_matrix_shape((3, 3, 1, 32)) == (9, 32)  # tie: the later split
+  assert tensor_matrix_shape((128, 4, 32)) == (128, 128)  # attention q/k/v
+  assert tensor_matrix_shape((4, 32, 128)) == (128, 128)  # attention output
+  assert tensor_matrix_shape((7,)) == (1, 7)
+  assert tensor_matrix_shape(()) == (1, 1)
+
+
+def test_attention_kernel_is_viewed_as_its_projection(mesh8):
+  # A (d, heads, head_dim) kernel whose mean gradient has rank 2 as the
+  # (d, heads * head_dim) projection: recovered exactly at rank 2, where
+  # the (d * heads, head_dim) view would need rank head_dim.
+  rng = np.random.default_rng(3)
+  d, h, dh, r = 32, 4, 8, 2
+  a = rng.normal(size=(d, r))
+  g = np.einsum("ir,pjr->pij", a, rng.normal(size=(8, h * dh, r))).reshape(8, d, h, dh)
+  g = {"w": jnp.asarray(g, jnp.float32)}
+  tx = jaxcomp.compressed_mean("powersgd", "data", rank=r, bucketing="whole",
+                               nonfinite="zero")
+  f, state, _ = sharded_update(tx, {"w": jnp.zeros((d, h, dh))}, mesh8)
+  u, state = f(stacked(g, mesh8), state)
+  mean = np.asarray(g["w"]).mean(0)
+  np.testing.assert_allclose(np.asarray(u["w"]), mean, atol=1e-4 * np.abs(mean).max())
+  assert float(jaxcomp.get_stats(state).bytes_sent) == 4 * (d + h * dh) * r

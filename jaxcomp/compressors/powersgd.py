@@ -23,6 +23,26 @@ class PowerSGDState(NamedTuple):
   count: jax.Array  # shape=(), int32, steps seen (for start_iter)
 
 
+def tensor_matrix_shape(shape) -> tuple[int, int]:
+  """The matrix ``(rows, cols)`` a tensor of ``shape`` is viewed as: its axes
+  split in two at the point that makes the matrix most square (largest
+  ``min(rows, cols)``; ties to the later split). A Dense kernel ``(in,
+  out)`` stays as it is; a convolution kernel ``(h, w, in, out)`` becomes its
+  im2col matrix ``(h·w·in, out)``; Flax's attention kernels ``(d, heads,
+  head_dim)`` and ``(heads, head_dim, d)`` become ``(d, heads·head_dim)``
+  and ``(heads·head_dim, d)``, the projections they are. Vectors and
+  scalars: ``(1, size)``."""
+  shape = tuple(int(d) for d in shape)
+  if len(shape) < 2:
+    return 1, math.prod(shape)
+  best = None
+  for k in range(1, len(shape)):
+    rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
+    if best is None or min(rows, cols) >= min(best):
+      best = (rows, cols)
+  return best
+
+
 def matrix_shape(n: int) -> tuple[int, int]:
   """The near-square ``(rows, cols)`` a flat buffer of ``n`` elements is
   viewed as: ``rows`` is the largest divisor of ``n`` not above
@@ -72,10 +92,12 @@ class PowerSGD(Compressor):
 
   ``view="tensor"`` (the default, PyTorch's ``powerSGD_hook``): inside
   :func:`jaxcomp.compressed_mean` each tensor of a bucket is its own matrix
-  ``M``, ``(prod(shape[:-1]), shape[-1])``: a Dense kernel ``(in, out)`` as
-  it is, a convolution kernel ``(h, w, in, out)`` as its im2col matrix
-  ``(h·w·in, out)`` (PyTorch's ``(out, in·h·w)`` up to transpose and row
-  order). Vectors and scalars go through the exact all-reduce.
+  ``M``, its axes split where the matrix is most square
+  (:func:`tensor_matrix_shape`): a Dense kernel ``(in, out)`` as it is, a
+  convolution kernel ``(h, w, in, out)`` as its im2col matrix ``(h·w·in,
+  out)`` (PyTorch's ``(out, in·h·w)`` up to transpose and row order), an
+  attention kernel ``(d, heads, head_dim)`` as ``(d, heads·head_dim)``.
+  Vectors and scalars go through the exact all-reduce.
   ``view="flat"`` views the whole flat bucket as one near-square matrix
   (:func:`matrix_shape`; PyTorch's ``batched_powerSGD_hook`` without the
   padding); it mixes rows of a tensor and loses its low-rank structure (on
@@ -200,7 +222,7 @@ class PowerSGD(Compressor):
       parts = []
       for shape in self.leaf_shapes:
         size = math.prod(shape)
-        rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) >= 2 else (1, size)
+        rows, cols = tensor_matrix_shape(shape)
         parts.append((size, rows, cols))
       if sum(p[0] for p in parts) != n:
         raise ValueError(f"PowerSGD was bound to tensors of shapes {self.leaf_shapes} "
