@@ -41,6 +41,11 @@ SPECS = [
     ("top-k 1% + EF", "topk", {"ratio": 0.01}, True),
     ("top-k 1% + EF, tensors < 1024 exact", "topk", {"ratio": 0.01}, True,
      {"min_compress_size": 1024}),
+    # DGC's momentum correction keeps the momentum before the exchange, so
+    # plain SGD follows; run only where the example's optimizer is
+    # "momentum" (its learning rate is an SGD one).
+    ("top-k 1% + DGC momentum correction", "topk", {"ratio": 0.01}, "dgc",
+     {"optimizer": "sgd"}),
     ("random-block 1% + EF", "random_block", {"ratio": 0.01}, True),
     ("QSGD 4 levels", "qsgd", {"levels": 4}, None),
     ("sign + EF", "sign", {}, True),
@@ -81,7 +86,7 @@ def worker(example: str, args, out_path: str) -> None:
     from examples.char_lm import train as train_module
     base = dict(epochs=1, steps_per_epoch=args.lm_steps,
                 batch_size=args.lm_batch, d_model=args.lm_d_model,
-                progress=False)
+                lr_schedule=args.lm_schedule, progress=False)
   ex = "fashion" if example == "fashion_mnist" else "lm"
   if getattr(args, f"{ex}_optimizer"):
     base["optimizer"] = getattr(args, f"{ex}_optimizer")
@@ -95,10 +100,15 @@ def worker(example: str, args, out_path: str) -> None:
   for label, name, hp, ef, *extra in SPECS:
     if args.compressors and name not in args.compressors:
       continue
+    why = None
     if name not in available:
+      why = "not registered when run"
+    elif extra and extra[0].get("optimizer") == "sgd" and base.get("optimizer") != "momentum":
+      why = f"needs --{ex}-optimizer momentum"
+    if why:
       with open(out_path, "a") as f:
         f.write(json.dumps({"example": example, "label": label,
-                            "compressor": name, "missing": True}) + "\n")
+                            "compressor": name, "missing": True, "why": why}) + "\n")
       continue
     for seed in args.seeds:
       if (label, seed) in done:
@@ -144,7 +154,7 @@ def summarize(rows, args):
         continue
       if rs[0].get("missing"):
         out[ex].append({"label": label, "compressor": name, "missing": True,
-                        "why": "not registered when run"})
+                        "why": rs[0].get("why", "not registered when run")})
         continue
       out[ex].append({
           "label": label, "compressor": name,
@@ -197,7 +207,8 @@ def write_markdown(summary, args, path, png_name, elapsed):
                 "| compressor | test accuracy | vs dense (points) | bytes/step/device | total MB/device | fewer bytes | wall s |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
     else:
-      opt = f", {args.lm_optimizer or 'adam'}" + (f" lr {args.lm_lr}" if args.lm_lr else "")
+      opt = (f", {args.lm_optimizer or 'adam'}" + (f" lr {args.lm_lr}" if args.lm_lr else "")
+             + (f", {args.lm_schedule} schedule" if args.lm_schedule != "constant" else ""))
       lines += [f"## Character LM (d_model {args.lm_d_model}; {dense['dataset']}), "
                 f"{dense['steps']} steps of batch {args.lm_batch}{opt}", "",
                 "| compressor | validation loss (nats) | bits/char | vs dense | bytes/step/device | total MB/device | fewer bytes | wall s |",
@@ -272,6 +283,8 @@ def parse(argv=None):
   p.add_argument("--lm-steps", type=int, default=300)
   p.add_argument("--lm-batch", type=int, default=32)
   p.add_argument("--lm-d-model", type=int, default=64)
+  p.add_argument("--lm-schedule", choices=("constant", "cosine"), default="constant",
+                 help="the LM's learning rate after its warm-up")
   for ex in ("fashion", "lm"):
     p.add_argument(f"--{ex}-optimizer", choices=("adam", "momentum", "sgd"), default=None,
                    help="default: the example's (adam)")

@@ -122,6 +122,27 @@ def test_bad_batch_and_compressor():
         k: v for k, v in TINY.items() if k != "batch_size"}))
   with pytest.raises(ValueError, match="unknown compressor"):
     train.train_and_evaluate(train.Config(compressor="nope", **TINY))
+  with pytest.raises(ValueError, match="lr_schedule"):
+    train.train_and_evaluate(train.Config(lr_schedule="linear", **TINY))
+
+
+def test_learning_rate_schedules():
+  const = train.learning_rate_schedule(train.Config(
+      learning_rate=0.3, warmup_steps=10, epochs=2, steps_per_epoch=50))
+  cos = train.learning_rate_schedule(train.Config(
+      learning_rate=0.3, warmup_steps=10, epochs=2, steps_per_epoch=50,
+      lr_schedule="cosine"))
+  assert float(const(0)) == float(cos(0)) == 0.0
+  assert float(const(10)) == pytest.approx(0.3) and float(cos(10)) == pytest.approx(0.3)
+  assert float(const(100)) == pytest.approx(0.3)
+  # Cosine: half way through the decay half the peak, 0 at the last step.
+  assert float(cos(55)) == pytest.approx(0.15, rel=1e-5)
+  assert float(cos(100)) == pytest.approx(0.0, abs=1e-7)
+  # max_steps shortens the run, and the decay with it.
+  short = train.learning_rate_schedule(train.Config(
+      learning_rate=0.3, warmup_steps=10, epochs=2, steps_per_epoch=50,
+      lr_schedule="cosine", max_steps=30))
+  assert float(short(30)) == pytest.approx(0.0, abs=1e-7)
 
 
 def test_convergence_benchmark_configs():

@@ -25,7 +25,10 @@ def parse(argv=None):
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--learning-rate", type=float, default=3e-3)
   p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
-                 help="after the compressed mean: adam, or SGD with momentum")
+                 help="after the compressed mean: adam, SGD with momentum, or "
+                 "plain SGD (with --error-feedback dgc)")
+  p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                 help="after the warm-up: constant, or cosine decay to 0 at the last step")
   return p.parse_args(argv)
 
 
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
       batch_size=args.batch_size, context=args.context, d_model=args.d_model,
       num_layers=args.layers, num_heads=args.heads,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
-      **common.compression_config(args))
+      lr_schedule=args.lr_schedule, **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)
   result = train.train_and_evaluate(config)

@@ -20,6 +20,9 @@ from examples.char_lm import data as data_lib
 from examples.char_lm import model as model_lib
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclasses.dataclass
 class Config:
   compressor: str = "identity"  # a name from jaxcomp.compressors.names()
@@ -42,11 +45,34 @@ class Config:
   num_heads: int = 4
   learning_rate: float = 3e-3
   warmup_steps: int = 50
+  lr_schedule: str = "constant"  # after the warm-up: "constant" or "cosine" (to 0)
   max_train_bytes: int | None = 2_000_000  # a subset of the training files
   valid_windows: int = 256  # held-out windows of `context` predictions each
   seed: int = 0
   max_steps: int | None = None  # stop early (tests)
   progress: bool = True
+
+
+def learning_rate_schedule(config: Config) -> optax.Schedule:
+  """Linear warm-up from 0 over ``warmup_steps``, then the peak
+  ``learning_rate`` (``"constant"``) or a cosine decay to 0 at the run's
+  last step (``"cosine"``; the run has ``epochs * steps_per_epoch`` steps,
+  or ``max_steps`` if fewer).
+
+  Raises:
+    ValueError: an unknown ``lr_schedule``.
+  """
+  if config.lr_schedule not in LR_SCHEDULES:
+    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got "
+                     f"{config.lr_schedule!r}")
+  warmup = max(config.warmup_steps, 1)
+  if config.lr_schedule == "constant":
+    return optax.linear_schedule(0.0, config.learning_rate, warmup)
+  total = config.epochs * config.steps_per_epoch
+  if config.max_steps is not None:
+    total = min(total, config.max_steps)
+  return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup,
+                                            max(total, warmup + 1))
 
 
 def train_and_evaluate(config: Config) -> dict[str, Any]:
@@ -60,10 +86,11 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     character; bits per character is ``valid_loss / ln 2``.
 
   Raises:
-    ValueError: ``batch_size`` is not a multiple of the device count, or a
-      bad compressor name or hyperparameter.
+    ValueError: ``batch_size`` is not a multiple of the device count, an
+      unknown ``lr_schedule``, or a bad compressor name or hyperparameter.
   """
   n_dev = jax.device_count()
+  learning_rate_schedule(config)  # bad schedules fail before any work
   if config.batch_size % n_dev:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
                      f"the device count {n_dev}")
@@ -86,8 +113,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, windows[:, 1:]).mean()
 
-  schedule = optax.linear_schedule(0.0, config.learning_rate,
-                                   max(config.warmup_steps, 1))
+  schedule = learning_rate_schedule(config)
   tx = optax.chain(
       jaxcomp.compressed_mean(config.compressor, "data",
                               min_compress_size=config.min_compress_size,
