@@ -46,6 +46,8 @@ SPECS = [
     # "momentum" (its learning rate is an SGD one).
     ("top-k 1% + DGC momentum correction", "topk", {"ratio": 0.01}, "dgc",
      {"optimizer": "sgd"}),
+    ("top-k 1% + DGC momentum correction, tensors < 1024 exact", "topk",
+     {"ratio": 0.01}, "dgc", {"optimizer": "sgd", "min_compress_size": 1024}),
     ("random-block 1% + EF", "random_block", {"ratio": 0.01}, True),
     ("QSGD 4 levels", "qsgd", {"levels": 4}, None),
     ("sign + EF", "sign", {}, True),
