@@ -83,9 +83,10 @@ def compressed_mean(
     tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.01),
                      optax.adam(1e-3))
 
-  Each bucket of leaves (see ``bucketing``) is flattened to one float32
-  buffer, corrected by error feedback, encoded, exchanged by the collective
-  and decoded.
+  Each bucket of leaves (see ``bucketing``) is corrected by error feedback
+  leaf by leaf (the residual is kept per leaf, float32, one per device),
+  flattened to one float32 buffer, encoded, exchanged by the collective,
+  decoded and cut back into leaves.
 
   Args:
     compressor: a registered name (``jaxcomp.compressors.names()``) or a
@@ -97,7 +98,8 @@ def compressed_mean(
       instance (see docs/collectives.md).
     error_feedback: ``None`` (residual error feedback for biased compressors,
       none for unbiased ones), ``True``/``"residual"``, ``False``/``"none"``,
-      or a Feedback instance.
+      ``"ef21"``, ``"dgc"`` (:mod:`jaxcomp.feedback`), or a Feedback
+      instance.
     bucketing: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one
       bucket), ``"fixed"`` (``bucket_elements`` per bucket),
       ``"fixed_bytes"`` (``bucket_bytes`` per bucket) or ``"mgwfbp"`` (with
