@@ -22,6 +22,7 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
@@ -89,6 +90,14 @@ def concat_parts(parts: Parts) -> jax.Array:
   bucket's residual; works on the state's global arrays too (leading device
   axis), concatenating along the last axis."""
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def split_parts(flat: jax.Array, sizes: Sequence[int]) -> Parts:
+  """The inverse of :func:`concat_parts`: ``flat`` (``(sum(sizes),)``) cut
+  into consecutive pieces of ``sizes`` elements."""
+  if len(sizes) == 1:
+    return (flat,)
+  return tuple(jnp.split(flat, list(itertools.accumulate(sizes))[:-1]))
 
 
 @dataclasses.dataclass(frozen=True)

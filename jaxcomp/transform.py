@@ -228,7 +228,8 @@ def compressed_mean(
     if bplan.exact:
       xs = jnp.concatenate([flat[i] for i in bplan.exact])
       mean = lax.pmean(xs, axis_name)
-      for i, m in zip(bplan.exact, _split(mean, [sizes[i] for i in bplan.exact])):
+      for i, m in zip(bplan.exact,
+                      feedback_lib.split_parts(mean, [sizes[i] for i in bplan.exact])):
         out[i] = m
     new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
@@ -244,7 +245,8 @@ def compressed_mean(
         # One flat buffer for the collective; cut back into tensors after.
         mean, local, holder["state"] = coll.exchange(
             c, feedback_lib.concat_parts(v), key, axis_name, old)
-        return _split(mean, part_sizes), _split(local, part_sizes)
+        return (feedback_lib.split_parts(mean, part_sizes),
+                feedback_lib.split_parts(local, part_sizes))
 
       mean, fstate = fb.apply(parts, state.feedback[bi], exchange)
       estate = holder["state"]
@@ -281,17 +283,6 @@ def compressed_mean(
 
 def _axis_devices(axis_name) -> int:
   return lax.axis_size(axis_name)
-
-
-def _split(flat: jax.Array, sizes) -> tuple[jax.Array, ...]:
-  """``flat`` cut into consecutive pieces of ``sizes`` elements."""
-  if len(sizes) == 1:
-    return (flat,)
-  out, offset = [], 0
-  for n in sizes:
-    out.append(flat[offset:offset + n])
-    offset += n
-  return tuple(out)
 
 
 def get_stats(state) -> CompressionStats | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import numbers
 from typing import ClassVar, NamedTuple
@@ -14,6 +13,7 @@ from jax import lax
 
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, register
+from jaxcomp.feedback import split_parts
 
 
 class PowerSGDState(NamedTuple):
@@ -269,12 +269,12 @@ class PowerSGD(Compressor):
     exact = [x[o:o + n] for o, n, _, _, r in segs if not r]
     lives = [self._live_columns(r)[None, :] for _, r in mats]
     ps = [_mm(m, orthogonalize(q * live, eps)) for (m, _), q, live in zip(mats, qs, lives)]
-    summed = _split(lax.psum(jnp.concatenate(exact + [p.reshape(-1) for p in ps]), axis_name),
+    summed = split_parts(lax.psum(jnp.concatenate(exact + [p.reshape(-1) for p in ps]), axis_name),
                     [e.shape[0] for e in exact] + [p.size for p in ps])
     exact_sum, ps = summed[:len(exact)], summed[len(exact):]
     ps = [orthogonalize(p.reshape(m.shape[0], r), eps) for p, (m, r) in zip(ps, mats)]
     q_parts = [_mm(m.T, p) for (m, _), p in zip(mats, ps)]
-    q_sum = _split(lax.psum(jnp.concatenate([q.reshape(-1) for q in q_parts]), axis_name),
+    q_sum = split_parts(lax.psum(jnp.concatenate([q.reshape(-1) for q in q_parts]), axis_name),
                    [q.size for q in q_parts])
     q_new = [q.reshape(qp.shape) / p_dev for q, qp in zip(q_sum, q_parts)]
     approx = [_mm(p, q.T).reshape(-1) for p, q in zip(ps, q_new)]
@@ -325,8 +325,3 @@ class PowerSGD(Compressor):
 
   def payload_bytes(self, n: int) -> int:
     return 4 * sum((rows + cols) * r if r else size for _, size, rows, cols, r in self.segments(n))
-
-
-def _split(buf: jax.Array, sizes) -> list[jax.Array]:
-  """``buf`` cut into consecutive pieces of ``sizes`` elements."""
-  return jnp.split(buf, list(itertools.accumulate(sizes))[:-1])
