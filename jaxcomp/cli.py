@@ -202,10 +202,7 @@ def _run_whatif(args) -> int:
   print(file=out)
   rows = []
   for name, pr in res.items():
-    kind = "allreduce" if name == "dense" else (
-        collective if collective and not comps[name].linear
-        and not comps[name].own_exchange else perfmodel.default_collective(comps[name]))
-    rows.append([name, kind, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
+    rows.append([name, pr.collective, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
                  f"{pr.comm_time * 1e3:.1f}", f"{pr.exposed_comm * 1e3:.1f}",
                  f"{pr.codec_time * 1e3:.1f}", f"{pr.scaling_factor:.3f}", f"{pr.speedup:.2f}x"])
   _print_table(["compressor", "collective", "MB/worker", "step_ms", "comm_ms", "exposed_ms",

@@ -249,6 +249,7 @@ class Prediction:
   scaling_factor: float  # T_1 / T_p
   bytes_per_worker: float  # payload bytes each worker sends into collectives
   num_buckets: int
+  collective: str = ""  # the kind priced: allreduce, allgather, two_phase or auto
   speedup: float = float("nan")  # over dense; set by compare()
 
 
@@ -453,12 +454,12 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
   t = profile.forward_time
   net_free = 0.0
   comm_total = codec_total = sent = 0.0
-  arrivals = []
+  arrivals = []  # per exchanged bucket: (collective done, its comm, its decode), s
   for b in plan:
     n = sum(sizes[i] for i in b)
     t += sum(profile.backward_times[i] for i in b)
     if p > 1 and n > 0:
-      enc, _ = bucket_codec(n)
+      enc, dec = bucket_codec(n)
       t += enc
       codec_total += enc
       c = bucket_comm(n)
@@ -466,23 +467,21 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       comm_total += c
       start = max(t if mode == "wfbp" else -1.0, net_free)
       net_free = start + c
-      arrivals.append((net_free, n))
+      arrivals.append((net_free, c, dec))
   if mode == "serial":
     # One thing at a time: each collective, then its decode.
-    for _, n in arrivals:
-      _, dec = bucket_codec(n)
-      t += bucket_comm(n) + dec
+    for _, c, dec in arrivals:
+      t += c + dec
       codec_total += dec
     arrivals = []
   elif mode == "after_backward":
     # No collective starts before the backward pass (and its encodes) ends.
     net_free, shifted = t, []
-    for _, n in arrivals:
-      net_free += bucket_comm(n)
-      shifted.append((net_free, n))
+    for _, c, dec in arrivals:
+      net_free += c
+      shifted.append((net_free, c, dec))
     arrivals = shifted
-  for arrive, n in arrivals:
-    _, dec = bucket_codec(n)
+  for arrive, _, dec in arrivals:
     t = max(t, arrive) + dec
     codec_total += dec
   t += profile.update_time
@@ -495,7 +494,8 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       codec_time=codec_total,
       scaling_factor=profile.compute_time / t if t > 0 else 1.0,
       bytes_per_worker=sent,
-      num_buckets=len(plan))
+      num_buckets=len(plan),
+      collective=kind)
 
 
 def compare(profile: ModelProfile, compressors: Mapping[str, Compressor], network: costs.Network,
