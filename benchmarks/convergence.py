@@ -276,6 +276,8 @@ def plot(summary, path):
 
 
 def parse(argv=None):
+  sys.path.insert(0, REPO)
+  from examples import common  # jax-free: the examples' option names
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--fashion-steps", type=int, default=300)
@@ -285,10 +287,10 @@ def parse(argv=None):
   p.add_argument("--lm-steps", type=int, default=300)
   p.add_argument("--lm-batch", type=int, default=32)
   p.add_argument("--lm-d-model", type=int, default=64)
-  p.add_argument("--lm-schedule", choices=("constant", "cosine"), default="constant",
+  p.add_argument("--lm-schedule", choices=common.LR_SCHEDULES, default="constant",
                  help="the LM's learning rate after its warm-up")
   for ex in ("fashion", "lm"):
-    p.add_argument(f"--{ex}-optimizer", choices=("adam", "momentum", "sgd"), default=None,
+    p.add_argument(f"--{ex}-optimizer", choices=common.OPTIMIZERS, default=None,
                    help="default: the example's (adam)")
     p.add_argument(f"--{ex}-lr", type=float, default=None,
                    help="learning rate; default: the example's")

@@ -51,6 +51,7 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
 
 
 OPTIMIZERS = ("adam", "momentum", "sgd")
+LR_SCHEDULES = ("constant", "cosine")  # char_lm's, after its warm-up
 
 
 def optimizer(name: str, learning_rate):

@@ -27,7 +27,7 @@ def parse(argv=None):
   p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
-  p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+  p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES, default="constant",
                  help="after the warm-up: constant, or cosine decay to 0 at the last step")
   return p.parse_args(argv)
 

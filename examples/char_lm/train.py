@@ -20,9 +20,6 @@ from examples.char_lm import data as data_lib
 from examples.char_lm import model as model_lib
 
 
-LR_SCHEDULES = ("constant", "cosine")
-
-
 @dataclasses.dataclass
 class Config:
   compressor: str = "identity"  # a name from jaxcomp.compressors.names()
@@ -35,7 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased compressors
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
-  optimizer: str = "adam"  # or "momentum" (examples.common.optimizer)
+  optimizer: str = "adam"  # one of examples.common.OPTIMIZERS
   epochs: int = 3
   steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
   batch_size: int = 32  # global, split over the devices
@@ -62,8 +59,8 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
   Raises:
     ValueError: an unknown ``lr_schedule``.
   """
-  if config.lr_schedule not in LR_SCHEDULES:
-    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got "
+  if config.lr_schedule not in common.LR_SCHEDULES:
+    raise ValueError(f"lr_schedule must be one of {common.LR_SCHEDULES}, got "
                      f"{config.lr_schedule!r}")
   warmup = max(config.warmup_steps, 1)
   if config.lr_schedule == "constant":

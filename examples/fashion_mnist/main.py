@@ -20,7 +20,8 @@ def parse(argv=None):
   p.add_argument("--batch-size", type=int, default=256, help="global batch")
   p.add_argument("--learning-rate", type=float, default=2e-3)
   p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
-                 help="after the compressed mean: adam, or SGD with momentum")
+                 help="after the compressed mean: adam, SGD with momentum, or "
+                 "plain SGD (with --error-feedback dgc)")
   p.add_argument("--dataset", default="auto",
                  choices=["auto", "fashion_mnist", "digits"])
   return p.parse_args(argv)

@@ -32,7 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased ones
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
-  optimizer: str = "adam"  # or "momentum" (examples.common.optimizer)
+  optimizer: str = "adam"  # one of examples.common.OPTIMIZERS
   epochs: int = 2
   batch_size: int = 256  # global, split over the devices
   learning_rate: float = 2e-3
