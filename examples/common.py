@@ -40,6 +40,10 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
                  help="int8_block / fp8_block elements per scale")
   p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
                  default="auto", help="auto: on for biased compressors")
+  p.add_argument("--ratio-warmup-steps", type=int, default=0,
+                 help="DGC's sparsity warm-up: stages of this many steps at "
+                 "ratio 25%%, 6.25%%, ... down to --ratio, each its own "
+                 "compiled step (0: none)")
   p.add_argument("--min-compress-size", type=int, default=0,
                  help="tensors with fewer elements go through an exact "
                  "all-reduce (biases, norms)")
@@ -83,7 +87,7 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
       min_compress_size=args.min_compress_size,
-      seed=args.seed, max_steps=args.max_steps,
+      ratio_warmup_steps=args.ratio_warmup_steps, seed=args.seed, max_steps=args.max_steps,
       progress=not args.no_progress)
 
 
@@ -97,6 +101,86 @@ def compressor_kwargs(config) -> dict[str, Any]:
   taken = jaxcomp.compressors.hyperparameters(config.compressor)
   return {name: getattr(config, field)
           for name, field in _HYPERPARAMETER_FIELDS.items() if name in taken}
+
+
+def ratio_stages(config) -> list[tuple[int, dict[str, Any]]]:
+  """The run's stages as ``[(first_step, compressor kwargs), ...]``.
+
+  Without ``config.ratio_warmup_steps`` one stage, from step 0, with
+  :func:`compressor_kwargs`. With it, DGC's sparsity warm-up
+  (:func:`jaxcomp.compressors.dgc_warmup_stages`): ``ratio`` 0.25 for that
+  many steps, then 0.0625, ... down to ``config.ratio``. Each stage gets its
+  own transform and compiled step, so each sends its own payload size (a
+  scheduled ratio would keep the first stage's capacity all along).
+
+  Raises:
+    ValueError: ``ratio_warmup_steps`` < 0, or > 0 with a compressor that
+      takes no ``ratio``.
+  """
+  kwargs = compressor_kwargs(config)
+  if config.ratio_warmup_steps < 0:
+    raise ValueError("ratio_warmup_steps must be >= 0, got "
+                     f"{config.ratio_warmup_steps}")
+  if not config.ratio_warmup_steps:
+    return [(0, kwargs)]
+  if "ratio" not in kwargs:
+    raise ValueError(f"ratio_warmup_steps needs a compressor that takes a "
+                     f"ratio (topk, dgc, random_block, ...), not "
+                     f"{config.compressor!r}; set it to 0")
+  import jaxcomp
+  return [(first, dict(kwargs, ratio=r)) for first, r in
+          jaxcomp.compressors.dgc_warmup_stages(config.ratio,
+                                                config.ratio_warmup_steps)]
+
+
+def stage_at(stages, step: int) -> int:
+  """Index of the stage of :func:`ratio_stages` that ``step`` is in."""
+  return max(i for i, (first, _) in enumerate(stages) if first <= step)
+
+
+def stage_steps(config, stages, params, mesh, make_step, learning_rate):
+  """The example's transform per stage of :func:`ratio_stages` (the
+  compressed mean over ``"data"``, then ``config.optimizer``), each
+  compiled into a train step.
+
+  Args:
+    config: the example's Config.
+    stages: :func:`ratio_stages` ``(config)``.
+    params: the initial parameters.
+    mesh: the device mesh, with axis ``"data"``.
+    make_step: ``tx -> step_fn(params, opt_state, batch) -> (params,
+      opt_state, loss)``, run per device under ``shard_map``.
+    learning_rate: a float or an Optax schedule.
+
+  Returns:
+    ``(opt_state, steps)``: the sharded initial state, which every stage's
+    step takes and returns, and one jitted step per stage (parameters and
+    state donated).
+
+  Raises:
+    ValueError: the stages' states differ in structure, shape or dtype.
+  """
+  import jax
+  import optax
+  import jaxcomp
+  from jax.sharding import PartitionSpec as P
+  txs = [optax.chain(
+      jaxcomp.compressed_mean(config.compressor, "data",
+                              min_compress_size=config.min_compress_size,
+                              error_feedback=config.error_feedback,
+                              seed=config.seed, **kwargs),
+      optimizer(config.optimizer, learning_rate)) for _, kwargs in stages]
+  inits = [jaxcomp.init_sharded(tx, params, mesh, "data") for tx in txs]
+  sig = [jax.tree.map(lambda a: (a.shape, a.dtype), s) for s, _ in inits]
+  if any(s != sig[0] for s in sig[1:]):
+    raise ValueError("the compressor's state depends on its ratio, so "
+                     "ratio_warmup_steps cannot carry it across stages; set "
+                     "ratio_warmup_steps=0")
+  opt_state, specs = inits[0]
+  steps = [jax.jit(jaxcomp.shard_train_step(
+      make_step(tx), mesh=mesh, state_specs=specs, batch_spec=P("data")),
+                   donate_argnums=(0, 1)) for tx in txs]
+  return opt_state, steps
 
 
 def print_traffic(result: dict[str, Any]) -> None:

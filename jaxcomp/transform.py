@@ -170,7 +170,11 @@ def compressed_mean(
     sent = sum(coll.payload_bytes(c, n, p)
                for c, n in zip(comps, bucket_sizes(sizes, bplan)))
     sent += 4 * sum(sizes[i] for i in bplan.exact)
-    return float(sent), float(4 * n_total)
+    sent, dense = float(sent), float(4 * n_total)
+    return dict(bytes_sent=jnp.asarray(sent, jnp.float32),
+                dense_bytes=jnp.asarray(dense, jnp.float32),
+                compression_ratio=jnp.asarray(dense / max(sent, 1.0),
+                                              jnp.float32))
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
@@ -180,7 +184,6 @@ def compressed_mean(
     for c, n in zip(comps, bucket_sizes(sizes, bplan)):
       c.check_size(n)
     key = jax.random.key_data(jax.random.key(seed))
-    sent, dense = static_stats(sizes, bplan, comps)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=key,
@@ -189,9 +192,7 @@ def compressed_mean(
         exchange_state=tuple(coll.init_state(c, n, axis_name)
                              for c, n in zip(comps, bucket_sizes(sizes, bplan))),
         stats=CompressionStats(
-            bytes_sent=jnp.asarray(sent, jnp.float32),
-            dense_bytes=jnp.asarray(dense, jnp.float32),
-            compression_ratio=jnp.asarray(dense / max(sent, 1.0), jnp.float32),
+            **static_stats(sizes, bplan, comps),
             residual_norm=to_varying(jnp.zeros((), jnp.float32), axis_name),
             skipped_steps=jnp.zeros((), jnp.int32)))
 
@@ -270,7 +271,10 @@ def compressed_mean(
       if nonfinite == "propagate":
         m = jnp.where(any_bad, jnp.nan, m)
       mean_leaves.append(m.reshape(jnp.shape(leaf)).astype(leaf.dtype))
+    # The bytes are this transform's (a state may come from another
+    # transform of the same structure, e.g. an earlier warm-up stage).
     stats = state.stats._replace(
+        **static_stats(sizes, bplan, comps),
         residual_norm=to_varying(jnp.sqrt(sq_residual), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp.compressors import DGC, dgc_warmup_schedule, dgc_warmup_steps
+from jaxcomp.compressors import (DGC, dgc_warmup_schedule, dgc_warmup_stages,
+                                 dgc_warmup_steps)
 from jaxcomp.feedback import DGCFeedback, DGCState, concat_parts
 from tests.helpers import sharded_update, stacked
 
@@ -120,3 +121,17 @@ def test_bad_input():
   comp = DGC(ratio=1.0)
   np.testing.assert_array_equal(comp.decode(comp.encode(x, jax.random.key(0)),
                                             3, None), x)
+
+
+def test_warmup_stages_are_the_schedules_distinct_values():
+  sched = dgc_warmup_schedule(final_ratio=0.001, stage_steps=7)
+  stages = dgc_warmup_stages(final_ratio=0.001, stage_steps=7)
+  assert [s for s, _ in stages] == [0, 7, 14, 21, 28]
+  assert stages[-1] == (dgc_warmup_steps(0.001, 7), 0.001)
+  # Every step of a stage has the stage's ratio; the next stage differs.
+  for (first, ratio), (nxt, _) in zip(stages, stages[1:] + [(35, None)]):
+    for step in range(first, nxt):
+      assert float(sched(step)) == pytest.approx(ratio, rel=1e-6)
+  assert dgc_warmup_stages(final_ratio=0.3, stage_steps=5) == [(0, 0.3)]
+  with pytest.raises(ValueError, match="stage_steps"):
+    dgc_warmup_stages(final_ratio=0.01, stage_steps=0)

@@ -113,6 +113,29 @@ def test_min_compress_size_keeps_small_tensors_exact(mesh8):
   assert every["bytes_per_step"] < every["dense_bytes_per_step"] / 5
 
 
+def test_ratio_warmup_sends_each_stages_bytes(mesh8):
+  # Stages of 2 steps: ratio 0.25, then 0.1 from step 2 (0.0625 < 0.1).
+  r = train.train_and_evaluate(train.Config(
+      compressor="topk", ratio=0.1, ratio_warmup_steps=2, epochs=1,
+      steps_per_epoch=3, **TINY))
+  sizes = [x.size for x in jax.tree.leaves(r["params"])]
+
+  def topk_bytes(ratio):  # (value, index) pairs, all-gathered, per tensor
+    return sum(8 * math.ceil(ratio * n) for n in sizes)
+
+  assert r["steps"] == 3
+  assert r["bytes_per_step"] == topk_bytes(0.1)
+  assert r["total_bytes"] == 2 * topk_bytes(0.25) + topk_bytes(0.1)
+  assert abs(r["hlo_operand_bytes"] - r["bytes_per_step"]) <= 64  # last stage
+  assert np.isfinite(r["epochs"][-1]["valid_loss"])
+  with pytest.raises(ValueError, match="ratio_warmup_steps"):
+    train.train_and_evaluate(train.Config(
+        compressor="powersgd", ratio_warmup_steps=2, **TINY))
+  with pytest.raises(ValueError, match="ratio_warmup_steps"):
+    train.train_and_evaluate(train.Config(
+        compressor="topk", ratio_warmup_steps=-1, **TINY))
+
+
 def test_bad_batch_and_compressor():
   from examples import common
   with pytest.raises(ValueError, match="optimizer"):

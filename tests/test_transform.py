@@ -243,3 +243,28 @@ class TestBadInput:
     tx = jaxcomp.compressed_mean("identity", "batch")
     with pytest.raises(ValueError, match="not in the mesh"):
       jaxcomp.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, "batch")
+
+
+def test_a_state_carried_to_another_ratio_reports_that_ratios_bytes(mesh8):
+  # A DGC-style warm-up runs one transform per ratio over one state: the
+  # stats after an update are those of the transform that made it, and the
+  # error-feedback residual carries over (mass is conserved across the switch).
+  n = 400
+  wide = jaxcomp.compressed_mean("topk", "data", ratio=0.25)
+  narrow = jaxcomp.compressed_mean("topk", "data", ratio=0.01)
+  params = {"w": jnp.zeros((n,))}
+  f_wide, state, _ = sharded_update(wide, params, mesh8)
+  f_narrow, narrow_init, _ = sharded_update(narrow, params, mesh8)
+  assert jax.tree.structure(state) == jax.tree.structure(narrow_init)
+  g = np.random.default_rng(0).normal(size=(8, n)).astype(np.float32)
+  u1, state = f_wide(stacked({"w": jnp.asarray(g)}, mesh8), state)
+  assert float(jaxcomp.get_stats(state).bytes_sent) == 8 * 100
+  u2, state = f_narrow(stacked({"w": jnp.asarray(g)}, mesh8), state)
+  stats = jaxcomp.get_stats(state)
+  assert float(stats.bytes_sent) == 8 * 4
+  assert float(stats.bytes_sent) == float(jaxcomp.get_stats(narrow_init).bytes_sent)
+  assert float(stats.compression_ratio) == 4 * n / (8 * 4)
+  # sum of what was averaged + mean residual == sum of the mean gradients.
+  residual = np.asarray(concat_parts(state.feedback[0])).mean(0)  # (n,)
+  np.testing.assert_allclose(np.asarray(u1["w"]) + np.asarray(u2["w"]) + residual,
+                             2 * g.mean(0), rtol=1e-5, atol=1e-5)

@@ -32,6 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased compressors
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
   optimizer: str = "adam"  # one of examples.common.OPTIMIZERS
   epochs: int = 3
   steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
@@ -78,20 +79,24 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   Returns:
     ``{"dataset", "epochs": [{"epoch", "loss", "valid_loss",
     "bits_per_char", "seconds"}], "steps", "bytes_per_step",
-    "dense_bytes_per_step", "ratio_to_dense", "hlo_operand_bytes",
-    "num_params", "params"}``. Losses are mean cross-entropy in nats per
+    "total_bytes", "dense_bytes_per_step", "ratio_to_dense",
+    "hlo_operand_bytes", "num_params", "params"}``. Losses are mean cross-entropy in nats per
     character; bits per character is ``valid_loss / ln 2``.
+    ``bytes_per_step`` is what one device sends per step after the ratio
+    warm-up (``config.ratio_warmup_steps``), ``total_bytes`` the sum over
+    all steps run, warm-up included.
 
   Raises:
     ValueError: ``batch_size`` is not a multiple of the device count, an
-      unknown ``lr_schedule``, or a bad compressor name or hyperparameter.
+      unknown ``lr_schedule``, a bad compressor name or hyperparameter, or
+      a ``ratio_warmup_steps`` the compressor cannot take.
   """
   n_dev = jax.device_count()
   learning_rate_schedule(config)  # bad schedules fail before any work
   if config.batch_size % n_dev:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
                      f"the device count {n_dev}")
-  kwargs = common.compressor_kwargs(config)
+  stages = common.ratio_stages(config)  # bad names fail before any work
   corpus = data_lib.load(max_train_bytes=config.max_train_bytes)
   length = config.context + 1  # inputs and next-character targets
   valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)
@@ -111,22 +116,18 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         logits, windows[:, 1:]).mean()
 
   schedule = learning_rate_schedule(config)
-  tx = optax.chain(
-      jaxcomp.compressed_mean(config.compressor, "data",
-                              min_compress_size=config.min_compress_size,
-                              error_feedback=config.error_feedback,
-                              seed=config.seed, **kwargs),
-      common.optimizer(config.optimizer, schedule))
 
-  def step_fn(p, s, windows):
-    loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, windows)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+  def make_step(tx):
+    def step_fn(p, s, windows):
+      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, windows)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+    return step_fn
 
-  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-  step = jax.jit(jaxcomp.shard_train_step(
-      step_fn, mesh=mesh, state_specs=specs, batch_spec=P("data")),
-                 donate_argnums=(0, 1))
+  # One transform and compiled step per warm-up stage (one without warm-up),
+  # all carrying the same optimizer state.
+  opt_state, steps = common.stage_steps(config, stages, params, mesh,
+                                        make_step, schedule)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch_sharding = NamedSharding(mesh, P("data"))
 
@@ -137,8 +138,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         data_lib.random_windows(corpus.train, config.batch_size, length, rng),
         batch_sharding)
 
+  # The traffic of the last stage: what the run sends once warmed up.
   traffic = jaxcomp.collective_traffic(
-      step.lower(params, opt_state, next_batch()))
+      steps[-1].lower(params, opt_state, next_batch()))
 
   eval_loss = jax.jit(loss_fn)
 
@@ -150,6 +152,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     return total / len(valid)
 
   history, done = [], 0
+  stage_steps = [0] * len(stages)  # steps run in each stage
+  stage_bytes = [0.0] * len(stages)  # bytes per step of each stage
   for epoch in range(config.epochs):
     t0 = time.perf_counter()
     losses = []
@@ -160,10 +164,14 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     for _ in it:
       if config.max_steps is not None and done >= config.max_steps:
         break
-      params, opt_state, loss = step(params, opt_state, next_batch())
+      i = common.stage_at(stages, done)
+      params, opt_state, loss = steps[i](params, opt_state, next_batch())
       # Wait for each step: with many steps in flight, simulated CPU devices
       # (threads sharing one pool) were seen to deadlock in a collective.
       losses.append(float(loss))
+      if not stage_steps[i]:
+        stage_bytes[i] = float(jaxcomp.get_stats(opt_state).bytes_sent)
+      stage_steps[i] += 1
       done += 1
     train_loss = float(np.mean(losses)) if losses else float("nan")
     valid_loss = evaluate(params)
@@ -184,6 +192,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "steps": done,
       "num_params": num_params,
       "bytes_per_step": float(stats.bytes_sent),
+      "total_bytes": sum(n * b for n, b in zip(stage_steps, stage_bytes)),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "ratio_to_dense": float(stats.compression_ratio),
       "hlo_operand_bytes": traffic.operand_bytes,

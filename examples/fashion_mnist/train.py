@@ -32,6 +32,7 @@ class Config:
   block_size: int = 256  # int8_block / fp8_block elements per scale
   error_feedback: bool | str | None = None  # None: on for biased ones
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
   optimizer: str = "adam"  # one of examples.common.OPTIMIZERS
   epochs: int = 2
   batch_size: int = 256  # global, split over the devices
@@ -63,9 +64,18 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   Returns:
     ``{"dataset", "epochs": [{"epoch", "loss", "test_accuracy", "seconds"}],
-    "bytes_per_step", "dense_bytes_per_step", "ratio_to_dense",
-    "hlo_operand_bytes", "hlo_dense_operand_bytes", "steps"}``.
+    "bytes_per_step", "total_bytes", "dense_bytes_per_step",
+    "ratio_to_dense", "hlo_operand_bytes", "hlo_dense_operand_bytes",
+    "steps"}``. ``bytes_per_step`` is what one device sends per step after
+    the ratio warm-up (``config.ratio_warmup_steps``), ``total_bytes`` the
+    sum over all steps run, warm-up included.
+
+  Raises:
+    ValueError: ``batch_size`` is not a multiple of the device count, a bad
+      compressor name or hyperparameter, or a ``ratio_warmup_steps`` the
+      compressor cannot take.
   """
+  stages = common.ratio_stages(config)  # bad names fail before any work
   ds = data_lib.load(config.dataset)
   train_x, train_y = ds.train_images, ds.train_labels
   if config.train_subset:
@@ -90,17 +100,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
     return step
 
-  kwargs = common.compressor_kwargs(config)
-  tx = optax.chain(
-      jaxcomp.compressed_mean(config.compressor, "data",
-                              min_compress_size=config.min_compress_size,
-                              error_feedback=config.error_feedback,
-                              seed=config.seed, **kwargs),
-      common.optimizer(config.optimizer, config.learning_rate))
-  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-  step = jax.jit(jaxcomp.shard_train_step(
-      make_step(tx), mesh=mesh, state_specs=specs, batch_spec=P("data")),
-                 donate_argnums=(0, 1))
+  # One transform and compiled step per warm-up stage (one without warm-up),
+  # all carrying the same optimizer state.
+  opt_state, steps = common.stage_steps(config, stages, params, mesh,
+                                        make_step, config.learning_rate)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P("data"))
   params = jax.device_put(params, replicated)
@@ -108,8 +111,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   bs = config.batch_size
   steps_per_epoch = len(train_y) // bs
   example = jax.device_put((train_x[:bs], train_y[:bs]), batch_sharding)
+  # The traffic of the last stage: what the run sends once warmed up.
   traffic = jaxcomp.collective_traffic(
-      step.lower(params, opt_state, example))
+      steps[-1].lower(params, opt_state, example))
   dense_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"),
                          common.optimizer(config.optimizer, config.learning_rate))
   dense_state, dense_specs = jaxcomp.init_sharded(dense_tx, params, mesh, "data")
@@ -131,6 +135,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   rng = np.random.default_rng(config.seed)
   history, total = [], 0
+  stage_steps = [0] * len(stages)  # steps run in each stage
+  stage_bytes = [0.0] * len(stages)  # bytes per step of each stage
   for epoch in range(config.epochs):
     t0 = time.perf_counter()
     perm = rng.permutation(len(train_y))
@@ -144,11 +150,15 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         break
       idx = perm[s * bs:(s + 1) * bs]
       batch = jax.device_put((train_x[idx], train_y[idx]), batch_sharding)
-      params, opt_state, loss = step(params, opt_state, batch)
+      i = common.stage_at(stages, total)
+      params, opt_state, loss = steps[i](params, opt_state, batch)
       # Wait for each step: simulated CPU devices share one thread pool, and
       # steps dispatched ahead can occupy it with participants of a later
       # all-reduce while an earlier one still waits for its last device.
       losses.append(float(loss))
+      if not stage_steps[i]:
+        stage_bytes[i] = float(jaxcomp.get_stats(opt_state).bytes_sent)
+      stage_steps[i] += 1
       total += 1
     mean_loss = float(np.mean(losses)) if losses else float("nan")
     history.append({"epoch": epoch + 1, "loss": mean_loss,
@@ -162,6 +172,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "epochs": history,
       "steps": total,
       "bytes_per_step": float(stats.bytes_sent),
+      "total_bytes": sum(n * b for n, b in zip(stage_steps, stage_bytes)),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "ratio_to_dense": float(stats.compression_ratio),
       "hlo_operand_bytes": traffic.operand_bytes,

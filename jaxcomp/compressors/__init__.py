@@ -16,6 +16,7 @@ from jaxcomp.compressors.block_quant import FP8Block
 from jaxcomp.compressors.block_quant import IntBlock
 from jaxcomp.compressors.dgc import DGC
 from jaxcomp.compressors.dgc import dgc_warmup_schedule
+from jaxcomp.compressors.dgc import dgc_warmup_stages
 from jaxcomp.compressors.dgc import dgc_warmup_steps
 from jaxcomp.compressors.powersgd import PowerSGD
 from jaxcomp.compressors.powersgd import PowerSGDState

@@ -159,6 +159,27 @@ def dgc_warmup_schedule(final_ratio: float = 0.001, stage_steps: int = 1,
   return schedule
 
 
+def dgc_warmup_stages(final_ratio: float = 0.001, stage_steps: int = 1,
+                      decay: float = 0.25) -> list[tuple[int, float]]:
+  """:func:`dgc_warmup_schedule`'s distinct values as static stages.
+
+  ``[(first_step, ratio), ...]``: ``(0, decay)``, ``(stage_steps,
+  decay ** 2)``, ... and last ``(dgc_warmup_steps(...), final_ratio)``.
+  A scheduled ``ratio`` keeps a payload of the first stage's capacity all
+  along (XLA's shapes are static), so it sends ``decay`` of the entries
+  every step; building one compiled step per stage instead (with the
+  stage's ``ratio`` as a plain float, the optimizer state carried across,
+  see ``examples/char_lm``) lets each stage send only its own ratio.
+
+  Raises:
+    ValueError: an argument outside its range (as the schedule).
+  """
+  dgc_warmup_schedule(final_ratio, stage_steps, decay)  # checks the arguments
+  last = dgc_warmup_steps(final_ratio, stage_steps, decay)
+  return [(s, max(final_ratio, decay ** (s // stage_steps + 1)))
+          for s in range(0, last + 1, stage_steps)]
+
+
 def dgc_warmup_steps(final_ratio: float = 0.001, stage_steps: int = 1,
                      decay: float = 0.25) -> int:
   """First step at which :func:`dgc_warmup_schedule` equals ``final_ratio``:
