@@ -191,6 +191,12 @@ def print_traffic(result: dict[str, Any]) -> None:
         f"(dense {result['dense_bytes_per_step']:.0f}, ratio to dense "
         f"{result['bytes_per_step'] / result['dense_bytes_per_step']:.4f}, "
         f"compression {result['ratio_to_dense']:.1f}x)")
+  total = result.get("total_bytes")
+  if total is not None and total != result["bytes_per_step"] * result["steps"]:
+    dense_total = result["dense_bytes_per_step"] * result["steps"]
+    print(f"bytes sent per device over the run, warm-up included: "
+          f"{total:.0f} (dense {dense_total:.0f}, compression "
+          f"{dense_total / total:.1f}x)")
   dense = result.get("hlo_dense_operand_bytes")
   print(f"collective operand bytes per device per step in the step's HLO "
         f"(lowered, before backend passes): {result['hlo_operand_bytes']}"

@@ -92,14 +92,16 @@ def test_topk_run_learns_and_sends_fewer_bytes(mesh8):
 
 
 def test_main_runs_a_few_steps(mesh8, capsys):
+  # Two steps: random-block 25% for one, then 10%.
   assert main_lib.main(["--compressor=random_block", "--ratio=0.1", "--epochs=1",
                         "--optimizer=momentum", "--learning-rate=0.3",
                         "--max-steps=2", "--batch-size=16", "--context=16",
                         "--d-model=32", "--layers=1", "--heads=2",
-                        "--no-progress"]) == 0
+                        "--ratio-warmup-steps=1", "--no-progress"]) == 0
   out = capsys.readouterr().out
   assert "CPython" in out and "held out" in out
   assert "bits per character" in out and "bytes sent per device per step" in out
+  assert "over the run, warm-up included" in out
 
 
 def test_min_compress_size_keeps_small_tensors_exact(mesh8):
