@@ -277,9 +277,15 @@ def plot(summary, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-  for ax, ex, ylabel in zip(axes, EXAMPLES, ("test accuracy",
-                                            "validation loss (nats/char)")):
+  from matplotlib.ticker import NullFormatter
+  ylabels = {"fashion_mnist": "test accuracy",
+             "char_lm": "validation loss (nats/char)"}
+  shown = [ex for ex in EXAMPLES
+           if any(not r.get("missing") for r in summary.get(ex, []))] or list(EXAMPLES)
+  fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown) + 1, 4.8),
+                           squeeze=False)
+  for ax, ex in zip(axes[0], shown):
+    ylabel = ylabels[ex]
     for r in summary.get(ex, []):
       if r.get("missing"):
         continue
@@ -287,6 +293,7 @@ def plot(summary, path):
       ax.annotate(r["label"], (r["total_bytes"], r["metric"]), fontsize=7,
                   xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labels only at decades
     ax.set_xlabel("total bytes sent per device")
     ax.set_ylabel(ylabel)
     ax.set_title({"fashion_mnist": "Fashion-MNIST CNN",
