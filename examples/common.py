@@ -87,7 +87,8 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
       min_compress_size=args.min_compress_size,
-      ratio_warmup_steps=args.ratio_warmup_steps, seed=args.seed, max_steps=args.max_steps,
+      ratio_warmup_steps=args.ratio_warmup_steps,
+      seed=args.seed, max_steps=args.max_steps,
       progress=not args.no_progress)
 
 
@@ -153,9 +154,11 @@ def stage_steps(config, stages, params, mesh, make_step, learning_rate):
     learning_rate: a float or an Optax schedule.
 
   Returns:
-    ``(opt_state, steps)``: the sharded initial state, which every stage's
-    step takes and returns, and one jitted step per stage (parameters and
-    state donated).
+    ``(opt_state, steps, stage_bytes)``: the sharded initial state, which
+    every stage's step takes and returns; one jitted step per stage
+    (parameters and state donated); and the bytes one device sends per step
+    in each stage (the stage transform's statistics), for
+    :func:`run_bytes`.
 
   Raises:
     ValueError: the stages' states differ in structure, shape or dtype.
@@ -176,11 +179,20 @@ def stage_steps(config, stages, params, mesh, make_step, learning_rate):
     raise ValueError("the compressor's state depends on its ratio, so "
                      "ratio_warmup_steps cannot carry it across stages; set "
                      "ratio_warmup_steps=0")
+  stage_bytes = [float(jaxcomp.get_stats(s).bytes_sent) for s, _ in inits]
   opt_state, specs = inits[0]
   steps = [jax.jit(jaxcomp.shard_train_step(
       make_step(tx), mesh=mesh, state_specs=specs, batch_spec=P("data")),
                    donate_argnums=(0, 1)) for tx in txs]
-  return opt_state, steps
+  return opt_state, steps, stage_bytes
+
+
+def run_bytes(stages, stage_bytes, steps_run: int) -> float:
+  """Bytes one device sent over the first ``steps_run`` steps: each stage of
+  :func:`ratio_stages` at its ``stage_bytes`` (from :func:`stage_steps`)."""
+  ends = [first for first, _ in stages[1:]] + [steps_run]
+  return sum(max(0, min(end, steps_run) - first) * b
+             for (first, _), end, b in zip(stages, ends, stage_bytes))
 
 
 def print_traffic(result: dict[str, Any]) -> None:

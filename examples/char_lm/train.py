@@ -126,8 +126,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   # One transform and compiled step per warm-up stage (one without warm-up),
   # all carrying the same optimizer state.
-  opt_state, steps = common.stage_steps(config, stages, params, mesh,
-                                        make_step, schedule)
+  opt_state, steps, stage_bytes = common.stage_steps(
+      config, stages, params, mesh, make_step, schedule)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch_sharding = NamedSharding(mesh, P("data"))
 
@@ -152,8 +152,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     return total / len(valid)
 
   history, done = [], 0
-  stage_steps = [0] * len(stages)  # steps run in each stage
-  stage_bytes = [0.0] * len(stages)  # bytes per step of each stage
   for epoch in range(config.epochs):
     t0 = time.perf_counter()
     losses = []
@@ -169,9 +167,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       # Wait for each step: with many steps in flight, simulated CPU devices
       # (threads sharing one pool) were seen to deadlock in a collective.
       losses.append(float(loss))
-      if not stage_steps[i]:
-        stage_bytes[i] = float(jaxcomp.get_stats(opt_state).bytes_sent)
-      stage_steps[i] += 1
       done += 1
     train_loss = float(np.mean(losses)) if losses else float("nan")
     valid_loss = evaluate(params)
@@ -192,7 +187,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "steps": done,
       "num_params": num_params,
       "bytes_per_step": float(stats.bytes_sent),
-      "total_bytes": sum(n * b for n, b in zip(stage_steps, stage_bytes)),
+      "total_bytes": common.run_bytes(stages, stage_bytes, done),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "ratio_to_dense": float(stats.compression_ratio),
       "hlo_operand_bytes": traffic.operand_bytes,

@@ -102,8 +102,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   # One transform and compiled step per warm-up stage (one without warm-up),
   # all carrying the same optimizer state.
-  opt_state, steps = common.stage_steps(config, stages, params, mesh,
-                                        make_step, config.learning_rate)
+  opt_state, steps, stage_bytes = common.stage_steps(
+      config, stages, params, mesh, make_step, config.learning_rate)
   replicated = NamedSharding(mesh, P())
   batch_sharding = NamedSharding(mesh, P("data"))
   params = jax.device_put(params, replicated)
@@ -135,8 +135,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   rng = np.random.default_rng(config.seed)
   history, total = [], 0
-  stage_steps = [0] * len(stages)  # steps run in each stage
-  stage_bytes = [0.0] * len(stages)  # bytes per step of each stage
   for epoch in range(config.epochs):
     t0 = time.perf_counter()
     perm = rng.permutation(len(train_y))
@@ -156,9 +154,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       # steps dispatched ahead can occupy it with participants of a later
       # all-reduce while an earlier one still waits for its last device.
       losses.append(float(loss))
-      if not stage_steps[i]:
-        stage_bytes[i] = float(jaxcomp.get_stats(opt_state).bytes_sent)
-      stage_steps[i] += 1
       total += 1
     mean_loss = float(np.mean(losses)) if losses else float("nan")
     history.append({"epoch": epoch + 1, "loss": mean_loss,
@@ -172,7 +167,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "epochs": history,
       "steps": total,
       "bytes_per_step": float(stats.bytes_sent),
-      "total_bytes": sum(n * b for n, b in zip(stage_steps, stage_bytes)),
+      "total_bytes": common.run_bytes(stages, stage_bytes, total),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "ratio_to_dense": float(stats.compression_ratio),
       "hlo_operand_bytes": traffic.operand_bytes,
