@@ -14,6 +14,9 @@ of bursts of steady-state calls:
    (jaxcomp.perfmodel.profile_model) and each compressor's encode/decode
    (measure_codec);
 3. each compressor's training step on a one-device mesh (no network);
+   this and the one-worker step of (2) are timed after a barrier, so that
+   all workers compute together and the first to finish wait idle, as in a
+   synchronous step;
 4. real data-parallel training steps of an MLP with
    ``jaxcomp.compressed_mean`` for dense (identity) and the compressors.
 
@@ -80,7 +83,7 @@ def worker(args) -> None:
 
   p = jax.process_count()
   mesh = jax.make_mesh((p,), ("data",))
-  out = {"nproc": p, "rank": jax.process_index()}
+  out = {"nproc": p, "rank": jax.process_index(), "compute_after_barrier": True}
 
   def global_array(tree, spec):
     sharding = NamedSharding(mesh, spec)
@@ -122,8 +125,32 @@ def worker(args) -> None:
   out["profile"] = prof.to_dict()
   one_step = jax.jit(lambda prm, x, y: sgd(prm, jax.grad(loss_fn)(prm, x, y)))
   time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
-  timed["single_worker_step"] = lambda: time_fn(one_step, lp, lx, ly, repeats=args.burst,
-                                                     warmup=1)
+
+  # The compute phase of a synchronous step: every worker starts together
+  # (the previous step's collective released them) and those that finish
+  # first wait, idle, in the next collective, leaving the CPU to the others.
+  # Where workers outnumber cores (4 processes on 2 here) that phase is
+  # shorter than the slowest worker's time under back-to-back calls, which
+  # keep every core busy. So each timed local call starts after a barrier (a
+  # scalar psum on the global mesh) and only the call itself is timed.
+  barrier_fn = jax.jit(jax.shard_map(lambda a: lax.psum(a, "data"), mesh=mesh,
+                                     in_specs=P("data"), out_specs=P(), check_vma=False))
+  barrier_x = global_array(np.ones((p,), np.float32), P("data"))
+
+  def synced(call):
+    """Runs ``call`` after a barrier, burst + 1 times; median of the last ``burst``."""
+    def one():
+      ts = []
+      for _ in range(args.burst + 1):
+        jax.block_until_ready(barrier_fn(barrier_x))
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+      return statistics.median(ts[1:])
+    return one
+
+  jax.block_until_ready(barrier_fn(barrier_x))
+  timed["single_worker_step"] = synced(lambda: jax.block_until_ready(one_step(lp, lx, ly)))
 
   # 1. Collectives on this link, as a training step issues them: the
   #    one-worker compute above, then one psum (all_gather) over K arrays of
@@ -196,6 +223,11 @@ def worker(args) -> None:
       return statistics.median(ts[1:])
     return one
 
+  def local_step_timer(step, carry, batch):
+    def call():
+      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+    return synced(call)
+
   gparams = global_array(params, P())
   gbatch = (global_array(xs, P("data")), global_array(ys, P("data")))
   local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("data",))
@@ -215,8 +247,8 @@ def worker(args) -> None:
     ops[spec] = len(traffic.ops)
     msgs[spec] = traffic.messages
     train[spec] = step_timer(step, carry, gbatch)
-    timed[f"local_step:{spec}"] = step_timer(*build_step(spec, local_mesh, lparams, lbatch),
-                                             lbatch)
+    timed[f"local_step:{spec}"] = local_step_timer(
+        *build_step(spec, local_mesh, lparams, lbatch), lbatch)
 
   # Interleaved rounds: background load on this shared machine then affects
   # the link measurements, the compute and the training steps alike.
