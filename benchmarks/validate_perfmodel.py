@@ -14,9 +14,9 @@ of bursts of steady-state calls:
    (jaxcomp.perfmodel.profile_model) and each compressor's encode/decode
    (measure_codec);
 3. each compressor's training step on a one-device mesh (no network);
-   this and the one-worker step of (2) are timed after a barrier, so that
-   all workers compute together and the first to finish wait idle, as in a
-   synchronous step;
+   where workers outnumber cores, this and the one-worker step of (2) are
+   timed after a barrier, so that all workers compute together and the
+   first to finish wait idle, as in a synchronous step;
 4. real data-parallel training steps of an MLP with
    ``jaxcomp.compressed_mean`` for dense (identity) and the compressors.
 
@@ -83,7 +83,7 @@ def worker(args) -> None:
 
   p = jax.process_count()
   mesh = jax.make_mesh((p,), ("data",))
-  out = {"nproc": p, "rank": jax.process_index(), "compute_after_barrier": True}
+  out = {"nproc": p, "rank": jax.process_index()}
 
   def global_array(tree, spec):
     sharding = NamedSharding(mesh, spec)
@@ -131,18 +131,28 @@ def worker(args) -> None:
   # first wait, idle, in the next collective, leaving the CPU to the others.
   # Where workers outnumber cores (4 processes on 2 here) that phase is
   # shorter than the slowest worker's time under back-to-back calls, which
-  # keep every core busy. So each timed local call starts after a barrier (a
-  # scalar psum on the global mesh) and only the call itself is timed.
+  # keep every core busy. So there each timed local call starts after a
+  # barrier (a scalar psum on the global mesh) and only the call is timed.
   barrier_fn = jax.jit(jax.shard_map(lambda a: lax.psum(a, "data"), mesh=mesh,
                                      in_specs=P("data"), out_specs=P(), check_vma=False))
   barrier_x = global_array(np.ones((p,), np.float32), P("data"))
 
+  # With a core per worker nothing waits for a core, and the barrier's own
+  # gloo wake-up then lengthens the timed call (by about 1.5 ms at 2
+  # workers here, as much as a small collective costs), so "auto" uses the
+  # barrier only where workers outnumber cores.
+  after_barrier = (args.compute_after_barrier == "on" or (
+      args.compute_after_barrier == "auto" and p > (os.cpu_count() or 1)))
+  out["compute_after_barrier"] = after_barrier
+
   def synced(call):
-    """Runs ``call`` after a barrier, burst + 1 times; median of the last ``burst``."""
+    """Runs ``call`` (after a barrier, if ``after_barrier``) burst + 1 times;
+    median of the last ``burst``."""
     def one():
       ts = []
       for _ in range(args.burst + 1):
-        jax.block_until_ready(barrier_fn(barrier_x))
+        if after_barrier:
+          jax.block_until_ready(barrier_fn(barrier_x))
         t0 = time.perf_counter()
         call()
         ts.append(time.perf_counter() - t0)
@@ -471,6 +481,7 @@ def run_one(cluster, nproc, rate, args, tmpdir):
     argv = [*pin, sys.executable, os.path.abspath(__file__),
             "--worker", "--rank", str(i), "--nproc", str(nproc), "--coordinator", coord,
             "--result", result, "--steps", str(args.steps), "--burst", str(args.burst),
+            "--compute-after-barrier", args.compute_after_barrier,
             "--compressors", *args.compressors]
     procs.append(cluster.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
   deadline = time.time() + args.timeout
@@ -671,6 +682,10 @@ def main(argv=None) -> int:
                   help="the model's compute: 'single' = the one-worker step plus "
                   "measured encode/decode; 'local' = each compressor's training "
                   "step on a one-device mesh (transform included)")
+  ap.add_argument("--compute-after-barrier", choices=("auto", "on", "off"), default="auto",
+                  help="time the one-worker and local steps after a barrier, so that "
+                  "all workers compute together as in a synchronous step; 'auto': "
+                  "where workers outnumber this machine's cores")
   ap.add_argument("--pin", action="store_true",
                   help="pin worker i to core i %% cores (taskset)")
   ap.add_argument("--fit", choices=("per-kind", "link"), default="per-kind",

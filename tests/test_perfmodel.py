@@ -547,3 +547,35 @@ def test_compare_collective_applies_to_compressors_that_are_not_linear():
     pm.compare(prof, comps, net, collective={"other": "auto"})
   with pytest.raises(ValueError, match="collective"):
     pm.compare(prof, comps, net, collective="ring")
+
+
+def test_readme_validation_table_is_the_saved_measurements_report():
+  # The README's measured / predicted table must be what
+  # `validate_perfmodel.py --report-from docs/perfmodel_validation_p*.json
+  # --compute local` prints from the raw measurements kept in docs/.
+  import importlib.util
+  import os
+  import re
+  root = os.path.join(os.path.dirname(__file__), "..")
+  spec = importlib.util.spec_from_file_location(
+      "validate_perfmodel", os.path.join(root, "benchmarks", "validate_perfmodel.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  runs = {}
+  for p in (2, 4):
+    with open(os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")) as f:
+      for key, v in json.load(f)["runs"].items():
+        n, r = key.split(":")
+        runs[(int(n), r)] = v
+  table, _ = mod.report(runs, list(mod.COMPRESSORS), print_=lambda s: None, compute="local")
+  with open(os.path.join(root, "README.md")) as f:
+    readme = f.read()
+  cells = {}
+  for n, rate, rest in re.findall(r"^\| (\d), (\w+) \|(.*)\|$", readme, re.M):
+    for spec, cell in zip(mod.COMPRESSORS, rest.split("|")):
+      cells[(int(n), rate, spec)] = cell.strip()
+  assert len(cells) == len(table) == 40
+  for r in table:
+    want = (f"{r['measured_ms']:.0f} / {r['predicted_ms']:.0f} "
+            f"({100 * r['rel_error']:+.0f}%)")
+    assert cells[(r["workers"], r["rate"], r["compressor"])] == want, r
