@@ -133,10 +133,6 @@ def worker(args) -> None:
   # shorter than the slowest worker's time under back-to-back calls, which
   # keep every core busy. So there each timed local call starts after a
   # barrier (a scalar psum on the global mesh) and only the call is timed.
-  barrier_fn = jax.jit(jax.shard_map(lambda a: lax.psum(a, "data"), mesh=mesh,
-                                     in_specs=P("data"), out_specs=P(), check_vma=False))
-  barrier_x = global_array(np.ones((p,), np.float32), P("data"))
-
   # With a core per worker nothing waits for a core, and the barrier's own
   # gloo wake-up then lengthens the timed call (by about 1.5 ms at 2
   # workers here, as much as a small collective costs), so "auto" uses the
@@ -144,14 +140,19 @@ def worker(args) -> None:
   after_barrier = (args.compute_after_barrier == "on" or (
       args.compute_after_barrier == "auto" and p > (os.cpu_count() or 1)))
   out["compute_after_barrier"] = after_barrier
+  if after_barrier:
+    barrier_fn = jax.jit(jax.shard_map(lambda a: lax.psum(a, "data"), mesh=mesh,
+                                       in_specs=P("data"), out_specs=P(), check_vma=False))
+    barrier_x = global_array(np.ones((p,), np.float32), P("data"))
+    jax.block_until_ready(barrier_fn(barrier_x))
 
-  def synced(call):
-    """Runs ``call`` (after a barrier, if ``after_barrier``) burst + 1 times;
-    median of the last ``burst``."""
+  def burst_timer(call, barrier):
+    """Runs ``call`` (after a barrier, if ``barrier``) burst + 1 times;
+    median of the last ``burst`` (the first one absorbs the workers' skew)."""
     def one():
       ts = []
       for _ in range(args.burst + 1):
-        if after_barrier:
+        if barrier:
           jax.block_until_ready(barrier_fn(barrier_x))
         t0 = time.perf_counter()
         call()
@@ -159,8 +160,8 @@ def worker(args) -> None:
       return statistics.median(ts[1:])
     return one
 
-  jax.block_until_ready(barrier_fn(barrier_x))
-  timed["single_worker_step"] = synced(lambda: jax.block_until_ready(one_step(lp, lx, ly)))
+  timed["single_worker_step"] = burst_timer(
+      lambda: jax.block_until_ready(one_step(lp, lx, ly)), after_barrier)
 
   # 1. Collectives on this link, as a training step issues them: the
   #    one-worker compute above, then one psum (all_gather) over K arrays of
@@ -223,20 +224,11 @@ def worker(args) -> None:
       carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
     return step, carry
 
-  def step_timer(step, carry, batch):
-    def one():
-      ts = []
-      for i in range(args.burst + 1):  # the first one absorbs the workers' skew
-        t0 = time.perf_counter()
-        carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
-        ts.append(time.perf_counter() - t0)
-      return statistics.median(ts[1:])
-    return one
-
-  def local_step_timer(step, carry, batch):
+  def step_call(step, carry, batch):
+    """One training step that advances ``carry`` ([params, state])."""
     def call():
       carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
-    return synced(call)
+    return call
 
   gparams = global_array(params, P())
   gbatch = (global_array(xs, P("data")), global_array(ys, P("data")))
@@ -256,9 +248,9 @@ def worker(args) -> None:
     wire[spec] = traffic.operand_bytes
     ops[spec] = len(traffic.ops)
     msgs[spec] = traffic.messages
-    train[spec] = step_timer(step, carry, gbatch)
-    timed[f"local_step:{spec}"] = local_step_timer(
-        *build_step(spec, local_mesh, lparams, lbatch), lbatch)
+    train[spec] = burst_timer(step_call(step, carry, gbatch), barrier=False)
+    timed[f"local_step:{spec}"] = burst_timer(
+        step_call(*build_step(spec, local_mesh, lparams, lbatch), lbatch), after_barrier)
 
   # Interleaved rounds: background load on this shared machine then affects
   # the link measurements, the compute and the training steps alike.
@@ -658,6 +650,18 @@ def _raise_on_signal(signum, frame):
   raise KeyboardInterrupt(f"signal {signum}")
 
 
+def load_runs(paths):
+  """The runs of saved OUT.json files, ``{(workers, link): measurements}``,
+  in worker and link order (``--report-from``)."""
+  runs = {}
+  for path in paths:
+    with open(path) as f:
+      for key, v in json.load(f)["runs"].items():
+        p, r = key.split(":")
+        runs[(int(p), r)] = v
+  return dict(sorted(runs.items(), key=lambda kv: (kv[0][0], RATES.index(kv[0][1]))))
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -694,13 +698,7 @@ def main(argv=None) -> int:
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)
   if args.report_from:
-    runs = {}
-    for path in args.report_from:
-      with open(path) as f:
-        for key, v in json.load(f)["runs"].items():
-          p, r = key.split(":")
-          runs[(int(p), r)] = v
-    runs = dict(sorted(runs.items(), key=lambda kv: (kv[0][0], RATES.index(kv[0][1]))))
+    runs = load_runs(args.report_from)
     sys.path.insert(0, REPO)
     head = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}", ""]
     for line in head:

@@ -443,14 +443,20 @@ def test_netns_refuses_without_root_or_tc(monkeypatch):
     netns.check_prerequisites()
 
 
-def test_validation_benchmark_refuses_without_root(monkeypatch, capsys):
+def _validation_module():
+  """benchmarks/validate_perfmodel.py, imported (it is a script, not a package)."""
   import importlib.util
   import os
-  from jaxcomp import netns
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_perfmodel.py")
   spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
+  return mod
+
+
+def test_validation_benchmark_refuses_without_root(monkeypatch, capsys):
+  from jaxcomp import netns
+  mod = _validation_module()
   monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
   created = []
   monkeypatch.setattr(netns.RateLimitedCluster, "_create", lambda self: created.append(1))
@@ -461,12 +467,7 @@ def test_validation_benchmark_refuses_without_root(monkeypatch, capsys):
 
 
 def test_validation_fit_recovers_alpha_beta():
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_perfmodel.py")
-  spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = _validation_module()
   p, link, c0 = 4, pm.Link(2e-4, 8e-9), 1.5e-3
   meas = []
   for m, k in ((4096, 1), (4096, 8), (65536, 1), (65536, 8), (524288, 1), (2097152, 1)):
@@ -553,20 +554,12 @@ def test_readme_validation_table_is_the_saved_measurements_report():
   # The README's measured / predicted table must be what
   # `validate_perfmodel.py --report-from docs/perfmodel_validation_p*.json
   # --compute local` prints from the raw measurements kept in docs/.
-  import importlib.util
   import os
   import re
   root = os.path.join(os.path.dirname(__file__), "..")
-  spec = importlib.util.spec_from_file_location(
-      "validate_perfmodel", os.path.join(root, "benchmarks", "validate_perfmodel.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  runs = {}
-  for p in (2, 4):
-    with open(os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")) as f:
-      for key, v in json.load(f)["runs"].items():
-        n, r = key.split(":")
-        runs[(int(n), r)] = v
+  mod = _validation_module()
+  runs = mod.load_runs([os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")
+                        for p in (2, 4)])
   table, _ = mod.report(runs, list(mod.COMPRESSORS), print_=lambda s: None, compute="local")
   with open(os.path.join(root, "README.md")) as f:
     readme = f.read()
