@@ -38,6 +38,25 @@ def test_matrix_view_and_orthogonalize():
                              atol=1e-5)
 
 
+
+@pytest.mark.parametrize("cond", [1e3, 1e5])
+def test_orthogonalize_keeps_orthogonality_of_ill_conditioned_columns(cond):
+  # A (256, 4) float32 matrix with singular values 1 .. 1/cond: one
+  # Gram-Schmidt pass leaves |Q^T Q - I| near cond * eps (float32 eps is
+  # 1.2e-7); the reorthogonalized one stays at float32 rounding.
+  rng = np.random.default_rng(11)
+  u, _ = np.linalg.qr(rng.normal(size=(256, 4)))
+  v, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+  m = (u * np.geomspace(1.0, 1.0 / cond, 4)) @ v.T
+  q = np.asarray(orthogonalize(jnp.asarray(m, jnp.float32)), np.float64)
+  assert np.abs(q.T @ q - np.eye(4)).max() < 2e-6
+  # Same span as m: projecting m onto q leaves it unchanged.
+  np.testing.assert_allclose(q @ (q.T @ m), m, atol=1e-6)
+  # A zero column stays zero, the others orthonormal (epsilon == 0).
+  z = np.asarray(orthogonalize(jnp.asarray(m, jnp.float32).at[:, 1].set(0.0)))
+  assert not z[:, 1].any()
+  np.testing.assert_allclose(z[:, [0, 2, 3]].T @ z[:, [0, 2, 3]], np.eye(3), atol=2e-6)
+
 @pytest.mark.parametrize("r", [1, 3])
 def test_rank_r_gradient_is_recovered(mesh8, r):
   xs = _rank_r_grads(r)
