@@ -58,16 +58,17 @@ def orthogonalize(m: jax.Array, epsilon: float = 0.0) -> jax.Array:
   """Orthonormalize the columns of ``m`` (float32 ``(rows, r)``, returned in
   the same shape and dtype) by Gram-Schmidt with reorthogonalization.
 
-  Column ``i`` has the earlier (already orthonormal) columns projected out
+  Column ``i`` has the earlier, already normalized columns projected out
   twice, then is divided by ``||col|| + epsilon`` (with ``epsilon == 0`` a
-  zero column stays zero). One projection pass, as in PyTorch's
-  ``powerSGD_hook`` for rank <= 2, leaves ``|Q^T Q - I|`` near
-  ``cond(m) * eps``, so that ``P P^T M`` is no projection when the power
-  iteration's ``P`` is ill-conditioned; the second pass keeps it at float32
-  rounding while ``cond(m)`` is well below ``1/eps``, as Householder QR
-  (PyTorch's choice above rank 2) does. Giraud, Langou, Rozloznik, The loss of orthogonality
-  in the Gram-Schmidt orthogonalization process, Comput. Math. Appl. 50
-  (2005) ("twice is enough"). For full-rank ``m`` the result is numpy's
+  zero column stays zero; ``epsilon`` as in PyTorch's ``powerSGD_hook``).
+  One projection pass, as in that hook for rank <= 2, leaves
+  ``|Q^T Q - I|`` near ``cond(m) * eps``, so that ``P P^T M`` is no
+  projection when the power iteration's ``P`` is ill-conditioned; the
+  second pass keeps it at float32 rounding while ``cond(m)`` is well below
+  ``1/eps``, as Householder QR (the hook's choice above rank 2) does.
+  Giraud, Langou, Rozloznik, The loss of orthogonality in the Gram-Schmidt
+  orthogonalization process, Comput. Math. Appl. 50 (2005) ("twice is
+  enough"). For full-rank ``m`` and ``epsilon == 0`` the result is numpy's
   ``qr`` ``Q`` with the signs making ``R``'s diagonal positive. One
   ``lax.fori_loop`` over the columns, so the compiled size does not grow
   with the rank.
