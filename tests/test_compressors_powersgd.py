@@ -38,7 +38,6 @@ def test_matrix_view_and_orthogonalize():
                              atol=1e-5)
 
 
-
 @pytest.mark.parametrize("cond", [1e3, 1e5])
 def test_orthogonalize_keeps_orthogonality_of_ill_conditioned_columns(cond):
   # A (256, 4) float32 matrix with singular values 1 .. 1/cond: one
@@ -56,6 +55,7 @@ def test_orthogonalize_keeps_orthogonality_of_ill_conditioned_columns(cond):
   z = np.asarray(orthogonalize(jnp.asarray(m, jnp.float32).at[:, 1].set(0.0)))
   assert not z[:, 1].any()
   np.testing.assert_allclose(z[:, [0, 2, 3]].T @ z[:, [0, 2, 3]], np.eye(3), atol=2e-6)
+
 
 @pytest.mark.parametrize("r", [1, 3])
 def test_rank_r_gradient_is_recovered(mesh8, r):

@@ -2,10 +2,13 @@
 profiles, the micro-benchmarks, and the namespace benchmark's refusal checks."""
 
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
+import os
 import random
+import re
 
 import pytest
 
@@ -445,8 +448,6 @@ def test_netns_refuses_without_root_or_tc(monkeypatch):
 
 def _validation_module():
   """benchmarks/validate_perfmodel.py, imported (it is a script, not a package)."""
-  import importlib.util
-  import os
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_perfmodel.py")
   spec = importlib.util.spec_from_file_location("validate_perfmodel", path)
   mod = importlib.util.module_from_spec(spec)
@@ -554,8 +555,6 @@ def test_readme_validation_table_is_the_saved_measurements_report():
   # The README's measured / predicted table must be what
   # `validate_perfmodel.py --report-from docs/perfmodel_validation_p*.json
   # --compute local` prints from the raw measurements kept in docs/.
-  import os
-  import re
   root = os.path.join(os.path.dirname(__file__), "..")
   mod = _validation_module()
   runs = mod.load_runs([os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")

@@ -78,7 +78,7 @@ def orthogonalize(m: jax.Array, epsilon: float = 0.0) -> jax.Array:
 
   def body(i, m):
     c = lax.dynamic_index_in_dim(m, i, axis=1, keepdims=False)
-    done = jnp.where(cols[None, :] < i, m, 0.0)  # columns < i, orthonormal
+    done = jnp.where(cols[None, :] < i, m, 0.0)  # columns < i, already normalized
     for _ in range(2):
       c = c - _mm(done, _mm(c, done))
     norm = jnp.sqrt(jnp.sum(c * c))
