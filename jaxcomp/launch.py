@@ -12,9 +12,10 @@ The job is torn down as a whole: when one process exits with an error or is
 killed, the launcher reports which one and its exit code, gives the others
 ``--grace`` seconds to stop on their own (JAX's heartbeat makes them fail
 with an error rather than hang), then terminates them (SIGTERM, and SIGKILL
-after 5 s), and exits non-zero. Exit status: 0 when every process exited 0;
-the failing process's code (128 + signal number if it was killed by a
-signal); 124 on ``--timeout``.
+after 5 s), and exits non-zero. The processes also die when the launcher
+itself dies, SIGKILL included (Linux ``PR_SET_PDEATHSIG``). Exit status: 0
+when every process exited 0; the failing process's code (128 + signal number
+if it was killed by a signal); 124 on ``--timeout``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,13 +98,37 @@ def _pump(stream, prefix: str, out) -> None:
   stream.close()
 
 
-def _set_pdeathsig():  # runs in the child before exec (Linux only)
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
-  except Exception:  # pylint: disable=broad-except
-    pass
+# Each process starts as this small Python program, which asks the kernel to
+# SIGKILL it when the launcher dies (Linux PR_SET_PDEATHSIG; kept across
+# exec), makes sure the launcher had not already died, and then execs the
+# command, which keeps its pid, environment and output pipe. Doing this in a
+# fresh process rather than in a ``preexec_fn`` keeps Python code out of the
+# window between fork and exec, which is not safe in a launcher with threads
+# (JAX's, or an earlier job's output threads).
+_DIE_WITH_LAUNCHER = """\
+import ctypes, os, signal, sys
+try:
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+  pass
+if os.getppid() != int(sys.argv[1]):
+  os.kill(os.getpid(), signal.SIGKILL)
+try:
+  os.execv(sys.argv[2], sys.argv[3:])
+except OSError as e:
+  sys.exit(f"jaxcomp.launch: cannot run {sys.argv[3]!r}: {e}")
+"""
+
+
+def _resolve(program: str, path: str | None) -> str:
+  """``program`` as execvp would find it, or a FileNotFoundError now."""
+  found = shutil.which(program, path=path)
+  if found is None:
+    raise FileNotFoundError(
+        f"command[0] = {program!r} is not an executable file"
+        + ("" if os.sep in program else " on PATH")
+        + "; give its full path or fix PATH")
+  return found
 
 
 def launch(command: Sequence[str], num_processes: int, *,
@@ -138,6 +164,8 @@ def launch(command: Sequence[str], num_processes: int, *,
 
   Raises:
     ValueError: an empty command or a bad count or time.
+    FileNotFoundError: ``command[0]`` is not an executable file (on the
+      ``PATH`` the processes get); raised before any process starts.
   """
   if not command:
     raise ValueError("command is empty; put it after '--', e.g. "
@@ -166,17 +194,22 @@ def launch(command: Sequence[str], num_processes: int, *,
     base["XLA_FLAGS"] = " ".join(flags)
   base["PYTHONUNBUFFERED"] = "1"
 
+  program = _resolve(command[0], base.get("PATH"))
+  argv = list(command)
+  if sys.executable:
+    argv = [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER,
+            str(os.getpid()), program, *argv]
+    program = sys.executable
+
   t0 = time.monotonic()
   procs, pumps = [], []
   for i in range(num_processes):
     child_env = dict(base)
     child_env[distributed.ENV_PROCESS_ID] = str(i)
-    p = subprocess.Popen(list(command), env=child_env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True,
-                         preexec_fn=_set_pdeathsig)
+    p = subprocess.Popen(argv, executable=program, env=child_env,
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
     procs.append(p)
-  # Output threads start after every fork (preexec_fn and threads don't mix).
-  for i, p in enumerate(procs):
     t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}] ", out),
                          daemon=True)
     t.start()
@@ -301,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     devices_per_process=args.devices_per_process,
                     port=args.port, grace=args.grace, timeout=args.timeout,
                     heartbeat_timeout=args.heartbeat_timeout)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     p.error(str(e))
   return result.returncode
 

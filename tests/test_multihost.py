@@ -198,6 +198,30 @@ def test_launcher_bad_input(kw, match):
     launch.launch([], 2)
 
 
+def test_launcher_missing_program_fails_before_starting_any_process():
+  with pytest.raises(FileNotFoundError, match=r"command\[0\].*no-such-prog"):
+    launch.launch(["no-such-prog-jaxcomp"], 2)
+  r = subprocess.run([sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--",
+                      "no-such-prog-jaxcomp"], capture_output=True, text=True,
+                     timeout=60, env=_clean_env())
+  assert r.returncode == 2 and "no-such-prog-jaxcomp" in r.stderr, r.stderr
+  assert "[p0]" not in r.stdout, r.stdout
+
+
+def test_launcher_forks_no_python_code_beside_jax_threads():
+  """Launching from a process whose JAX runtime has started threads: no
+  Python code may run between fork and exec (JAX warns when it does)."""
+  import warnings
+  import jax
+  jax.devices()  # starts the runtime's threads
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    res = launch.launch([sys.executable, "-c", "print('hi')"], 2,
+                        stdout=_Out(), env=_clean_env(), timeout=60)
+  assert res.returncode == 0, res
+  assert not [w for w in caught if "fork" in str(w.message)], caught
+
+
 WORKER = textwrap.dedent("""
     import jax, numpy as np
     from jax import lax
@@ -294,3 +318,52 @@ def test_launcher_interrupted_stops_its_children(tmp_path):
   for f in pids.iterdir():
     with pytest.raises(ProcessLookupError):
       os.kill(int(f.read_text()), 0)
+
+
+def _dead(pid):
+  """Gone or a zombie: an orphan is reaped by whoever is PID 1, if at all."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_die_when_the_launcher_is_killed(tmp_path):
+  import signal
+  import time
+  pids = tmp_path / "pids"
+  pids.mkdir()
+  child = ("import os, time\n"
+           f"path = os.path.join({str(pids)!r}, "
+           "os.environ['JAXCOMP_PROCESS_ID'])\n"
+           "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
+           "os.replace(path + '.tmp', path)\n"
+           "time.sleep(600)\n")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
+       "-c", child], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+      env=_clean_env())
+  children = []
+  try:
+    deadline = time.monotonic() + 60
+    done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
+    while len(done()) < 2 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    children = [int(f.read_text()) for f in done()]
+    assert len(children) == 2
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not all(map(_dead, children)) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert all(map(_dead, children)), children
+  finally:
+    proc.kill()
+    for pid in children:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
