@@ -288,8 +288,9 @@ def test_collectives_exact_and_divergence_detected_across_processes(tmp_path):
   assert out.text.count("divergence detected") == 2, out.text
 
 
-def test_launcher_interrupted_stops_its_children(tmp_path):
-  import signal
+def _launch_sleepers(tmp_path, **popen_kw):
+  """The launcher CLI running 2 processes that sleep; returns it and the
+  children's pids once both have written them."""
   import time
   pids = tmp_path / "pids"
   pids.mkdir()
@@ -301,23 +302,29 @@ def test_launcher_interrupted_stops_its_children(tmp_path):
            "time.sleep(600)\n")
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
-       "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env=_clean_env())
+       "-c", child], env=_clean_env(), **popen_kw)
+  deadline = time.monotonic() + 60
+  done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
+  while len(done()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return proc, [int(f.read_text()) for f in done()]
+
+
+def test_launcher_interrupted_stops_its_children(tmp_path):
+  import signal
+  proc, children = _launch_sleepers(tmp_path, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.monotonic() + 60
-    done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
-    while len(done()) < 2 and time.monotonic() < deadline:
-      time.sleep(0.1)
-    assert len(done()) == 2
+    assert len(children) == 2
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
   finally:
     proc.kill()
   assert proc.returncode == 128 + signal.SIGINT, err
   assert "interrupted by SIGINT" in err, err
-  for f in pids.iterdir():
+  for pid in children:
     with pytest.raises(ProcessLookupError):
-      os.kill(int(f.read_text()), 0)
+      os.kill(pid, 0)
 
 
 def _dead(pid):
@@ -334,25 +341,9 @@ def _dead(pid):
 def test_children_die_when_the_launcher_is_killed(tmp_path):
   import signal
   import time
-  pids = tmp_path / "pids"
-  pids.mkdir()
-  child = ("import os, time\n"
-           f"path = os.path.join({str(pids)!r}, "
-           "os.environ['JAXCOMP_PROCESS_ID'])\n"
-           "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
-           "os.replace(path + '.tmp', path)\n"
-           "time.sleep(600)\n")
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
-       "-c", child], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-      env=_clean_env())
-  children = []
+  proc, children = _launch_sleepers(tmp_path, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
   try:
-    deadline = time.monotonic() + 60
-    done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
-    while len(done()) < 2 and time.monotonic() < deadline:
-      time.sleep(0.1)
-    children = [int(f.read_text()) for f in done()]
     assert len(children) == 2
     proc.send_signal(signal.SIGKILL)  # no chance to clean up
     proc.wait(timeout=30)
@@ -363,7 +354,5 @@ def test_children_die_when_the_launcher_is_killed(tmp_path):
   finally:
     proc.kill()
     for pid in children:
-      try:
+      if not _dead(pid):
         os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
