@@ -195,18 +195,19 @@ def launch(command: Sequence[str], num_processes: int, *,
   base["PYTHONUNBUFFERED"] = "1"
 
   program = _resolve(command[0], base.get("PATH"))
-  argv = list(command)
   if sys.executable:
     argv = [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER,
-            str(os.getpid()), program, *argv]
-    program = sys.executable
+            str(os.getpid()), program, *command]
+    executable = sys.executable
+  else:  # an embedded interpreter has no python to run the stub with
+    argv, executable = list(command), program
 
   t0 = time.monotonic()
   procs, pumps = [], []
   for i in range(num_processes):
     child_env = dict(base)
     child_env[distributed.ENV_PROCESS_ID] = str(i)
-    p = subprocess.Popen(argv, executable=program, env=child_env,
+    p = subprocess.Popen(argv, executable=executable, env=child_env,
                          stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, start_new_session=True)
     procs.append(p)

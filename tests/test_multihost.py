@@ -7,10 +7,14 @@ Every subprocess runs under a timeout, so no test can hang.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -211,8 +215,6 @@ def test_launcher_missing_program_fails_before_starting_any_process():
 def test_launcher_forks_no_python_code_beside_jax_threads():
   """Launching from a process whose JAX runtime has started threads: no
   Python code may run between fork and exec (JAX warns when it does)."""
-  import warnings
-  import jax
   jax.devices()  # starts the runtime's threads
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -291,7 +293,6 @@ def test_collectives_exact_and_divergence_detected_across_processes(tmp_path):
 def _launch_sleepers(tmp_path, **popen_kw):
   """The launcher CLI running 2 processes that sleep; returns it and the
   children's pids once both have written them."""
-  import time
   pids = tmp_path / "pids"
   pids.mkdir()
   child = ("import os, time\n"
@@ -311,7 +312,6 @@ def _launch_sleepers(tmp_path, **popen_kw):
 
 
 def test_launcher_interrupted_stops_its_children(tmp_path):
-  import signal
   proc, children = _launch_sleepers(tmp_path, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
   try:
@@ -339,8 +339,6 @@ def _dead(pid):
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="PR_SET_PDEATHSIG is Linux's")
 def test_children_die_when_the_launcher_is_killed(tmp_path):
-  import signal
-  import time
   proc, children = _launch_sleepers(tmp_path, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
   try:
