@@ -290,6 +290,15 @@ def test_collectives_exact_and_divergence_detected_across_processes(tmp_path):
   assert out.text.count("divergence detected") == 2, out.text
 
 
+def _wait_until(cond, seconds):
+  """Polls ``cond()`` every 0.1 s until it is true or ``seconds`` have
+  passed; returns its last value."""
+  deadline = time.monotonic() + seconds
+  while not (ok := cond()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return ok
+
+
 def _launch_sleepers(tmp_path, **popen_kw):
   """The launcher CLI running 2 processes that sleep; returns it and the
   children's pids once both have written them."""
@@ -304,10 +313,8 @@ def _launch_sleepers(tmp_path, **popen_kw):
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
        "-c", child], env=_clean_env(), **popen_kw)
-  deadline = time.monotonic() + 60
   done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
-  while len(done()) < 2 and time.monotonic() < deadline:
-    time.sleep(0.1)
+  _wait_until(lambda: len(done()) >= 2, seconds=60)
   return proc, [int(f.read_text()) for f in done()]
 
 
@@ -345,10 +352,7 @@ def test_children_die_when_the_launcher_is_killed(tmp_path):
     assert len(children) == 2
     proc.send_signal(signal.SIGKILL)  # no chance to clean up
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while not all(map(_dead, children)) and time.monotonic() < deadline:
-      time.sleep(0.1)
-    assert all(map(_dead, children)), children
+    assert _wait_until(lambda: all(map(_dead, children)), seconds=30), children
   finally:
     proc.kill()
     for pid in children:
