@@ -9,11 +9,9 @@ Two per-device figures are reported per op:
 * ``operand_bytes``: the bytes this device hands to the collective (its
   contribution). This is what compression shrinks.
 * ``ring_bytes``: what a bandwidth-optimal ring algorithm moves out of each
-  device for that op over a group of ``g`` devices: all-reduce
-  ``2 (g - 1) / g * m``; all-gather ``(g - 1) * m`` (every device receives
-  every other device's payload, so this grows linearly with the device count
-  for all-gather-based compressors); reduce-scatter and all-to-all
-  ``(g - 1) / g * m``; collective-permute ``m``.
+  device for that op over its group, from the cost table in
+  :mod:`jaxcomp.wire` (all-gather grows linearly with the device count, so
+  all-gather-based compressors do too).
 """
 
 from __future__ import annotations
@@ -24,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxcomp import wire
+
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
     "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4,
     "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
     "f8e5m2fnuz": 1, "f8e3m4": 1, "c64": 8, "c128": 16,
 }
-KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
-         "collective-permute")
 _SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTR_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+"
@@ -151,18 +149,6 @@ def _split_top(args: str) -> list[str]:
   return out
 
 
-def _ring_bytes(kind: str, operand: int, g: int) -> float:
-  if g <= 1:
-    return 0.0
-  if kind == "all-reduce":
-    return 2 * (g - 1) / g * operand
-  if kind == "all-gather":
-    return (g - 1) * operand
-  if kind in ("reduce-scatter", "all-to-all"):
-    return (g - 1) / g * operand
-  return float(operand)
-
-
 def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic:
   """Reads the collectives of a compiled (or lowered) JAX computation.
 
@@ -222,6 +208,6 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     if start:  # async start returns (operands..., results...): halve
       result -= operand
     ops.append(CollectiveOp(kind, name, operand, result, groups, g,
-                            _ring_bytes(kind, operand, g), tuple(sizes)))
+                            wire.ring_bytes(kind, operand, g), tuple(sizes)))
   return Traffic(ops, sum(o.operand_bytes for o in ops),
                  sum(o.ring_bytes for o in ops))

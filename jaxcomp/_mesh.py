@@ -1,0 +1,105 @@
+"""Mesh-axis plumbing: the one home of every helper that names, checks or
+types mesh axes inside ``jax.shard_map`` / ``jax.pmap``.
+
+Inside ``shard_map`` with ``check_vma=True`` (the default) every value has a
+type that says over which manual mesh axes it *varies* (may differ per
+device); the rest of it is *invariant* (identical on every device). jaxcomp
+keeps per-device state (error-feedback residuals) varying and shared state
+(counts, keys, PowerSGD's Q) invariant, and reads those types back to place
+the state (:func:`jaxcomp.init_sharded`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = str | tuple[str, ...]
+
+
+def axes(axis_name: AxisName) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of mesh axis names."""
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def check_axis_name(axis_name, param: str = "axis_name") -> tuple[str, ...]:
+  """Validates a mesh axis name (or tuple of names) before any tracing.
+
+  Returns:
+    The names as a tuple.
+
+  Raises:
+    ValueError: ``axis_name`` is empty, not a string or tuple of non-empty
+      strings, or names an axis twice; the message names ``param``.
+  """
+  names = () if axis_name is None else axes(axis_name)
+  if not names or not all(isinstance(a, str) and a for a in names):
+    raise ValueError(
+        f"{param} must be a non-empty mesh axis name or a tuple of them, got "
+        f"{param}={axis_name!r}")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{param} names an axis twice: {param}={axis_name!r}")
+  return names
+
+
+def check_bound(axis_name: AxisName, where: str,
+                param: str = "axis_name") -> None:
+  """Raises a ``NameError`` that says where to call ``where`` when an axis of
+  ``axis_name`` (the parameter ``param``) is not bound by
+  ``shard_map``/``pmap``."""
+  for ax in axes(axis_name):
+    try:
+      lax.axis_index(ax)
+    except NameError as e:
+      raise NameError(
+          f"{where}: {param} {ax!r} is not bound. Call it inside "
+          f"jax.shard_map(..., mesh=mesh) over a mesh with axis {ax!r}, or "
+          f"inside jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded "
+          "and jaxcomp.shard_train_step do that for you.") from e
+
+
+def axis_size(axis_name: AxisName) -> int:
+  """Devices along ``axis_name`` (the product over a tuple; static), inside
+  shard_map/pmap."""
+  return math.prod(lax.axis_size(a) for a in axes(axis_name))
+
+
+def axis_sizes(axis_name: AxisName) -> dict[str, int]:
+  """``{axis: size}`` for every axis of ``axis_name``, in its order."""
+  return {a: lax.axis_size(a) for a in axes(axis_name)}
+
+
+def varying_axes(x) -> frozenset[str]:
+  """The mesh axes over which the traced value ``x`` varies.
+
+  The one place that knows where JAX keeps this: ``jax.typeof(x).vma`` in
+  older releases, ``jax.typeof(x).mat.varying`` from 0.10.
+  """
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def to_varying(tree, axis_name: AxisName):
+  """Marks every leaf of ``tree`` varying over ``axis_name`` (a no-op where
+  it already is), e.g. so that ``jax.grad`` returns per-device gradients."""
+  names = axes(axis_name)
+
+  def cast(x):
+    missing = tuple(a for a in names if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def varying_zeros(shape: int | Sequence[int], axis_name: AxisName,
+                  dtype=jnp.float32) -> jax.Array:
+  """Zeros of ``shape`` and ``dtype`` typed varying over ``axis_name``: a
+  per-device state leaf."""
+  return to_varying(jnp.zeros(shape, dtype), axis_name)
