@@ -11,6 +11,7 @@ from jaxcomp import collectives
 from jaxcomp import compressors
 from jaxcomp import distributed
 from jaxcomp import feedback
+from jaxcomp import wire
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic

@@ -1,13 +1,16 @@
 """Error feedback: what happens to what the compressor did not send.
 
-A feedback scheme wraps one compressed exchange of a gradient bucket. A bucket
-is held as its *parts*: a tuple with one flat float32 ``(size_i,)`` array per
-tensor in it, in bucket order (:data:`Parts`). The scheme's
-``apply(x, state, exchange)`` gets the device's gradient parts ``x``, its own
-state for that bucket, and ``exchange(v) -> (mean, local)`` (parts in, parts
-out; the transform concatenates them for the collective, see
-:mod:`jaxcomp.collectives`), and returns the averaged update (parts) and the
-new state.
+A feedback scheme is two pure steps that :func:`jaxcomp.compressed_mean`
+runs around each bucket's collective exchange::
+
+  v, ctx = feedback.prepare(x, state)          # what to send
+  mean, local, _ = collective.exchange(..., v, ...)
+  out, state = feedback.finish(ctx, mean, local)  # the update and new state
+
+A bucket is held as its *parts* (:mod:`jaxcomp._parts`): one flat float32
+``(size_i,)`` array per tensor in it, in bucket order. ``x`` is this
+device's gradient, ``mean`` the average of what every device sent (the same
+on every device), ``local`` what this device contributed to it.
 
 The state keeps one array per tensor, not one per bucket: a per-tensor
 residual is updated with per-tensor arithmetic, where a flat bucket residual
@@ -22,15 +25,13 @@ device.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
-Parts = tuple  # tuple[jax.Array, ...]: one float32 (size_i,) array per tensor
-Exchange = Callable[[Parts], tuple[Parts, Parts]]
+from jaxcomp._mesh import varying_zeros
+from jaxcomp._parts import Parts, add, sub
+from jaxcomp._registry import Registry
 
 
 class Feedback:
@@ -43,8 +44,14 @@ class Feedback:
     shard_map/pmap)."""
     raise NotImplementedError
 
-  def apply(self, x: Parts, state: Any,
-            exchange: Exchange) -> tuple[Parts, Any]:
+  def prepare(self, x: Parts, state: Any) -> tuple[Parts, Any]:
+    """``(v, ctx)``: the parts to exchange for gradient ``x``, and what
+    :meth:`finish` needs of this step."""
+    raise NotImplementedError
+
+  def finish(self, ctx: Any, mean: Parts, local: Parts) -> tuple[Parts, Any]:
+    """``(out, state)``: the averaged update and the new state, from the
+    exchange's ``mean`` and this device's contribution ``local``."""
     raise NotImplementedError
 
   def residual(self, state: Any) -> Parts | None:
@@ -52,14 +59,12 @@ class Feedback:
     return None
 
 
-def _add(a: Parts, b: Parts) -> Parts:
-  return tuple(x + y for x, y in zip(a, b))
+REGISTRY: Registry[Feedback] = Registry("error_feedback")
+register = REGISTRY.register
+names = REGISTRY.names
 
 
-def _sub(a: Parts, b: Parts) -> Parts:
-  return tuple(x - y for x, y in zip(a, b))
-
-
+@register
 @dataclasses.dataclass(frozen=True)
 class NoFeedback(Feedback):
   """Sends the compressed gradient; what is not sent is lost."""
@@ -70,36 +75,21 @@ class NoFeedback(Feedback):
     del sizes, axis_name
     return ()
 
-  def apply(self, x, state, exchange):
-    mean, _ = exchange(x)
-    return mean, state
+  def prepare(self, x, state):
+    return x, state
 
-
-def varying_zeros(n: int, axis_name) -> jax.Array:
-  """float32 zeros ``(n,)`` typed as varying over ``axis_name``."""
-  return lax.pcast(jnp.zeros((n,), jnp.float32), axis_name, to="varying")
+  def finish(self, ctx, mean, local):
+    del local
+    return mean, ctx
 
 
 def varying_zero_parts(sizes: Sequence[int], axis_name) -> Parts:
-  """One :func:`varying_zeros` per size."""
-  return tuple(varying_zeros(n, axis_name) for n in sizes)
+  """One float32 ``(size_i,)`` zero array per size, varying over
+  ``axis_name``: a per-device state in parts."""
+  return tuple(varying_zeros((n,), axis_name) for n in sizes)
 
 
-def concat_parts(parts: Parts) -> jax.Array:
-  """The parts as one flat array (the bucket's layout), e.g. to inspect a
-  bucket's residual; works on the state's global arrays too (leading device
-  axis), concatenating along the last axis."""
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-
-
-def split_parts(flat: jax.Array, sizes: Sequence[int]) -> Parts:
-  """The inverse of :func:`concat_parts`: ``flat`` (``(sum(sizes),)``) cut
-  into consecutive pieces of ``sizes`` elements."""
-  if len(sizes) == 1:
-    return (flat,)
-  return tuple(jnp.split(flat, list(itertools.accumulate(sizes))[:-1]))
-
-
+@register
 @dataclasses.dataclass(frozen=True)
 class ResidualFeedback(Feedback):
   """Residual error feedback (EF-SGD).
@@ -121,10 +111,12 @@ class ResidualFeedback(Feedback):
   def init(self, sizes, axis_name):
     return varying_zero_parts(sizes, axis_name)
 
-  def apply(self, x, state, exchange):
-    v = _add(x, state)
-    mean, local = exchange(v)
-    return mean, _sub(v, local)
+  def prepare(self, x, state):
+    v = add(x, state)
+    return v, v
+
+  def finish(self, ctx, mean, local):
+    return mean, sub(ctx, local)
 
   def residual(self, state):
     return state
@@ -137,6 +129,7 @@ class EF21State(NamedTuple):
   shared: Parts  # per tensor (size_i,), float32, g = mean_i g_i (invariant)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class EF21(Feedback):
   """EF21 error feedback (Richtarik et al. 2021).
@@ -164,10 +157,12 @@ class EF21(Feedback):
     return EF21State(local=varying_zero_parts(sizes, axis_name),
                      shared=tuple(jnp.zeros((n,), jnp.float32) for n in sizes))
 
-  def apply(self, x, state, exchange):
-    mean, local = exchange(_sub(x, state.local))
-    shared = _add(state.shared, mean)
-    return shared, EF21State(local=_add(state.local, local), shared=shared)
+  def prepare(self, x, state):
+    return sub(x, state.local), state
+
+  def finish(self, ctx, mean, local):
+    shared = add(ctx.shared, mean)
+    return shared, EF21State(local=add(ctx.local, local), shared=shared)
 
 
 class DGCState(NamedTuple):
@@ -177,6 +172,7 @@ class DGCState(NamedTuple):
   accumulation: Parts  # per tensor (size_i,), float32, v: accumulated, unsent
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class DGCFeedback(Feedback):
   """DGC momentum correction, momentum factor masking and local clipping.
@@ -222,37 +218,24 @@ class DGCFeedback(Feedback):
     return DGCState(momentum=varying_zero_parts(sizes, axis_name),
                     accumulation=varying_zero_parts(sizes, axis_name))
 
-  def apply(self, x, state, exchange):
+  def prepare(self, x, state):
     if self.clip_norm is not None:
       norm = jnp.sqrt(sum(jnp.sum(p * p) for p in x))
       scale = jnp.minimum(1.0, jnp.float32(self.clip_norm) / jnp.maximum(
           norm, jnp.finfo(jnp.float32).tiny))
       x = tuple(p * scale for p in x)
-    u = _add(tuple(jnp.float32(self.momentum) * m for m in state.momentum), x)
-    v = _add(state.accumulation, u)
-    mean, local = exchange(v)
+    u = add(tuple(jnp.float32(self.momentum) * m for m in state.momentum), x)
+    v = add(state.accumulation, u)
+    return v, DGCState(momentum=u, accumulation=v)
+
+  def finish(self, ctx, mean, local):
     return mean, DGCState(
-        momentum=tuple(jnp.where(l != 0, 0.0, ui) for l, ui in zip(local, u)),
-        accumulation=_sub(v, local))
+        momentum=tuple(jnp.where(l != 0, 0.0, u)
+                       for l, u in zip(local, ctx.momentum)),
+        accumulation=sub(ctx.accumulation, local))
 
   def residual(self, state):
     return state.accumulation
-
-
-_REGISTRY = {NoFeedback.name: NoFeedback, ResidualFeedback.name: ResidualFeedback,
-             EF21.name: EF21, DGCFeedback.name: DGCFeedback}
-
-
-def register(cls):
-  """Class decorator: registers a Feedback subclass under ``cls.name``."""
-  if cls.name in _REGISTRY:
-    raise ValueError(f"feedback name {cls.name!r} is already registered")
-  _REGISTRY[cls.name] = cls
-  return cls
-
-
-def names() -> list[str]:
-  return sorted(_REGISTRY)
 
 
 def get(feedback: str | bool | Feedback | None, biased: bool) -> Feedback:
@@ -275,8 +258,8 @@ def get(feedback: str | bool | Feedback | None, biased: bool) -> Feedback:
     return NoFeedback()
   if isinstance(feedback, Feedback):
     return feedback
-  if isinstance(feedback, str) and feedback in _REGISTRY:
-    return _REGISTRY[feedback]()
+  if feedback in REGISTRY:
+    return REGISTRY.lookup(feedback)()
   raise ValueError(
       f"unknown error_feedback {feedback!r}; choose one of {names()}, True, "
       "False or None")

@@ -18,52 +18,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-AxisName = str | tuple[str, ...]
-
-
-def _axes(axis_name: AxisName) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def varying_axes(x) -> frozenset[str]:
-  """The mesh axes over which the traced value ``x`` varies.
-
-  The one place that knows where JAX keeps this: ``jax.typeof(x).vma`` in
-  older releases, ``jax.typeof(x).mat.varying`` from 0.10.
-  """
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()) or ())
-
-
-def check_axis_bound(axis_name: AxisName, where: str) -> None:
-  """Raises a clear error if ``axis_name`` is not bound by shard_map/pmap."""
-  for ax in _axes(axis_name):
-    try:
-      lax.axis_index(ax)
-    except NameError as e:
-      raise NameError(
-          f"{where}: axis_name {ax!r} is not bound. Call it inside "
-          f"jax.shard_map(..., mesh=mesh) over a mesh with axis {ax!r}, or "
-          f"inside jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded "
-          "and jaxcomp.shard_train_step do that for you.") from e
-
-
-def to_varying(tree, axis_name: AxisName):
-  """Marks every leaf of ``tree`` varying over ``axis_name`` (no-op where it
-  already is), so that ``jax.grad`` returns per-device gradients."""
-  axes = _axes(axis_name)
-
-  def cast(x):
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(cast, tree)
+from jaxcomp._mesh import AxisName
+from jaxcomp._mesh import check_axis_name
+from jaxcomp._mesh import check_bound
+from jaxcomp._mesh import to_varying
+from jaxcomp._mesh import varying_axes
 
 
 def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
@@ -86,7 +47,7 @@ def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
   vg = jax.value_and_grad(fun, has_aux=has_aux)
 
   def wrapped(params, *args, **kwargs):
-    check_axis_bound(axis_name, "per_device_value_and_grad")
+    check_bound(axis_name, "per_device_value_and_grad")
     return vg(to_varying(params, axis_name), *args, **kwargs)
 
   return wrapped
@@ -171,10 +132,7 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
   Raises:
     ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
   """
-  axes = _axes(axis_name)
-  if not axes or not all(isinstance(a, str) and a for a in axes):
-    raise ValueError(f"axis_name must be a non-empty axis name, got "
-                     f"{axis_name=}")
+  axes = check_axis_name(axis_name)
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(f"axis_name {missing} not in the mesh axes "

@@ -1,4 +1,18 @@
-"""The public transform: compressed gradient averaging over a mesh axis."""
+"""The public transform: compressed gradient averaging over a mesh axis.
+
+One gradient's path through :func:`compressed_mean`'s ``update``::
+
+  leaves --bucketing--> buckets of tensors (parts: one flat float32 array each)
+    per bucket:
+      v, ctx   = feedback.prepare(parts, feedback_state)        # jaxcomp.feedback
+      mean, local, exchange_state = collective.exchange(        # jaxcomp.collectives
+          compressor, v, shapes, key=..., step=count, ...)      #   -> compressor.encode
+      update, feedback_state = feedback.finish(ctx, mean, local) #  / decode (kernels)
+  updates <- the buckets' updates, cut back into leaves in their own dtypes
+
+Leaves below ``min_compress_size`` skip all of it and go through one exact
+``pmean``.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +24,18 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from jaxcomp import _mesh
+from jaxcomp import _parts
 from jaxcomp import bucketing as bucketing_lib
 from jaxcomp import collectives as collectives_lib
 from jaxcomp import compressors as compressors_lib
 from jaxcomp import feedback as feedback_lib
-from jaxcomp.sharding import AxisName, _axes, check_axis_bound, to_varying
+from jaxcomp._mesh import AxisName
 
 NONFINITE_POLICIES = ("skip", "zero", "propagate")
+# fold_in data of the key stream that initialises the collectives' states
+# (e.g. PowerSGD's first Q): a step count the transform never reaches.
+_INIT_STREAM = 0xFFFFFFFF
 
 
 class CompressionStats(NamedTuple):
@@ -55,6 +74,17 @@ def _check_leaves(leaves, what: str) -> None:
           f"compressed_mean: {what} leaf {i} has dtype {dtype}; only floating "
           "gradients can be averaged. Exclude integer and boolean leaves "
           "(e.g. with optax.masked) or make them floats.")
+
+
+class _Layout(NamedTuple):
+  """How one gradient's leaves are cut into buckets (static)."""
+
+  sizes: list  # elements per leaf
+  plan: bucketing_lib.BucketPlan
+  shapes: list  # per bucket: the shapes of its tensors
+
+  def bucket_sizes(self, b: int) -> list[int]:
+    return [self.sizes[i] for i in self.plan.buckets[b]]
 
 
 def compressed_mean(
@@ -134,10 +164,7 @@ def compressed_mean(
     NameError: in ``init``/``update``, when ``axis_name`` is not bound
       (called outside ``shard_map``/``pmap``).
   """
-  axes = _axes(axis_name) if axis_name is not None else ()
-  if not axes or not all(isinstance(a, str) and a for a in axes):
-    raise ValueError(
-        f"axis_name must be a non-empty mesh axis name, got {axis_name=}")
+  _mesh.check_axis_name(axis_name)
   comp = compressors_lib.get(compressor, **compressor_kwargs)
   coll = collectives_lib.get(collective, comp, axis_name=axis_name)
   fb = feedback_lib.get(error_feedback, comp.biased)
@@ -146,31 +173,25 @@ def compressed_mean(
         f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite=}")
   if min_compress_size < 0:
     raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
-  # Validate the bucketing configuration now.
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
                              bucket_bytes=bucket_bytes, plan=plan)
 
-  def make_plan(leaves):
+  def layout(leaves) -> _Layout:
     sizes = [math.prod(jnp.shape(x)) for x in leaves]
     bplan = bucketing_lib.plan_buckets(
         sizes, strategy=bucketing, min_size=min_compress_size,
         bucket_elements=bucket_elements, bucket_bytes=bucket_bytes,
         plan=plan)
-    # Each bucket's compressor, told the shapes of the tensors in it.
-    comps = [comp.for_bucket(tuple(tuple(jnp.shape(leaves[i])) for i in b))
-             for b in bplan.buckets]
-    return sizes, bplan, comps
+    shapes = [tuple(tuple(jnp.shape(leaves[i])) for i in b)
+              for b in bplan.buckets]
+    return _Layout(sizes, bplan, shapes)
 
-  def bucket_sizes(sizes, bplan):
-    return [sum(sizes[i] for i in b) for b in bplan.buckets]
-
-  def static_stats(sizes, bplan, comps):
-    n_total = sum(sizes)
-    p = _axis_devices(axis_name)
-    sent = sum(coll.payload_bytes(c, n, p)
-               for c, n in zip(comps, bucket_sizes(sizes, bplan)))
-    sent += 4 * sum(sizes[i] for i in bplan.exact)
-    sent, dense = float(sent), float(4 * n_total)
+  def static_stats(lay: _Layout) -> dict:
+    axis_sizes = _mesh.axis_sizes(axis_name)
+    sent = sum(coll.payload_bytes(comp, shapes, axis_sizes)
+               for shapes in lay.shapes)
+    sent += 4 * sum(lay.sizes[i] for i in lay.plan.exact)
+    sent, dense = float(sent), float(4 * sum(lay.sizes))
     return dict(bytes_sent=jnp.asarray(sent, jnp.float32),
                 dense_bytes=jnp.asarray(dense, jnp.float32),
                 compression_ratio=jnp.asarray(dense / max(sent, 1.0),
@@ -179,83 +200,78 @@ def compressed_mean(
   def init_fn(params):
     leaves = jax.tree.leaves(params)
     _check_leaves(leaves, "params")
-    check_axis_bound(axis_name, "compressed_mean.init")
-    sizes, bplan, comps = make_plan(leaves)
-    for c, n in zip(comps, bucket_sizes(sizes, bplan)):
-      c.check_size(n)
-    key = jax.random.key_data(jax.random.key(seed))
+    _mesh.check_bound(axis_name, "compressed_mean.init")
+    lay = layout(leaves)
+    for b in range(len(lay.shapes)):
+      comp.check_size(sum(lay.bucket_sizes(b)))
+    key = jax.random.key(seed)
+    init_key = jax.random.fold_in(key, _INIT_STREAM)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
-        key=key,
-        feedback=tuple(fb.init(tuple(sizes[i] for i in b), axis_name)
-                       for b in bplan.buckets),
-        exchange_state=tuple(coll.init_state(c, n, axis_name)
-                             for c, n in zip(comps, bucket_sizes(sizes, bplan))),
+        key=jax.random.key_data(key),
+        feedback=tuple(fb.init(lay.bucket_sizes(b), axis_name)
+                       for b in range(len(lay.shapes))),
+        exchange_state=tuple(
+            coll.init_state(comp, shapes, jax.random.fold_in(init_key, b),
+                            axis_name)
+            for b, shapes in enumerate(lay.shapes)),
         stats=CompressionStats(
-            **static_stats(sizes, bplan, comps),
-            residual_norm=to_varying(jnp.zeros((), jnp.float32), axis_name),
+            **static_stats(lay),
+            residual_norm=_mesh.varying_zeros((), axis_name),
             skipped_steps=jnp.zeros((), jnp.int32)))
+
+  def screen(flat):
+    """``(flat, any_bad)``: the gradient as the nonfinite policy sends it,
+    and whether any device's gradient had a NaN or Inf (invariant)."""
+    local_bad = jnp.zeros((), jnp.bool_)
+    for x in flat:
+      local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
+    if nonfinite == "zero":
+      return ([jnp.where(jnp.isfinite(x), x, 0.0) for x in flat],
+              jnp.zeros((), jnp.bool_))
+    any_bad = lax.psum(local_bad.astype(jnp.int32), axis_name) > 0
+    if nonfinite == "skip":
+      # Compress zeros instead, so no NaN travels or reaches any state.
+      return [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat], any_bad
+    return [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat], any_bad
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves(leaves, "gradient")
-    check_axis_bound(axis_name, "compressed_mean.update")
-    sizes, bplan, comps = make_plan(leaves)
-    if len(bplan.buckets) != len(state.feedback):
+    _mesh.check_bound(axis_name, "compressed_mean.update")
+    lay = layout(leaves)
+    if len(lay.shapes) != len(state.feedback):
       raise ValueError(
-          f"the gradient has {len(bplan.buckets)} buckets but the state was "
+          f"the gradient has {len(lay.shapes)} buckets but the state was "
           f"initialised for {len(state.feedback)}; initialise the state with "
           "parameters of the same structure as the gradients")
-    flat = [x.reshape(-1).astype(jnp.float32) for x in leaves]
-
-    local_bad = jnp.zeros((), jnp.bool_)
-    for x in flat:
-      local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
-    if nonfinite == "zero":
-      flat = [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat]
-      any_bad = jnp.zeros((), jnp.bool_)
-    else:
-      any_bad = lax.psum(local_bad.astype(jnp.int32), axis_name) > 0
-      if nonfinite == "skip":
-        # Compress zeros instead, so no NaN travels or reaches any state.
-        flat = [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat]
-      else:
-        flat = [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat]
-
+    flat, any_bad = screen([x.reshape(-1).astype(jnp.float32) for x in leaves])
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                   state.count)
     out = [None] * len(leaves)
-    if bplan.exact:
-      xs = jnp.concatenate([flat[i] for i in bplan.exact])
-      mean = lax.pmean(xs, axis_name)
-      for i, m in zip(bplan.exact,
-                      feedback_lib.split_parts(mean, [sizes[i] for i in bplan.exact])):
+    if lay.plan.exact:
+      mean = lax.pmean(_parts.concat(tuple(flat[i] for i in lay.plan.exact)),
+                       axis_name)
+      for i, m in zip(lay.plan.exact, _parts.split(
+          mean, [lay.sizes[i] for i in lay.plan.exact])):
         out[i] = m
     new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
-    for bi, bucket in enumerate(bplan.buckets):
-      parts = tuple(flat[i] for i in bucket)
-      part_sizes = [sizes[i] for i in bucket]
-      key = jax.random.fold_in(step_key, bi)
-      key = coll.device_key(comps[bi], key, axis_name)
-      holder = {}
-
-      def exchange(v, key=key, old=state.exchange_state[bi], holder=holder,
-                   c=comps[bi], part_sizes=part_sizes):
-        # One flat buffer for the collective; cut back into tensors after.
-        mean, local, holder["state"] = coll.exchange(
-            c, feedback_lib.concat_parts(v), key, axis_name, old)
-        return (feedback_lib.split_parts(mean, part_sizes),
-                feedback_lib.split_parts(local, part_sizes))
-
-      mean, fstate = fb.apply(parts, state.feedback[bi], exchange)
-      estate = holder["state"]
+    for b, bucket in enumerate(lay.plan.buckets):
+      v, ctx = fb.prepare(tuple(flat[i] for i in bucket), state.feedback[b])
+      mean, local, estate = coll.exchange(
+          comp, v, lay.shapes[b],
+          key=coll.device_key(comp, jax.random.fold_in(step_key, b),
+                              axis_name),
+          step=state.count, axis_name=axis_name,
+          state=state.exchange_state[b])
+      mean, fstate = fb.finish(ctx, mean, local)
       if nonfinite != "zero":
         # A skipped step sends nothing and leaves no trace in the state.
         fstate, estate = jax.tree.map(
             lambda new, old: jnp.where(any_bad, old, new), (fstate, estate),
-            (state.feedback[bi], state.exchange_state[bi]))
+            (state.feedback[b], state.exchange_state[b]))
         if nonfinite == "skip":
           mean = tuple(jnp.where(any_bad, 0.0, m) for m in mean)
       new_fb.append(fstate)
@@ -267,15 +283,15 @@ def compressed_mean(
         out[i] = m
 
     mean_leaves = []
-    for i, (m, leaf) in enumerate(zip(out, leaves)):
+    for m, leaf in zip(out, leaves):
       if nonfinite == "propagate":
         m = jnp.where(any_bad, jnp.nan, m)
       mean_leaves.append(m.reshape(jnp.shape(leaf)).astype(leaf.dtype))
     # The bytes are this transform's (a state may come from another
     # transform of the same structure, e.g. an earlier warm-up stage).
     stats = state.stats._replace(
-        **static_stats(sizes, bplan, comps),
-        residual_norm=to_varying(jnp.sqrt(sq_residual), axis_name),
+        **static_stats(lay),
+        residual_norm=_mesh.to_varying(jnp.sqrt(sq_residual), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(
         count=state.count + 1, key=state.key, feedback=tuple(new_fb),
@@ -283,10 +299,6 @@ def compressed_mean(
     return jax.tree.unflatten(treedef, mean_leaves), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _axis_devices(axis_name) -> int:
-  return lax.axis_size(axis_name)
 
 
 def get_stats(state) -> CompressionStats | None:

@@ -4,33 +4,35 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomp import collectives
 from jaxcomp.sharding import to_varying
 
 
-def exchange_fn(mesh, comp, n, steps=1, axis="data"):
+def exchange_fn(mesh, comp, n, steps=1, axis="data", shape=None):
   """A jitted ``f(xs (p, n) or (steps, p, n), key) -> (means, locals,
-  state)`` running the compressor's default collective ``steps`` times.
+  state)`` running the compressor's default collective ``steps`` times on a
+  bucket of one tensor of ``shape`` (default ``(n,)``), the state
+  initialised with ``key`` and step ``t`` keyed ``fold_in(key, t)``.
 
   ``means`` is ``(steps, n)`` (identical on every device), ``locals`` is
   ``(p, steps, n)`` (each device's contribution), ``state`` the final
   exchange state with a leading device axis.
   """
   coll = collectives.get(None, comp)
+  shapes = (shape or (n,),)
 
   def body(xs, key):
     xs = xs[0] if xs.ndim == 2 else xs[:, 0]
     xs = xs.reshape(steps, n)
-    state = coll.init_state(comp, n, axis)
+    state = coll.init_state(comp, shapes, key, axis)
     means, locs = [], []
     for t in range(steps):
-      k = jax.random.fold_in(key, t)
-      if comp.randomness == "independent":
-        k = jax.random.fold_in(k, lax.axis_index(axis))
-      m, l, state = coll.exchange(comp, xs[t], k, axis, state)
+      k = coll.device_key(comp, jax.random.fold_in(key, t), axis)
+      (m,), (l,), state = coll.exchange(comp, (xs[t],), shapes, key=k,
+                                        step=jnp.int32(t), axis_name=axis,
+                                        state=state)
       means.append(m)
       locs.append(l)
     state = jax.tree.map(lambda a: a[None], to_varying(state, axis))

@@ -68,3 +68,11 @@ def run_pmap(tx, grads, axis="data"):
     return u, jax.tree.map(lambda x: lax.pmean(x, axis), g), s
 
   return jax.pmap(body, axis_name=axis)(grads, state)
+
+
+def feedback_round(fb, x, state, exchange):
+  """One step of the feedback scheme ``fb`` around a fake ``exchange(v) ->
+  (mean, local)`` (parts in, parts out), as the transform runs it."""
+  v, ctx = fb.prepare(x, state)
+  mean, local = exchange(v)
+  return fb.finish(ctx, mean, local)

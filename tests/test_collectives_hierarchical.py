@@ -1,4 +1,4 @@
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 """Hierarchical collective on a ("hosts", "devices") = (2, 4) mesh: exactness,
 equality with the flat exchange, error feedback, traffic per axis, bad axes."""
 
@@ -114,7 +114,8 @@ def test_traffic_per_axis(topk_psum_run):
   # The only all-device collective is the non-finite flag (4 bytes).
   assert by_group[8] == 4
   coll = Hierarchical(fast_axis="devices", slow_axis="hosts")
-  assert coll.bytes_for(comp, N, PER_HOST, HOSTS) == 4 * N + comp.payload_bytes(N)
+  sizes = {"hosts": HOSTS, "devices": PER_HOST}
+  assert coll.payload_bytes(comp, ((N,),), sizes) == 4 * N + comp.payload_bytes(N)
   # The transform's statistics count the same operand bytes.
   assert int(jaxcomp.get_stats(state).bytes_sent) == 4 * N + comp.payload_bytes(N)
 
@@ -183,7 +184,8 @@ class TestBadAxes:
     comp = jaxcomp.compressors.get("topk")
 
     def f(x):
-      return coll.exchange(comp, x, jax.random.key(0), ("data", "devices"))[0]
+      return coll.exchange(comp, (x,), ((4,),), key=jax.random.key(0),
+                           step=jnp.int32(0), axis_name=("data", "devices"))[0][0]
 
     with pytest.raises(NameError, match="fast_axis 'devices' is not bound"):
       jax.jit(jax.shard_map(f, mesh=mesh8, in_specs=P("data"),

@@ -12,7 +12,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.collectives import AllGatherMean, Auto, TwoPhase
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 from tests.helpers import run_pmap, run_shard_map, stacked
 
 P_DEV = 8
@@ -142,9 +142,9 @@ def _exchange_traffic(collective, comp, p, n):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("data",))
 
   def f(x):
-    mean, _, _ = collective.exchange(
+    mean, _, _ = collective.exchange_flat(
         comp, x, jax.random.key(0), "data",
-        collective.init_state(comp, n, "data"))
+        collective.init_flat(comp, n, "data"))
     return mean
 
   x = jax.device_put(jnp.ones((p * n,)), NamedSharding(mesh, P("data")))
@@ -173,8 +173,8 @@ def test_two_phase_ring_bytes_flat_in_devices(qsgd_traffic):
   size = comp.payload_bytes(n)
   for p in (2, 4, 8):
     tp, ag = t["two_phase", p], t["allgather", p]
-    assert tp.ring_bytes == TwoPhase().ring_bytes(comp, n, p)
-    assert tp.operand_bytes == TwoPhase().payload_bytes(comp, n, p)
+    assert tp.ring_bytes == TwoPhase().ring_bytes(comp, ((n,),), {"data": p})
+    assert tp.operand_bytes == TwoPhase().payload_bytes(comp, ((n,),), {"data": p})
     assert set(tp.by_kind()) == {"all-to-all", "all-gather"}
     ratio = tp.ring_bytes / (2 * (p - 1) / p * size)
     assert 0.85 <= ratio <= 1.15, (p, ratio)
@@ -208,13 +208,13 @@ class TestDefaults:
     for n, p in ((4096, 2), (4096, 8), (10, 8)):
       picked = auto.pick(comp, n, p)
       other = AllGatherMean() if isinstance(picked, TwoPhase) else TwoPhase()
-      assert picked.ring_bytes(comp, n, p) <= other.ring_bytes(comp, n, p)
+      assert picked.ring_bytes(comp, ((n,),), {"data": p}) <= other.ring_bytes(comp, ((n,),), {"data": p})
 
   def test_qsgd_default_two_phase_in_hlo(self):
     comp = jaxcomp.compressors.get("qsgd")
     t = _exchange_traffic(Auto(), comp, 8, 4096)
     assert set(t.by_kind()) == {"all-to-all", "all-gather"}
-    assert t.ring_bytes == TwoPhase().ring_bytes(comp, 4096, 8)
+    assert t.ring_bytes == TwoPhase().ring_bytes(comp, ((4096,),), {"data": 8})
 
 
 class TestBadInput:
@@ -236,7 +236,6 @@ class TestBadInput:
 
 @pytest.mark.parametrize("p", [1, 3, 20])  # 20: past the unrolled sum, a loop
 def test_decode_sum_adds_every_payload_in_device_order(p):
-  from jaxcomp.collectives.base import decode_sum
   comp = jaxcomp.compressors.get("qsgd", levels=16)
   n = 1000
   key = jax.random.key(3)
@@ -245,6 +244,6 @@ def test_decode_sum_adds_every_payload_in_device_order(p):
   want = comp.decode(jax.tree.map(lambda a: a[0], payloads), n, key)
   for i in range(1, p):
     want = want + comp.decode(jax.tree.map(lambda a: a[i], payloads), n, key)
-  got = jax.jit(lambda pl: decode_sum(comp, pl, n, key))(payloads)
+  got = jax.jit(lambda pl: comp.decode_sum(pl, n, key))(payloads)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -12,7 +12,7 @@ import pytest
 import jaxcomp
 from jaxcomp.collectives import AllGatherMean, PsumMean, Zen
 from jaxcomp.collectives.zen import hash_index, hash_multiplier, unhash_index
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 from tests.helpers import stacked
 
 P_DEV = 8
@@ -127,8 +127,8 @@ def _traffic(collective, comp, n):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:P_DEV]), ("data",))
 
   def f(x):
-    return collective.exchange(comp, x, jax.random.key(0), "data",
-                               collective.init_state(comp, n, "data"))[0]
+    return collective.exchange_flat(comp, x, jax.random.key(0), "data",
+                                    collective.init_flat(comp, n, "data"))[0]
 
   x = jax.device_put(jnp.ones((P_DEV * n,)), NamedSharding(mesh, P("data")))
   return jaxcomp.collective_traffic(
@@ -144,8 +144,8 @@ def test_traffic_zen_below_allgather_below_psum(mesh8):
   zen = _traffic(ZEN, ident, N)
   gather = _traffic(AllGatherMean(), pairs, N)
   dense = _traffic(PsumMean(), ident, N)
-  assert zen.ring_bytes == ZEN.ring_bytes(ident, N, P_DEV)
-  assert zen.operand_bytes == ZEN.payload_bytes(ident, N, P_DEV)
+  assert zen.ring_bytes == ZEN.ring_bytes(ident, ((N,),), {"data": P_DEV})
+  assert zen.operand_bytes == ZEN.payload_bytes(ident, ((N,),), {"data": P_DEV})
   assert gather.ring_bytes == (P_DEV - 1) * 8 * NNZ
   assert dense.ring_bytes == 2 * (P_DEV - 1) / P_DEV * 4 * N
   assert zen.ring_bytes < gather.ring_bytes / 1.5

@@ -47,7 +47,7 @@ def test_hlo_bytes_equal_payload_formula_and_dtypes_survive(mesh_all, name):
   traffic = jaxcomp.collective_traffic(
       lowered if name in LOWERED or mesh_all.size == 1 else lowered.compile())
   coll = collectives.get(None, comp)
-  expected = sum(coll.payload_bytes(comp, int(np.prod(s)), mesh_all.size)
+  expected = sum(coll.payload_bytes(comp, (s,), {"data": mesh_all.size})
                  for s, _ in SHAPES.values())
   assert traffic.operand_bytes == expected, traffic.table()
   if name not in ("identity", "cast"):

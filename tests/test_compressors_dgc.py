@@ -10,8 +10,9 @@ import pytest
 import jaxcomp
 from jaxcomp.compressors import (DGC, dgc_warmup_schedule, dgc_warmup_stages,
                                  dgc_warmup_steps)
-from jaxcomp.feedback import DGCFeedback, DGCState, concat_parts
-from tests.helpers import sharded_update, stacked
+from jaxcomp._parts import concat as concat_parts
+from jaxcomp.feedback import DGCFeedback, DGCState
+from tests.helpers import feedback_round, sharded_update, stacked
 
 N = 4000
 
@@ -50,13 +51,13 @@ def test_momentum_correction_and_factor_masking_by_hand():
   state = DGCState(momentum=_parts(jnp.zeros(3)), accumulation=_parts(jnp.zeros(3)))
   g1 = _parts([1.0, 0.5, -2.0])
   g2 = _parts([0.2, 1.0, 0.4])
-  mean, state = fb.apply(g1, state, _top1_exchange)
+  mean, state = feedback_round(fb, g1, state, _top1_exchange)
   # u = g1, v = g1; entry 2 (the second tensor) is sent; u and v are zeroed
   # there.
   np.testing.assert_array_equal(concat_parts(mean), [0.0, 0.0, -2.0])
   np.testing.assert_array_equal(concat_parts(state.momentum), [1.0, 0.5, 0.0])
   np.testing.assert_array_equal(concat_parts(state.accumulation), [1.0, 0.5, 0.0])
-  mean, state = fb.apply(g2, state, _top1_exchange)
+  mean, state = feedback_round(fb, g2, state, _top1_exchange)
   # u = 0.5 [1, .5, 0] + g2 = [.7, 1.25, .4]; v = [1, .5, 0] + u.
   np.testing.assert_allclose(concat_parts(mean), [0.0, 1.75, 0.0], rtol=1e-7)
   np.testing.assert_allclose(concat_parts(state.momentum), [0.7, 0.0, 0.4], rtol=1e-6)
@@ -68,7 +69,7 @@ def test_local_clipping():
   fb = DGCFeedback(momentum=0.0, clip_norm=1.0)
   state = DGCState(momentum=(jnp.zeros(1), jnp.zeros(1)),
                    accumulation=(jnp.zeros(1), jnp.zeros(1)))
-  mean, _ = fb.apply((jnp.asarray([3.0]), jnp.asarray([4.0])), state, lambda v: (v, v))
+  mean, _ = feedback_round(fb, (jnp.asarray([3.0]), jnp.asarray([4.0])), state, lambda v: (v, v))
   np.testing.assert_allclose(concat_parts(mean), [0.6, 0.8], rtol=1e-6)
   with pytest.raises(ValueError, match="momentum"):
     DGCFeedback(momentum=1.0)

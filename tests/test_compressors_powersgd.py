@@ -15,6 +15,7 @@ from tests.helpers import sharded_update, stacked
 
 ROWS = COLS = 32
 N = ROWS * COLS
+SHAPE = (ROWS, COLS)  # one tensor, viewed as this matrix
 
 
 def _rank_r_grads(r, seed=0):
@@ -60,7 +61,8 @@ def test_orthogonalize_keeps_orthogonality_of_ill_conditioned_columns(cond):
 @pytest.mark.parametrize("r", [1, 3])
 def test_rank_r_gradient_is_recovered(mesh8, r):
   xs = _rank_r_grads(r)
-  means, locs, _ = exchange_fn(mesh8, PowerSGD(rank=r), N)(xs, jax.random.key(0))
+  means, locs, _ = exchange_fn(mesh8, PowerSGD(rank=r), N, shape=SHAPE)(
+      xs, jax.random.key(0))
   ref = np.asarray(xs).mean(axis=0)
   np.testing.assert_allclose(np.asarray(means[0]), ref, atol=1e-4 * np.abs(
       ref).max())
@@ -71,7 +73,7 @@ def test_rank_r_gradient_is_recovered(mesh8, r):
 def test_full_rank_is_exact(mesh8):
   xs = jnp.asarray(np.random.default_rng(2).normal(size=(8, N)), jnp.float32)
   comp = PowerSGD(rank=ROWS, min_compression_rate=0.1)
-  means, _, _ = exchange_fn(mesh8, comp, N)(xs, jax.random.key(0))
+  means, _, _ = exchange_fn(mesh8, comp, N, shape=SHAPE)(xs, jax.random.key(0))
   np.testing.assert_allclose(np.asarray(means[0]), np.asarray(xs).mean(axis=0),
                              atol=1e-4)  # float32, cond(M) ~ 100
 
@@ -80,8 +82,9 @@ def test_warm_started_q_persists_across_steps(mesh8):
   comp = PowerSGD(rank=2)
   rng = np.random.default_rng(3)
   xs = jnp.asarray(rng.normal(size=(2, 8, N)), jnp.float32)
-  means, _, state = exchange_fn(mesh8, comp, N, steps=2)(xs, jax.random.key(0))
-  q = comp.init_state(N, "data").q  # the shared initial Q
+  key = jax.random.key(0)
+  means, _, state = exchange_fn(mesh8, comp, N, steps=2, shape=SHAPE)(xs, key)
+  (q,) = comp.init_state((SHAPE,), key, "data").q  # the shared initial Q
   m = np.asarray(xs, np.float64).reshape(2, 8, ROWS, COLS)
   for t in range(2):  # the power iteration by hand, Q carried over
     q = np.asarray(orthogonalize(jnp.asarray(q, jnp.float32)), np.float64)
@@ -90,15 +93,15 @@ def test_warm_started_q_persists_across_steps(mesh8):
     q = np.einsum("drc,rk->ck", m[t], p) / 8
     np.testing.assert_allclose(np.asarray(means[t]), (p @ q.T).reshape(-1),
                                atol=1e-4)
-  np.testing.assert_allclose(np.asarray(state.q)[0], q, atol=1e-4)
-  assert int(np.asarray(state.count)[0]) == 2
+  np.testing.assert_allclose(np.asarray(state.q[0])[0], q, atol=1e-4)
 
 
 def test_start_iter_and_min_compression_rate(mesh8):
   rng = np.random.default_rng(4)
   xs = jnp.asarray(rng.normal(size=(3, 8, N)), jnp.float32)
   comp = PowerSGD(rank=1, start_iter=2)
-  means, locs, _ = exchange_fn(mesh8, comp, N, steps=3)(xs, jax.random.key(0))
+  means, locs, _ = exchange_fn(mesh8, comp, N, steps=3, shape=SHAPE)(
+      xs, jax.random.key(0))
   ref = np.asarray(xs).mean(axis=1)
   for t in range(2):  # exact all-reduce, and local = x (no residual)
     np.testing.assert_allclose(np.asarray(means[t]), ref[t], rtol=1e-5,
@@ -108,7 +111,8 @@ def test_start_iter_and_min_compression_rate(mesh8):
       ref[2])  # compressed from step 2 on
   # 32 x 32 at rank 8: 1024 / (64 * 8) = 2 < 3, so it stays exact.
   exact = PowerSGD(rank=8, min_compression_rate=3.0)
-  assert not exact.compresses(N) and exact.payload_bytes(N) == 4 * N
+  assert exact.matrices((SHAPE,)) == [(N, ROWS, COLS, 0)]
+  assert exact.payload_bytes(N) == 4 * N
   assert PowerSGD(rank=8).payload_bytes(N) == 4 * 64 * 8
 
 
@@ -141,11 +145,12 @@ def test_bad_input():
     PowerSGD(min_compression_rate=0.0)
   with pytest.raises(ValueError, match="view"):
     PowerSGD(view="square")
-  with pytest.raises(ValueError, match="shapes"):
-    PowerSGD().for_bucket(((4, 8),)).segments(33)
-  # A rank above min(rows, cols) is capped (documented pass-through).
-  assert PowerSGD(rank=100, min_compression_rate=0.1).shape_and_rank(64) == (
-      8, 8, 8)
+  # A rank above min(rows, cols) is capped (documented pass-through), in
+  # the tensor view and the flat one (64 elements as an 8 x 8 matrix).
+  assert PowerSGD(rank=100, min_compression_rate=0.1).matrices(((8, 8),)) == [
+      (64, 8, 8, 8)]
+  assert PowerSGD(rank=100, min_compression_rate=0.1, view="flat").matrices(
+      ((64,),)) == [(64, 8, 8, 8)]
 
 
 def _per_tensor_run(view, r=2, steps=1):

@@ -7,7 +7,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.kernels import bitpack
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 from tests.exchange_helpers import exchange_fn
 from tests.helpers import run_shard_map
 

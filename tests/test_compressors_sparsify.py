@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp.compressors import RandomK, Threshold
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 from tests.exchange_helpers import exchange_fn
 from tests.helpers import run_shard_map, sharded_update, stacked
 

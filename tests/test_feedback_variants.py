@@ -6,8 +6,8 @@ import pytest
 
 import jaxcomp
 from jaxcomp import feedback
-from jaxcomp.feedback import concat_parts
-from tests.helpers import run_shard_map
+from jaxcomp._parts import concat as concat_parts
+from tests.helpers import feedback_round, run_shard_map
 
 N = 100
 
@@ -28,11 +28,11 @@ def test_ef21_by_hand_with_a_fake_exchange():
     return half, half
 
   x = (jnp.asarray([4.0, -2.0]), jnp.asarray([8.0]))
-  mean, state = fb.apply(x, state, halve)
+  mean, state = feedback_round(fb, x, state, halve)
   np.testing.assert_array_equal(concat_parts(mean), [2.0, -1.0, 4.0])
   np.testing.assert_array_equal(concat_parts(state.local), [2.0, -1.0, 4.0])
   assert [p.shape for p in state.local] == [(2,), (1,)]
-  mean, state = fb.apply(x, state, halve)  # c = (x - g_i) / 2
+  mean, state = feedback_round(fb, x, state, halve)  # c = (x - g_i) / 2
   np.testing.assert_array_equal(concat_parts(mean), [3.0, -1.5, 6.0])
   np.testing.assert_array_equal(concat_parts(state.shared), concat_parts(mean))
 

@@ -12,7 +12,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import distributed
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 
 AXES = ("hosts", "devices")
 

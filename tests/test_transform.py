@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.feedback import concat_parts
+from jaxcomp._parts import concat as concat_parts
 from tests.helpers import run_pmap, run_shard_map, sharded_update, stacked
 
 P_DEV = 8

@@ -1,73 +1,58 @@
 """Collectives: how compressed payloads travel over a mesh axis.
 
-A collective knows the compressor *interface* (``encode``, ``decode``,
-``linear``), never a particular compressor. Per bucket it keeps a state
-(``init_state``; ``()`` for stateless ones), and ``exchange(compressor, x,
-key, axis_name, state)`` runs inside ``jax.shard_map`` / ``jax.pmap`` and
-returns ``(mean, local, state)``:
+A collective knows the compressor *interface*
+(:class:`jaxcomp.compressors.Compressor`), never a particular compressor.
+One bucket of gradient tensors goes through::
 
-* ``mean``: float32 ``(n,)``, the average over the axis of what every device
-  sent, typed *invariant* (identical on every device, checked by
+  mean, local, state = collective.exchange(
+      compressor, parts, shapes, key=key, step=step, axis_name=axis_name,
+      state=state)
+
+inside ``jax.shard_map`` / ``jax.pmap``, where ``parts`` holds one flat
+float32 ``(size_i,)`` array per tensor of ``shapes`` (the error-corrected
+gradient, :mod:`jaxcomp._parts`) and, per tensor:
+
+* ``mean``: float32 ``(size_i,)``, the average over the axis of what every
+  device sent, typed *invariant* (identical on every device, checked by
   ``check_vma``);
-* ``local``: float32 ``(n,)``, what this device contributed to that mean, in
-  the units of its input, so that error feedback can keep ``x - local`` as
-  its residual;
-* ``state``: the collective's new state for this bucket.
+* ``local``: float32 ``(size_i,)``, what this device contributed to that
+  mean, in the units of its input, so that error feedback can keep
+  ``x - local`` as its residual;
+* ``state``: the collective's new state for this bucket (``init_state``;
+  ``()`` for stateless collectives).
 
-Compressors whose exchange is not one encode/transfer/decode round (PowerSGD's
-two all-reduces, TernGrad's shared scale) set ``own_exchange = True`` and
-implement ``init_state`` and ``exchange`` themselves; :class:`OwnExchange`
-(the default for them) calls those.
+Collectives that encode one flat buffer implement ``exchange_flat`` on the
+bucket's concatenation, which this base class builds and cuts back into
+tensors; compressors with ``own_exchange`` (PowerSGD, TernGrad, majority
+vote) get the tensors themselves through :class:`OwnExchange`.
+
+``transfers(compressor, shapes, sizes)`` lists the collectives one exchange
+issues (:class:`jaxcomp.wire.Transfer`); every byte and message count
+(statistics, traffic, the performance model) is read from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _parts
+from jaxcomp import wire
+from jaxcomp._mesh import AxisName, axis_size
+from jaxcomp._registry import Registry
 from jaxcomp.compressors.base import Compressor
+from jaxcomp.wire import axes_of
 
-AxisName = str | tuple[str, ...]
-
-
-def axis_size(axis_name: AxisName) -> int:
-  """Number of devices along ``axis_name`` (static), inside shard_map/pmap."""
-  return lax.axis_size(axis_name)
-
-
-def decode_sum(compressor: Compressor, payloads, n: int, key) -> jax.Array:
-  """Sum of the decodes of stacked payloads (leading axis: devices).
-
-  Uses the compressor's own ``decode_sum`` where it has one (top-k scatter-adds
-  all payloads at once), else decodes each payload and adds it to a float32
-  accumulator, device 0 first. (Decoding all payloads under ``vmap`` and
-  reducing over the device axis made XLA:CPU run one slow fusion per bucket;
-  in a profile of the 2-process QSGD step of
-  ``benchmarks/validate_perfmodel.py`` it took most of the step.)
-  """
-  fn = getattr(compressor, "decode_sum", None)
-  if fn is not None:
-    return fn(payloads, n, key)
-  p = jax.tree.leaves(payloads)[0].shape[0]
-  one = lambda i: compressor.decode(jax.tree.map(lambda a: a[i], payloads), n, key
-                                    ).astype(jnp.float32)
-  if p <= _UNROLL_DECODES:
-    acc = one(0)
-    for i in range(1, p):
-      acc = acc + one(i)
-    return acc
-  return lax.fori_loop(1, p, lambda i, acc: acc + one(i), one(0))
-
-
-_UNROLL_DECODES = 16  # beyond this many devices, decode in a loop
+Sizes = dict  # dict[str, int]: {mesh axis: devices}, the axes averaged over
 
 
 class Collective:
-  """Base class. Subclasses set ``name`` and implement ``exchange``."""
+  """Base class. Subclasses set ``name`` and implement ``exchange_flat`` and
+  ``flat_transfers`` (or, working on the tensors, ``exchange``,
+  ``init_state`` and ``transfers``)."""
 
   name: ClassVar[str] = ""
 
@@ -90,11 +75,6 @@ class Collective:
     del axis_name
     return self
 
-  def init_state(self, compressor: Compressor, n: int, axis_name: AxisName):
-    """State for one bucket of ``n`` elements (inside shard_map/pmap)."""
-    del compressor, n, axis_name
-    return ()
-
   def device_key(self, compressor: Compressor, key: jax.Array,
                  axis_name: AxisName) -> jax.Array:
     """The key this device passes to ``exchange`` (inside shard_map/pmap).
@@ -109,26 +89,64 @@ class Collective:
       return jax.random.fold_in(key, lax.axis_index(axis_name))
     return key
 
-  def exchange(self, compressor: Compressor, x: jax.Array, key: jax.Array,
+  def init_state(self, compressor: Compressor, shapes: _parts.Shapes,
+                 key: jax.Array, axis_name: AxisName):
+    """State for one bucket of tensors of ``shapes`` (inside shard_map/pmap);
+    ``key`` is the same on every device."""
+    del key
+    return self.init_flat(compressor, sum(_parts.sizes(shapes)), axis_name)
+
+  def init_flat(self, compressor: Compressor, n: int, axis_name: AxisName):
+    """State for one flat ``n``-element buffer: ``()`` by default."""
+    del compressor, n, axis_name
+    return ()
+
+  def exchange(self, compressor: Compressor, parts: _parts.Parts,
+               shapes: _parts.Shapes, *, key: jax.Array, step: jax.Array,
                axis_name: AxisName, state=()):
-    """Returns ``(mean, local, state)``; see the module docstring."""
+    """Returns ``(mean, local, state)``, per tensor; see the module
+    docstring. The base class runs :meth:`exchange_flat` on the
+    concatenation of ``parts``."""
+    del step
+    sizes = _parts.sizes(shapes)
+    mean, local, state = self.exchange_flat(
+        compressor, _parts.concat(parts), key, axis_name, state)
+    return _parts.split(mean, sizes), _parts.split(local, sizes), state
+
+  def exchange_flat(self, compressor: Compressor, x: jax.Array,
+                    key: jax.Array, axis_name: AxisName, state=()):
+    """``(mean, local, state)`` for one flat float32 ``(n,)`` buffer."""
     raise NotImplementedError
 
-  def payload_bytes(self, compressor: Compressor, n: int,
-                    num_devices: int) -> int:
-    """Operand bytes one device hands to collectives for ``n`` elements."""
-    del num_devices
-    return compressor.payload_bytes(n)
+  def transfers(self, compressor: Compressor, shapes: _parts.Shapes,
+                sizes: Sizes) -> tuple[wire.Transfer, ...]:
+    """The collectives one exchange of a bucket of ``shapes`` issues, per
+    device, over the axes of ``sizes`` (``{axis: devices}``)."""
+    return self.flat_transfers(compressor, sum(_parts.sizes(shapes)), sizes)
 
-  def ring_bytes(self, compressor: Compressor, n: int,
-                 num_devices: int) -> float:
-    """Bytes a bandwidth-optimal ring moves out of each device for one
-    exchange of ``n`` elements: the measure :attr:`jaxcomp.Traffic.ring_bytes`
-    reads from the compiled HLO. The base class counts the operand bytes as
-    one all-gather, ``(p - 1)`` times."""
-    return (num_devices - 1) * self.payload_bytes(compressor, n, num_devices)
+  def flat_transfers(self, compressor: Compressor, n: int,
+                     sizes: Sizes) -> tuple[wire.Transfer, ...]:
+    """:meth:`transfers` for one flat ``n``-element buffer."""
+    raise NotImplementedError
+
+  def payload_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
+                    sizes: Sizes) -> int:
+    """Operand bytes one device hands to collectives for one exchange."""
+    return wire.operand_bytes(self.transfers(compressor, shapes, sizes))
+
+  def ring_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
+                 sizes: Sizes) -> float:
+    """Bytes one device sends for one exchange by the ring algorithms: what
+    :attr:`jaxcomp.Traffic.ring_bytes` reads from the compiled HLO."""
+    return wire.total_ring_bytes(self.transfers(compressor, shapes, sizes))
 
 
+REGISTRY: Registry[Collective] = Registry("collective")
+register = REGISTRY.register
+names = REGISTRY.names
+
+
+@register
 @dataclasses.dataclass(frozen=True)
 class PsumMean(Collective):
   """All-reduce (``lax.psum``) of the payload; for linear compressors only.
@@ -151,10 +169,10 @@ class PsumMean(Collective):
           "is not (its payloads cannot be summed in flight). Use "
           "collective='allgather'.")
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
-    if getattr(compressor, "prescale", False):
+    if compressor.prescale:
       payload = compressor.encode(x / p, key)
       mean = compressor.decode(lax.psum(payload, axis_name), n, key)
       local = compressor.decode(payload, n, key) * p
@@ -163,11 +181,12 @@ class PsumMean(Collective):
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
     return mean, compressor.decode(payload, n, key), state
 
-  def ring_bytes(self, compressor, n, num_devices):
-    p = num_devices
-    return 2 * (p - 1) / p * self.payload_bytes(compressor, n, p)
+  def flat_transfers(self, compressor, n, sizes):
+    return wire.transfers("all-reduce", compressor.payload_arrays(n),
+                          axes_of(sizes), sizes)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class AllGatherMean(Collective):
   """All-gather of every device's payload, then a local decode and sum.
@@ -175,26 +194,31 @@ class AllGatherMean(Collective):
   Works for every compressor. Per-device operand bytes:
   ``compressor.payload_bytes(n)``, but every device *receives* ``p - 1``
   payloads, so traffic grows linearly with the device count (Agarwal et al.
-  2022); :mod:`jaxcomp.hlo` reports that ring cost as ``(p - 1)`` times the
-  operand bytes.
+  2022): a ring moves ``(p - 1)`` times the operand bytes.
   """
 
   name: ClassVar[str] = "allgather"
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     payload = compressor.encode(x, key)
     gathered = jax.tree.map(
         lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
-    mean = decode_sum(compressor, gathered, n, key) / p
+    mean = compressor.decode_sum(gathered, n, key) / p
     return mean, compressor.decode(payload, n, key), state
 
+  def flat_transfers(self, compressor, n, sizes):
+    return wire.transfers("all-gather", compressor.payload_arrays(n),
+                          axes_of(sizes), sizes)
 
+
+@register
 @dataclasses.dataclass(frozen=True)
 class OwnExchange(Collective):
   """Lets a compressor with ``own_exchange`` run its own rounds (e.g.
-  PowerSGD's all-reduces of P and Q); its state is the compressor's."""
+  PowerSGD's all-reduces of P and Q) on the bucket's tensors; its state is
+  the compressor's."""
 
   name: ClassVar[str] = "compressor"
 
@@ -204,15 +228,16 @@ class OwnExchange(Collective):
           f"collective='compressor' needs a compressor that runs its own "
           f"exchange; {compressor.name!r} does not")
 
-  def init_state(self, compressor, n, axis_name):
-    return compressor.init_state(n, axis_name)
+  def init_state(self, compressor, shapes, key, axis_name):
+    return compressor.init_state(shapes, key, axis_name)
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
-    return compressor.exchange(x, key, axis_name, state)
+  def exchange(self, compressor, parts, shapes, *, key, step, axis_name,
+               state=()):
+    return compressor.exchange(parts, shapes, key=key, step=step,
+                               axis_name=axis_name, state=state)
 
-  def payload_bytes(self, compressor, n, num_devices):
-    del num_devices
-    return compressor.payload_bytes(n)
+  def transfers(self, compressor, shapes, sizes):
+    return compressor.transfers(shapes, sizes)
 
 
 def chunk_size(n: int, num_devices: int) -> int:
@@ -221,60 +246,11 @@ def chunk_size(n: int, num_devices: int) -> int:
   return -(-n // num_devices)
 
 
-_REGISTRY: dict[str, Callable[[], Collective]] = {
-    PsumMean.name: PsumMean,
-    AllGatherMean.name: AllGatherMean,
-    OwnExchange.name: OwnExchange,
-}
-
-# Quantizers (dense payloads, re-encodable after the reduction) whose default
-# is two-phase where that moves fewer bytes; see :func:`default_for`.
-TWO_PHASE_BY_DEFAULT = frozenset({"qsgd", "int8_block", "fp8_block"})
-
-
-def register(cls):
-  """Class decorator: registers a Collective subclass under ``cls.name``."""
-  if cls.name in _REGISTRY:
-    raise ValueError(f"collective name {cls.name!r} is already registered")
-  _REGISTRY[cls.name] = cls
-  return cls
-
-
-def names() -> list[str]:
-  return sorted(_REGISTRY)
-
-
 def default_for(compressor: Compressor) -> Collective:
-  """The collective :func:`jaxcomp.compressed_mean` uses when none is given.
-
-  The rule, first match wins:
-
-  1. ``own_exchange`` compressors (PowerSGD, TernGrad): their own exchange.
-  2. Linear compressors (identity, casts, random-block, random-k): ``psum``,
-     summed in flight by a ring all-reduce.
-  3. A compressor that names a collective in a ``default_collective``
-     attribute: that one.
-  4. Quantizers (``TWO_PHASE_BY_DEFAULT``: QSGD, int8/fp8 block):
-     ``"auto"``, which per bucket takes the two-phase all-reduce when its
-     ring bytes ``2 (p - 1) * payload(ceil(n / p))`` are fewer than the
-     all-gather's ``(p - 1) * payload(n)`` (so from 3 devices on, for
-     buckets large enough that per-chunk headers do not dominate), and
-     the all-gather otherwise (at 2 devices both move the same bytes and
-     the all-gather needs one collective and no re-encoding).
-  5. The others (top-k, threshold, sign, DGC): ``"allgather"``. Two-phase
-     would re-sparsify the reduced chunks, a different algorithm; ask for
-     it with ``collective="two_phase"``.
-  """
-  if compressor.own_exchange:
-    return OwnExchange()
-  if compressor.linear:
-    return PsumMean()
-  named = getattr(compressor, "default_collective", None)
-  if named is not None:
-    return get(named, compressor)
-  if compressor.name in TWO_PHASE_BY_DEFAULT:
-    return _REGISTRY["auto"]()
-  return AllGatherMean()
+  """The collective :func:`jaxcomp.compressed_mean` uses when none is given:
+  the one the compressor names in its ``default_collective`` attribute (see
+  :attr:`jaxcomp.compressors.Compressor.default_collective`)."""
+  return REGISTRY.lookup(compressor.default_collective)()
 
 
 def get(collective: str | Collective | None,
@@ -296,11 +272,8 @@ def get(collective: str | Collective | None,
     coll = default_for(compressor)
   elif isinstance(collective, Collective):
     coll = collective
-  elif isinstance(collective, str) and collective in _REGISTRY:
-    coll = _REGISTRY[collective]()
   else:
-    raise ValueError(
-        f"unknown collective {collective!r}; choose one of {names()}")
+    coll = REGISTRY.lookup(collective)()
   coll.check(compressor)
   if axis_name is not None:
     coll = coll.bind_axes(axis_name)

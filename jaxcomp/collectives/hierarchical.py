@@ -16,20 +16,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _mesh
+from jaxcomp import _parts
+from jaxcomp import wire
+from jaxcomp._mesh import AxisName
 from jaxcomp.collectives import base
-from jaxcomp.collectives.base import AxisName, Collective, chunk_size
-from jaxcomp.sharding import _axes, varying_axes
+from jaxcomp.collectives.base import Collective, chunk_size
 
 FAST_MODES = ("psum", "reduce_scatter")
 
 
-def _norm(axis) -> tuple[str, ...] | None:
-  if axis is None:
-    return None
-  axes = _axes(axis)
-  if not axes or not all(isinstance(a, str) and a for a in axes):
-    raise ValueError(f"mesh axis names must be non-empty strings, got {axis!r}")
-  return axes
+def _norm(axis, param: str) -> tuple[str, ...] | None:
+  return None if axis is None else _mesh.check_axis_name(axis, param)
 
 
 def _one(axes: tuple[str, ...]):
@@ -108,7 +106,8 @@ class Hierarchical(Collective):
   fast: str = "psum"
 
   def __post_init__(self):
-    fast, slow = _norm(self.fast_axis), _norm(self.slow_axis)
+    fast = _norm(self.fast_axis, "fast_axis")
+    slow = _norm(self.slow_axis, "slow_axis")
     if (fast is None) != (slow is None):
       raise ValueError(
           "name both fast_axis and slow_axis, or neither (then the last "
@@ -133,6 +132,11 @@ class Hierarchical(Collective):
 
   def check(self, compressor):
     self._inner(compressor)
+    if self.fast == "reduce_scatter" and compressor.own_exchange:
+      raise ValueError(
+          f"Hierarchical(fast='reduce_scatter') exchanges flat shards of the "
+          f"host mean, and {compressor.name!r} runs its own exchange on whole "
+          "tensors; use fast='psum' with it")
 
   def axes(self, axis_name: AxisName) -> tuple[AxisName, AxisName]:
     """``(fast_axis, slow_axis)`` resolved against ``axis_name``.
@@ -141,8 +145,9 @@ class Hierarchical(Collective):
       ValueError: an axis named here is not in ``axis_name``, or
         ``axis_name`` has axes named neither fast nor slow.
     """
-    axes = _axes(axis_name)
-    fast, slow = _norm(self.fast_axis), _norm(self.slow_axis)
+    axes = _mesh.axes(axis_name)
+    fast = _norm(self.fast_axis, "fast_axis")
+    slow = _norm(self.slow_axis, "slow_axis")
     if fast is None:
       if len(axes) < 2:
         raise ValueError(
@@ -170,13 +175,7 @@ class Hierarchical(Collective):
   def _bound_axes(self, axis_name, where: str):
     fast, slow = self.axes(axis_name)
     for role, ax in (("fast_axis", fast), ("slow_axis", slow)):
-      for a in _axes(ax):
-        try:
-          lax.axis_index(a)
-        except NameError as e:
-          raise NameError(
-              f"Hierarchical.{where}: {role} {a!r} is not bound; run inside "
-              f"jax.shard_map over a mesh with axes {_axes(axis_name)}") from e
+      _mesh.check_bound(ax, f"Hierarchical.{where}", role)
     return fast, slow
 
   def device_key(self, compressor, key, axis_name):
@@ -190,80 +189,58 @@ class Hierarchical(Collective):
       return jax.random.fold_in(key, lax.axis_index(slow))
     return jax.random.fold_in(key, lax.axis_index(axis_name))
 
-  def init_state(self, compressor, n, axis_name):
+  def init_state(self, compressor, shapes, key, axis_name):
     fast, slow = self._bound_axes(axis_name, "init_state")
     inner = self._inner(compressor)
     if self.fast == "psum":
-      return inner.init_state(compressor, n, slow)
-    c = chunk_size(n, lax.axis_size(fast))
-    state = inner.init_state(compressor, c, slow)
+      return inner.init_state(compressor, shapes, key, slow)
+    c = chunk_size(sum(_parts.sizes(shapes)), lax.axis_size(fast))
+    return _mesh.to_varying(inner.init_flat(compressor, c, slow), fast)
 
-    def vary(a):
-      missing = tuple(x for x in _axes(fast) if x not in varying_axes(a))
-      return lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(vary, state)
-
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange(self, compressor, parts, shapes, *, key, step, axis_name,
+               state=()):
     fast, slow = self._bound_axes(axis_name, "exchange")
     inner = self._inner(compressor)
-    n = x.shape[0]
+    sizes = _parts.sizes(shapes)
+    x = _parts.concat(parts)
     if self.fast == "psum":
-      host = lax.pmean(x, fast)
-      mean, sent, state = inner.exchange(compressor, host, key, slow, state)
-      return mean, x - host + sent, state
+      host = _parts.split(lax.pmean(x, fast), sizes)
+      mean, sent, state = inner.exchange(compressor, host, shapes, key=key,
+                                         step=step, axis_name=slow,
+                                         state=state)
+      local = tuple(v - h + c for v, h, c in zip(parts, host, sent))
+      return mean, local, state
+    n = x.shape[0]
     f_size = lax.axis_size(fast)
     c = chunk_size(n, f_size)
     padded = jnp.pad(x, (0, f_size * c - n))
     shard = lax.psum_scatter(padded, fast, scatter_dimension=0,
                              tiled=True) / f_size
-    mean_shard, sent, state = inner.exchange(compressor, shard, key, slow,
-                                             state)
+    mean_shard, sent, state = inner.exchange_flat(compressor, shard, key,
+                                                  slow, state)
     mean = lax.all_gather(mean_shard, fast, tiled=True, to="invarying")[:n]
     start = lax.axis_index(fast) * c
     err = lax.dynamic_update_slice(jnp.zeros((f_size * c,), jnp.float32),
                                    f_size * (shard - sent), (start,))
-    return mean, x - err[:n], state
+    return (_parts.split(mean, sizes), _parts.split(x - err[:n], sizes),
+            state)
 
-  def payload_bytes(self, compressor, n, num_devices):
-    """Operand bytes per device: the float32 fast-axis collective (``4 n``,
-    or ``4 F ceil(n / F)`` for the reduce-scatter plus ``4 ceil(n / F)`` for
-    the all-gather) plus the inner collective's over the slow axis.
-    Needs the axes bound (call inside shard_map)."""
-    del num_devices
-    return self._bytes(compressor, n, *self._sizes(), ring=False)
-
-  def ring_bytes(self, compressor, n, num_devices):
-    del num_devices
-    return self._bytes(compressor, n, *self._sizes(), ring=True)
-
-  def _sizes(self) -> tuple[int, int]:
-    if self.fast_axis is None:
-      raise ValueError(
-          "Hierarchical without fast_axis/slow_axis counts bytes only once "
-          "bound to axes: build it through jaxcomp.compressed_mean or "
-          "collectives.get(..., axis_name=...)")
-    try:
-      return lax.axis_size(self.fast_axis), lax.axis_size(self.slow_axis)
-    except NameError as e:
-      raise NameError(
-          "Hierarchical byte counts need the axes bound (inside shard_map); "
-          "use bytes_for(compressor, n, fast_size, slow_size) outside") from e
-
-  def _bytes(self, compressor, n, f_size, s_size, ring):
+  def transfers(self, compressor, shapes, sizes):
+    """Over ``fast_axis`` the float32 all-reduce of the bucket (``4 n``), or
+    the reduce-scatter (``4 F ceil(n / F)``) and all-gather (``4 ceil(n /
+    F)``); over ``slow_axis`` the inner collective's transfers (on ``n``
+    elements, or on the ``ceil(n / F)``-element shard)."""
+    fast, slow = self.axes(tuple(sizes))
+    fast_sizes = {a: sizes[a] for a in _mesh.axes(fast)}
+    slow_sizes = {a: sizes[a] for a in _mesh.axes(slow)}
     inner = self._inner(compressor)
-    cost = inner.ring_bytes if ring else inner.payload_bytes
+    n = sum(_parts.sizes(shapes))
     if self.fast == "psum":
-      fast_b = 2 * (f_size - 1) / f_size * 4 * n if ring else 4 * n
-      return fast_b + cost(compressor, n, s_size)
+      return (wire.transfers("all-reduce", (4 * n,), fast, fast_sizes)
+              + inner.transfers(compressor, shapes, slow_sizes))
+    f_size = wire.group_size(fast, fast_sizes)
     c = chunk_size(n, f_size)
-    fast_b = ((f_size - 1) / f_size * 4 * f_size * c + (f_size - 1) * 4 * c
-              if ring else 4 * f_size * c + 4 * c)
-    return fast_b + cost(compressor, c, s_size)
-
-  def bytes_for(self, compressor, n: int, fast_size: int, slow_size: int,
-                *, ring: bool = False) -> float:
-    """Per-device bytes for an ``n``-element bucket on a ``slow_size x
-    fast_size`` mesh: operand bytes, or with ``ring=True`` ring bytes (as
-    :attr:`jaxcomp.Traffic.ring_bytes` reads them)."""
-    return self._bytes(compressor, n, fast_size, slow_size, ring)
+    return (wire.transfers("reduce-scatter", (4 * f_size * c,), fast,
+                           fast_sizes)
+            + inner.flat_transfers(compressor, c, slow_sizes)
+            + wire.transfers("all-gather", (4 * c,), fast, fast_sizes))

@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives.base import (AllGatherMean, Collective, axis_size,
-                                      chunk_size, decode_sum, register)
-from jaxcomp.feedback import varying_zeros
+from jaxcomp import wire
+from jaxcomp._mesh import axis_size, varying_zeros
+from jaxcomp.collectives.base import (AllGatherMean, Collective, chunk_size,
+                                      register)
+from jaxcomp.wire import axes_of, devices
 
 
 def _chunk_keys(key: jax.Array, start: int, p: int) -> jax.Array:
@@ -93,13 +95,13 @@ class TwoPhase(Collective):
       raise TypeError(f"residual must be True or False, got "
                       f"{self.residual=!r}")
 
-  def init_state(self, compressor, n, axis_name):
+  def init_flat(self, compressor, n, axis_name):
     del compressor
     if not self.residual:
       return ()
     return varying_zeros(chunk_size(n, axis_size(axis_name)), axis_name)
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     c = chunk_size(n, p)
@@ -112,8 +114,8 @@ class TwoPhase(Collective):
     received = jax.tree.map(
         lambda a: lax.all_to_all(a, axis_name, 0, 0), payloads)
     me = lax.axis_index(axis_name)
-    chunk_mean = decode_sum(compressor, received, c,
-                            jax.random.fold_in(key, me)) / p
+    chunk_mean = compressor.decode_sum(received, c,
+                                       jax.random.fold_in(key, me)) / p
     if self.residual:
       chunk_mean = chunk_mean + state
     key2 = jax.random.fold_in(key, p + me)
@@ -126,14 +128,13 @@ class TwoPhase(Collective):
         gathered, _chunk_keys(key, p, p)).reshape(-1)[:n]
     return mean, local, state
 
-  def payload_bytes(self, compressor, n, num_devices):
-    """Operand bytes: ``(p + 1) * payload(ceil(n / p))``."""
-    return (num_devices + 1) * compressor.payload_bytes(
-        chunk_size(n, num_devices))
-
-  def ring_bytes(self, compressor, n, num_devices):
-    p = num_devices
-    return 2 * (p - 1) * compressor.payload_bytes(chunk_size(n, p))
+  def flat_transfers(self, compressor, n, sizes):
+    """An all-to-all of ``p`` chunk payloads (operands ``p *
+    payload(ceil(n / p))``), then an all-gather of one chunk payload."""
+    axis, p = axes_of(sizes), devices(sizes)
+    chunk = compressor.payload_arrays(chunk_size(n, p))
+    return (wire.transfers("all-to-all", [p * b for b in chunk], axis, sizes)
+            + wire.transfers("all-gather", chunk, axis, sizes))
 
 
 @register
@@ -158,27 +159,23 @@ class Auto(Collective):
   def pick(self, compressor, n: int, num_devices: int) -> Collective:
     """The collective used for an ``n``-element bucket on ``num_devices``."""
     gather = AllGatherMean()
-    if (self.two_phase.ring_bytes(compressor, n, num_devices)
-        < gather.ring_bytes(compressor, n, num_devices)):
-      return self.two_phase
-    return gather
+    sizes = {"_": num_devices}
+    ring = lambda coll: wire.total_ring_bytes(
+        coll.flat_transfers(compressor, n, sizes))
+    return self.two_phase if ring(self.two_phase) < ring(gather) else gather
 
   def check(self, compressor):
     super().check(compressor)
     self.two_phase.check(compressor)
 
-  def init_state(self, compressor, n, axis_name):
-    return self.pick(compressor, n, axis_size(axis_name)).init_state(
+  def init_flat(self, compressor, n, axis_name):
+    return self.pick(compressor, n, axis_size(axis_name)).init_flat(
         compressor, n, axis_name)
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
     coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
-    return coll.exchange(compressor, x, key, axis_name, state)
+    return coll.exchange_flat(compressor, x, key, axis_name, state)
 
-  def payload_bytes(self, compressor, n, num_devices):
-    return self.pick(compressor, n, num_devices).payload_bytes(
-        compressor, n, num_devices)
-
-  def ring_bytes(self, compressor, n, num_devices):
-    return self.pick(compressor, n, num_devices).ring_bytes(
-        compressor, n, num_devices)
+  def flat_transfers(self, compressor, n, sizes):
+    return self.pick(compressor, n, devices(sizes)).flat_transfers(
+        compressor, n, sizes)

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives.base import (Collective, axis_size, chunk_size,
-                                      register)
+from jaxcomp import wire
+from jaxcomp._mesh import axis_size, varying_zeros
+from jaxcomp.collectives.base import Collective, chunk_size, register
+from jaxcomp.wire import axes_of, devices
 from jaxcomp.compressors.base import num_selected
-from jaxcomp.feedback import varying_zeros
 from jaxcomp.kernels import bitpack
 
 # Odd 16-bit multipliers (Knuth's golden-ratio 40503 first); hash_seed picks
@@ -216,11 +217,11 @@ class Zen(Collective):
       cap2 = min(c, max(1, math.ceil(self.gather_capacity_factor * k / p)))
     return cap, cap2
 
-  def init_state(self, compressor, n, axis_name):
+  def init_flat(self, compressor, n, axis_name):
     del compressor
     return varying_zeros(n, axis_name)
 
-  def exchange(self, compressor, x, key, axis_name, state=()):
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     c = chunk_size(n, p)
@@ -290,18 +291,14 @@ class Zen(Collective):
     new_state = s - sent + owner_back
     return mean, y, new_state
 
-  def payload_bytes(self, compressor, n, num_devices):
-    """Operand bytes: ``8 p cap`` (all-to-all) + ``4 ceil(c / 32) + 4 cap2``
-    (all-gather)."""
+  def flat_transfers(self, compressor, n, sizes):
+    """An all-to-all of ``p cap`` values (float32) and offsets (int32),
+    operands ``8 p cap`` bytes; an all-gather of the bitmap (``4 ceil(c /
+    32)``) and ``cap2`` values (``4 cap2``)."""
     del compressor
-    p = num_devices
+    axis, p = axes_of(sizes), devices(sizes)
     cap, cap2 = self.capacities(n, p)
-    return 8 * p * cap + 4 * bitpack.packed_words(chunk_size(n, p), 1) + \
-        4 * cap2
-
-  def ring_bytes(self, compressor, n, num_devices):
-    del compressor
-    p = num_devices
-    cap, cap2 = self.capacities(n, p)
-    return (p - 1) * 8 * cap + (p - 1) * (
-        4 * bitpack.packed_words(chunk_size(n, p), 1) + 4 * cap2)
+    words = bitpack.packed_words(chunk_size(n, p), 1)
+    return (wire.transfers("all-to-all", (4 * p * cap, 4 * p * cap), axis,
+                           sizes)
+            + wire.transfers("all-gather", (4 * words, 4 * cap2), axis, sizes))

@@ -3,18 +3,24 @@
 A compressor is a pure encode/decode pair over a flat float32 buffer with
 static payload shapes (XLA needs them). It knows nothing of collectives: the
 collective (``jaxcomp.collectives``) decides how the payloads travel, reading
-only the attributes declared here.
+only the hooks declared on :class:`Compressor` (each with its default there).
+A compressor whose exchange is more than one encode / transfer / decode
+(PowerSGD, TernGrad, majority vote) sets ``own_exchange`` and receives the
+bucket's tensors directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jaxcomp._parts import Parts, Shapes
+from jaxcomp._registry import Registry
 from jaxcomp.compressors import _hparams
 
 Payload = Any  # a pytree of arrays with static shapes
@@ -22,9 +28,11 @@ Randomness = Literal["none", "shared", "independent"]
 
 
 class Compressor:
-  """Base class of all compressors.
+  """Base class of all compressors: the whole interface a collective may use.
 
   Subclasses are frozen dataclasses whose fields are the hyperparameters.
+  Every hook below is declared here with its default; collectives read
+  nothing else.
 
   Class attributes:
     name: the registry name (``compressors.get(name, ...)``).
@@ -37,18 +45,34 @@ class Compressor:
     randomness: ``"none"``; ``"shared"`` (the key passed to ``encode`` is the
       same on every device, e.g. random-block); or ``"independent"`` (the key
       differs per device, e.g. QSGD's stochastic rounding).
+    prescale: True when the psum collective must divide by the device count
+      *before* encoding, so that the sum cannot overflow the payload's type
+      (float16, as PyTorch DDP's ``fp16_compress_hook``).
     own_exchange: True for compressors whose exchange is not a single
-      encode / transfer / decode (PowerSGD, TernGrad's shared scale). They
-      implement ``init_state`` and ``exchange`` and are run by
-      ``jaxcomp.collectives.OwnExchange``; ``encode``/``decode`` may then be
-      unused.
+      encode / transfer / decode (PowerSGD's two all-reduces, TernGrad's
+      shared scale). They implement :meth:`init_state`, :meth:`exchange` and
+      :meth:`transfers`, and ``jaxcomp.collectives.OwnExchange`` runs them;
+      ``encode``/``decode`` may then be unused.
   """
 
   name: ClassVar[str] = ""
   linear: ClassVar[bool] = False
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
+  prescale: ClassVar[bool] = False
   own_exchange: ClassVar[bool] = False
+
+  @property
+  def default_collective(self) -> str:
+    """The collective :func:`jaxcomp.compressed_mean` uses when none is
+    named: ``"compressor"`` (its own exchange) for ``own_exchange``
+    compressors, ``"psum"`` for linear ones (summed in flight by a ring
+    all-reduce), ``"allgather"`` for the others. A subclass may name another
+    registered collective as a class attribute (the quantizers name
+    ``"auto"``: two-phase where it moves fewer bytes)."""
+    if self.own_exchange:
+      return "compressor"
+    return "psum" if self.linear else "allgather"
 
   def encode(self, x: jax.Array, key: jax.Array) -> Payload:
     """Encodes ``x`` (float32, shape ``(n,)``) into a payload pytree."""
@@ -62,62 +86,82 @@ class Compressor:
     """
     raise NotImplementedError
 
-  def init_state(self, n: int, axis_name) -> Any:
-    """Per-bucket state of an ``own_exchange`` compressor (e.g. PowerSGD's Q).
+  def decode_sum(self, payloads: Payload, n: int, key: jax.Array) -> jax.Array:
+    """Sum of the decodes of stacked payloads (leading axis: devices), float32
+    ``(n,)``.
 
-    Called inside shard_map/pmap; per-device leaves must be created varying
-    over ``axis_name`` (``lax.pcast``), shared ones invariant.
+    The default decodes each payload and adds it to a float32 accumulator,
+    device 0 first (decoding all payloads under ``vmap`` and reducing over
+    the device axis made XLA:CPU run one slow fusion per bucket; in a profile
+    of the 2-process QSGD step of ``benchmarks/validate_perfmodel.py`` it took
+    most of the step). Sparse payloads override it with one scatter-add.
     """
-    del n, axis_name
-    return ()
+    p = jax.tree.leaves(payloads)[0].shape[0]
+    one = lambda i: self.decode(jax.tree.map(lambda a: a[i], payloads), n,
+                                key).astype(jnp.float32)
+    if p <= _UNROLL_DECODES:
+      acc = one(0)
+      for i in range(1, p):
+        acc = acc + one(i)
+      return acc
+    return lax.fori_loop(1, p, lambda i, acc: acc + one(i), one(0))
 
-  def exchange(self, x: jax.Array, key: jax.Array, axis_name,
-               state: Any) -> tuple[jax.Array, jax.Array, Any]:
-    """``own_exchange`` compressors: returns ``(mean, local, state)`` as
-    :class:`jaxcomp.collectives.Collective.exchange` does."""
-    raise NotImplementedError(f"{self.name} has no exchange of its own")
-
-  def for_bucket(self, shapes: tuple[tuple[int, ...], ...]) -> "Compressor":
-    """The compressor for one bucket, the flattened concatenation of tensors
-    of ``shapes`` (in bucket order); :func:`jaxcomp.compressed_mean` calls
-    it per bucket. The default ignores the shapes; PowerSGD views each
-    tensor as a matrix."""
-    del shapes
-    return self
+  def payload_arrays(self, n: int) -> tuple[int, ...]:
+    """Bytes of each array of the payload of an ``n``-element buffer, in
+    ``jax.tree.leaves`` order (each travels as its own collective)."""
+    shapes = jax.eval_shape(lambda x: self.encode(x, jax.random.key(0)),
+                            jax.ShapeDtypeStruct((n,), jnp.float32))
+    return tuple(int(s.size) * s.dtype.itemsize
+                 for s in jax.tree.leaves(shapes))
 
   def payload_bytes(self, n: int) -> int:
     """Bytes one device puts on the wire for an ``n``-element buffer.
 
-    This is the sum of the payload arrays' sizes, the formula that tests
-    check against the operand bytes of the compiled collectives.
+    This is the sum of the payload arrays' sizes; subclasses state it as a
+    formula, which tests check against the operand bytes of the compiled
+    collectives.
     """
-    shapes = jax.eval_shape(lambda x: self.encode(x, jax.random.key(0)),
-                            jax.ShapeDtypeStruct((n,), jnp.float32))
-    return sum(int(s.size) * s.dtype.itemsize
-               for s in jax.tree.leaves(shapes))
+    return sum(self.payload_arrays(n))
 
   def check_size(self, n: int) -> None:
     """Raises ValueError where this compressor cannot handle ``n`` elements."""
     if n < 1:
       raise ValueError(f"cannot compress an empty buffer, got {n=}")
 
+  # -- own_exchange compressors -------------------------------------------
 
-_REGISTRY: dict[str, Callable[..., Compressor]] = {}
+  def init_state(self, shapes: Shapes, key: jax.Array, axis_name) -> Any:
+    """State of one bucket of tensors of ``shapes`` (``own_exchange`` only).
+
+    Called inside shard_map/pmap with a key derived from the transform's
+    seed (the same on every device); per-device leaves must be created
+    varying over ``axis_name``, shared ones invariant.
+    """
+    del shapes, key, axis_name
+    return ()
+
+  def exchange(self, parts: Parts, shapes: Shapes, *, key: jax.Array,
+               step: jax.Array, axis_name, state: Any
+               ) -> tuple[Parts, Parts, Any]:
+    """``own_exchange`` compressors: one bucket's exchange, returning
+    ``(mean, local, state)`` per tensor as
+    :meth:`jaxcomp.collectives.Collective.exchange` does; ``step`` is the
+    transform's int32 step count."""
+    raise NotImplementedError(f"{self.name} has no exchange of its own")
+
+  def transfers(self, shapes: Shapes, sizes: dict[str, int]):
+    """``own_exchange`` compressors: the collectives one bucket's exchange
+    issues, as :class:`jaxcomp.wire.Transfer` s, over the axes of ``sizes``
+    (``{axis: devices}``)."""
+    raise NotImplementedError(f"{self.name} has no exchange of its own")
 
 
-def register(cls):
-  """Class decorator: registers a Compressor subclass under ``cls.name``."""
-  if not cls.name:
-    raise ValueError(f"{cls.__name__} has no name")
-  if cls.name in _REGISTRY:
-    raise ValueError(f"compressor name {cls.name!r} is already registered")
-  _REGISTRY[cls.name] = cls
-  return cls
+_UNROLL_DECODES = 16  # beyond this many devices, decode in a loop
 
 
-def names() -> list[str]:
-  """The registered compressor names, sorted."""
-  return sorted(_REGISTRY)
+REGISTRY: Registry[Compressor] = Registry("compressor")
+register = REGISTRY.register
+names = REGISTRY.names
 
 
 def hyperparameters(name: str) -> tuple[str, ...]:
@@ -126,9 +170,8 @@ def hyperparameters(name: str) -> tuple[str, ...]:
   Raises:
     ValueError: unknown name.
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown compressor {name!r}; choose one of {names()}")
-  return tuple(f.name for f in dataclasses.fields(_REGISTRY[name]) if f.init)
+  return tuple(f.name for f in dataclasses.fields(REGISTRY.lookup(name))
+               if f.init)
 
 
 def get(name: str | Compressor, **kwargs) -> Compressor:
@@ -149,10 +192,7 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
           f"got a Compressor instance and extra keywords {sorted(kwargs)}; "
           "pass either a name with keywords or a built compressor")
     return name
-  if not isinstance(name, str) or name not in _REGISTRY:
-    raise ValueError(
-        f"unknown compressor {name!r}; choose one of {names()}")
-  cls = _REGISTRY[name]
+  cls = REGISTRY.lookup(name)
   fields = set(hyperparameters(name))
   unknown = sorted(set(kwargs) - fields)
   if unknown:

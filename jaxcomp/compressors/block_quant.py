@@ -39,7 +39,11 @@ def _check_rounding(rounding) -> None:
 
 class _Rounded(Compressor):
   """Randomness and bias follow the ``rounding`` field: stochastic rounding
-  draws per-device bits and is unbiased; nearest rounding is biased."""
+  draws per-device bits and is unbiased; nearest rounding is biased. Dense
+  payloads that can be re-encoded after a reduction: two-phase where it
+  moves fewer bytes (``"auto"``)."""
+
+  default_collective: ClassVar[str] = "auto"
 
   @property
   def randomness(self):

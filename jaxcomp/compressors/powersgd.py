@@ -11,16 +11,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _parts
+from jaxcomp import wire
+from jaxcomp._mesh import axis_size, to_varying
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, register
-from jaxcomp.feedback import split_parts
 
 
 class PowerSGDState(NamedTuple):
   """Per-bucket state of :class:`PowerSGD` (identical on every device)."""
 
-  q: jax.Array  # shape=(cols, max_rank), float32, the warm-started Q
-  count: jax.Array  # shape=(), int32, steps seen (for start_iter)
+  q: tuple  # per compressed matrix: float32 (cols, r), the warm-started Q
 
 
 def tensor_matrix_shape(shape) -> tuple[int, int]:
@@ -101,8 +102,9 @@ class PowerSGD(Compressor):
   """PowerSGD (Vogels et al. 2019): rank-``r`` approximation by one step of
   power iteration per training step, warm-started, summed by psum.
 
-  ``view="tensor"`` (the default, PyTorch's ``powerSGD_hook``): inside
-  :func:`jaxcomp.compressed_mean` each tensor of a bucket is its own matrix
+  ``view="tensor"`` (the default, PyTorch's ``powerSGD_hook``): each tensor
+  of a bucket (the collective hands PowerSGD the tensors and their shapes)
+  is its own matrix
   ``M``, its axes split where the matrix is most square
   (:func:`tensor_matrix_shape`): a Dense kernel ``(in, out)`` as it is, a
   convolution kernel ``(h, w, in, out)`` as its im2col matrix ``(h·w·in,
@@ -113,15 +115,14 @@ class PowerSGD(Compressor):
   (:func:`matrix_shape`; PyTorch's ``batched_powerSGD_hook`` without the
   padding); it mixes rows of a tensor and loses its low-rank structure (on
   the Fashion-MNIST CNN after 480 steps, rank 4 was 5.50 points of accuracy
-  behind dense with it and 0.63 per tensor; ``docs/convergence.md``). A
-  compressor used on its own, outside the transform, sees only flat buffers
-  and uses the flat view.
+  behind dense with it and 0.63 per tensor; ``docs/convergence.md``).
 
   Per step, following PyTorch's ``powerSGD_hook``, for every matrix ``M`` of
   the bucket at once:
 
-  1. orthogonalize the kept ``Q`` (``(cols, r)``; random normal from ``seed``
-     on the first step, the same on every device);
+  1. orthogonalize the kept ``Q`` (``(cols, r)``; random normal on the
+     first step, drawn from the key :func:`jaxcomp.compressed_mean` derives
+     from its ``seed``, the same on every device);
   2. ``P = M Q``; one psum of all P's and the exact segments; orthogonalize
      each ``P`` (Gram-Schmidt);
   3. ``Q = M^T P``; one psum of all Q's, divided by ``p``;
@@ -133,8 +134,8 @@ class PowerSGD(Compressor):
   default. With ``rank >= min(rows, cols)`` the result is the exact mean (up
   to float32 rounding). The rank is capped at ``min(rows, cols)``.
 
-  Before step ``start_iter`` the bucket goes through a plain float32 psum
-  (an exact mean). Matrices with ``rows * cols / ((rows + cols) * r) <
+  Before step ``start_iter`` (the transform's step count, skipped steps
+  included) the bucket goes through a plain float32 psum (an exact mean). Matrices with ``rows * cols / ((rows + cols) * r) <
   min_compression_rate`` always do (PyTorch's rule).
 
   ``rank`` may be scheduled (``optax.inject_hyperparams``) with ``max_rank``
@@ -152,11 +153,8 @@ class PowerSGD(Compressor):
     orthogonalization_epsilon: added to the column norms in Gram-Schmidt
       (>= 0; PyTorch's default 0).
     max_rank: static rank capacity when ``rank`` is scheduled, or None.
-    seed: seed of the initial Q.
     view: ``"tensor"`` (each tensor its own matrix) or ``"flat"`` (the
       bucket as one near-square matrix).
-    leaf_shapes: the bucket's tensor shapes; set by :meth:`for_bucket` (the
-      transform calls it), not by users.
 
   Raises:
     ValueError: ``rank`` < 1, ``rank > max_rank``, a traced ``rank`` without
@@ -172,26 +170,21 @@ class PowerSGD(Compressor):
   name: ClassVar[str] = "powersgd"
   biased: ClassVar[bool] = True
   own_exchange: ClassVar[bool] = True
-  # What the exchange runs, for jaxcomp.perfmodel: its P and Q psums.
-  exchange_collective: ClassVar[str] = "allreduce"
   rank: int = 1
   start_iter: int = 0
   min_compression_rate: float = 2.0
   orthogonalization_epsilon: float = 0.0
   max_rank: int | None = None
-  seed: int = 0
   view: str = "tensor"
-  leaf_shapes: tuple | None = None
 
   def __post_init__(self):
     _hparams.check_number(self.rank, "rank", low=1, integer=True)
     if self.max_rank is not None:
       _hparams.check_number(self.max_rank, "max_rank", low=1, integer=True)
     _hparams.capacity(self.rank, self.max_rank, "rank", "max_rank")
-    for field in ("start_iter", "seed"):
-      v = getattr(self, field)
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{field} must be a Python integer, got {field}={v!r}")
+    v = self.start_iter
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      raise TypeError(f"start_iter must be a Python integer, got start_iter={v!r}")
     if self.start_iter < 0:
       raise ValueError(f"start_iter must be >= 0, got {self.start_iter=}")
     _hparams.check_number(self.min_compression_rate, "min_compression_rate",
@@ -201,66 +194,33 @@ class PowerSGD(Compressor):
     if self.view not in ("tensor", "flat"):
       raise ValueError(f"view must be 'tensor' or 'flat', got {self.view!r}")
 
-  def for_bucket(self, shapes) -> "PowerSGD":
-    """This compressor for a bucket of tensors of ``shapes`` (``view="tensor"``:
-    each tensor its own matrix; ``view="flat"``: unchanged)."""
-    if self.view == "flat":
-      return self
-    return dataclasses.replace(
-        self, leaf_shapes=tuple(tuple(int(d) for d in shape) for shape in shapes))
-
-  def shape_and_rank(self, n: int) -> tuple[int, int, int]:
-    """``(rows, cols, r)`` of the flat view (:func:`matrix_shape`) with the
-    rank capacity capped at ``min(rows, cols)``."""
-    rows, cols = matrix_shape(n)
-    cap = int(_hparams.capacity(self.rank, self.max_rank, "rank", "max_rank"))
-    return rows, cols, min(cap, rows, cols)
-
-  def segments(self, n: int) -> list[tuple[int, int, int, int, int]]:
-    """How an ``n``-element bucket is split: ``(offset, size, rows, cols, r)``
-    per tensor (one segment in the flat view), ``r == 0`` where the segment
-    goes through the exact all-reduce (a vector, or below
-    ``min_compression_rate``).
-
-    Raises:
-      ValueError: the bound ``leaf_shapes`` do not add up to ``n``.
-    """
+  def matrices(self, shapes) -> list[tuple[int, int, int, int]]:
+    """How a bucket of tensors of ``shapes`` is viewed: ``(size, rows, cols,
+    r)`` per matrix, one per tensor (:func:`tensor_matrix_shape`) or, with
+    ``view="flat"``, one for the whole bucket (:func:`matrix_shape`).
+    ``r`` is the rank capacity capped at ``min(rows, cols)``, or 0 where the
+    matrix goes through the exact all-reduce (a vector, or below
+    ``min_compression_rate``)."""
     cap = int(_hparams.capacity(self.rank, self.max_rank, "rank", "max_rank"))
     rate = float(_hparams.concrete(self.min_compression_rate) or 0.0)
-    if self.leaf_shapes is None:
-      parts = [(n, *matrix_shape(n))]
+    if self.view == "flat":
+      n = sum(_parts.sizes(shapes))
+      views = [(n, *matrix_shape(n))]
     else:
-      parts = []
-      for shape in self.leaf_shapes:
-        size = math.prod(shape)
-        rows, cols = tensor_matrix_shape(shape)
-        parts.append((size, rows, cols))
-      if sum(p[0] for p in parts) != n:
-        raise ValueError(f"PowerSGD was bound to tensors of shapes {self.leaf_shapes} "
-                         f"({sum(p[0] for p in parts)} elements) but got a bucket of {n}")
-    out, off = [], 0
-    for size, rows, cols in parts:
+      views = [(math.prod(s), *tensor_matrix_shape(s)) for s in shapes]
+    out = []
+    for size, rows, cols in views:
       r = min(cap, rows, cols)
       if size == 0 or rows * cols / ((rows + cols) * r) < rate:
         r = 0
-      out.append((off, size, rows, cols, r))
-      off += size
+      out.append((size, rows, cols, r))
     return out
 
-  def compresses(self, n: int) -> bool:
-    """Whether any part of an ``n``-element bucket is compressed."""
-    return any(seg[4] for seg in self.segments(n))
-
-  def init_state(self, n, axis_name):
+  def init_state(self, shapes, key, axis_name):
     del axis_name
-    base = jax.random.fold_in(jax.random.key(self.seed), n)
-    if self.leaf_shapes is None:
-      _, cols, r = self.shape_and_rank(n)
-      q = jax.random.normal(base, (cols, r), jnp.float32)
-    else:
-      q = tuple(jax.random.normal(jax.random.fold_in(base, i), (cols, r), jnp.float32)
-                for i, (_, _, _, cols, r) in enumerate(self.segments(n)) if r)
-    return PowerSGDState(q=q, count=jnp.zeros((), jnp.int32))
+    return PowerSGDState(q=tuple(
+        jax.random.normal(jax.random.fold_in(key, i), (cols, r), jnp.float32)
+        for i, (_, _, cols, r) in enumerate(self.matrices(shapes)) if r))
 
   def _live_columns(self, r: int) -> jax.Array:
     rank = _hparams.concrete(self.rank)
@@ -269,70 +229,93 @@ class PowerSGD(Compressor):
     return (jnp.arange(r) < jnp.asarray(self.rank, jnp.int32)).astype(
         jnp.float32)
 
-  def _compressed(self, x, axis_name, qs):
-    """One power-iteration step over every matrix segment: all P's (with the
-    exact segments) in one psum, all Q's in a second, as PyTorch's hook
-    all-reduces a bucket's P's and Q's as one buffer each."""
-    segs = self.segments(x.shape[0])
+  def _compressed(self, xs, views, axis_name, qs):
+    """One power-iteration step over every matrix: all P's (with the exact
+    tensors) in one psum, all Q's in a second, as PyTorch's hook all-reduces
+    a bucket's P's and Q's as one buffer each."""
     eps = float(_hparams.concrete(self.orthogonalization_epsilon) or 0.0)
-    p_dev = jnp.float32(lax.axis_size(axis_name))
-    mats = [(x[o:o + n].reshape(rows, cols), r) for o, n, rows, cols, r in segs if r]
-    exact = [x[o:o + n] for o, n, _, _, r in segs if not r]
+    p_dev = jnp.float32(axis_size(axis_name))
+    mats = [(x.reshape(rows, cols), r)
+            for x, (_, rows, cols, r) in zip(xs, views) if r]
+    exact = [x for x, (*_, r) in zip(xs, views) if not r]
     lives = [self._live_columns(r)[None, :] for _, r in mats]
-    ps = [_mm(m, orthogonalize(q * live, eps)) for (m, _), q, live in zip(mats, qs, lives)]
-    summed = split_parts(lax.psum(jnp.concatenate(exact + [p.reshape(-1) for p in ps]), axis_name),
-                    [e.shape[0] for e in exact] + [p.size for p in ps])
+    ps = [_mm(m, orthogonalize(q * live, eps))
+          for (m, _), q, live in zip(mats, qs, lives)]
+    summed = _psum_parts(exact + [p.reshape(-1) for p in ps], axis_name)
     exact_sum, ps = summed[:len(exact)], summed[len(exact):]
-    ps = [orthogonalize(p.reshape(m.shape[0], r), eps) for p, (m, r) in zip(ps, mats)]
+    ps = [orthogonalize(p.reshape(m.shape[0], r), eps)
+          for p, (m, r) in zip(ps, mats)]
     q_parts = [_mm(m.T, p) for (m, _), p in zip(mats, ps)]
-    q_sum = split_parts(lax.psum(jnp.concatenate([q.reshape(-1) for q in q_parts]), axis_name),
-                   [q.size for q in q_parts])
+    q_sum = _psum_parts([q.reshape(-1) for q in q_parts], axis_name)
     q_new = [q.reshape(qp.shape) / p_dev for q, qp in zip(q_sum, q_parts)]
-    approx = [_mm(p, q.T).reshape(-1) for p, q in zip(ps, q_new)]
+    approx = iter(_mm(p, q.T).reshape(-1) for p, q in zip(ps, q_new))
     # Columns beyond a scheduled rank keep their previous (initially random)
     # values, so that they warm-start when the rank grows again.
     q_new = [jnp.where(live > 0, qn, q) for qn, q, live in zip(q_new, qs, lives)]
+    exact_it = iter(zip(exact, exact_sum))
     means, locals_ = [], []
-    it_e, it_m = iter(range(len(exact))), iter(range(len(mats)))
-    for *_, r in segs:
+    for *_, r in views:
       if r:
-        i = next(it_m)
-        means.append(approx[i])
+        a = next(approx)
+        means.append(a)
         # PyTorch's hook: the residual is M_i minus the mean's approximation.
-        locals_.append(lax.pcast(approx[i], axis_name, to="varying"))
+        locals_.append(to_varying(a, axis_name))
       else:
-        i = next(it_e)
-        means.append(exact_sum[i] / p_dev)
-        locals_.append(exact[i])
-    return jnp.concatenate(means), jnp.concatenate(locals_), q_new
+        x, total = next(exact_it)
+        means.append(total / p_dev)
+        locals_.append(x)
+    return tuple(means), tuple(locals_), tuple(q_new)
 
-  def _exact(self, x, axis_name, qs):
+  def _exact(self, xs, axis_name, qs):
     # Plain all-reduce; this device contributed x itself (no residual).
-    return lax.psum(x, axis_name) / jnp.float32(lax.axis_size(axis_name)), x, list(qs)
+    p_dev = jnp.float32(axis_size(axis_name))
+    means = tuple(t / p_dev for t in _psum_parts(list(xs), axis_name))
+    return means, tuple(xs), tuple(qs)
 
-  def exchange(self, x, key, axis_name, state):
+  def exchange(self, parts, shapes, *, key, step, axis_name, state):
     del key
-    x = x.astype(jnp.float32)
-    n = x.shape[0]
-    flat = self.leaf_shapes is None
-    compressed = self.compresses(n)
-    # The Q's of the compressed segments (the flat view keeps its one Q
-    # even while its bucket goes through the exact all-reduce).
-    qs = ([state.q] if compressed else []) if flat else list(state.q)
-    if not compressed:
-      mean, local, qs_new = self._exact(x, axis_name, qs)
+    parts = tuple(x.astype(jnp.float32) for x in parts)
+    xs = (_parts.concat(parts),) if self.view == "flat" else parts
+    views = self.matrices(shapes)
+    if not any(r for *_, r in views):
+      mean, local, q = self._exact(xs, axis_name, state.q)
     elif self.start_iter == 0:
-      mean, local, qs_new = self._compressed(x, axis_name, qs)
+      mean, local, q = self._compressed(xs, views, axis_name, state.q)
     else:
-      mean, local, qs_new = lax.cond(
-          state.count >= self.start_iter,
-          lambda qs: tuple(self._compressed(x, axis_name, qs)),
-          lambda qs: tuple(self._exact(x, axis_name, qs)), qs)
-    if flat:
-      q = qs_new[0] if compressed else state.q
-    else:
-      q = tuple(qs_new)
-    return mean, local, PowerSGDState(q=q, count=state.count + 1)
+      mean, local, q = lax.cond(
+          step >= self.start_iter,
+          lambda qs: self._compressed(xs, views, axis_name, qs),
+          lambda qs: self._exact(xs, axis_name, qs), state.q)
+    if self.view == "flat":
+      sizes = _parts.sizes(shapes)
+      mean, local = _parts.split(mean[0], sizes), _parts.split(local[0], sizes)
+    return mean, local, PowerSGDState(q=q)
+
+  def transfers(self, shapes, sizes):
+    """One all-reduce of the P's and the exact tensors, one of the Q's
+    (float32); a bucket with no compressed matrix, one all-reduce of it."""
+    views = self.matrices(shapes)
+    axis = wire.axes_of(sizes)
+    first = sum(rows * r if r else size for size, rows, _, r in views)
+    second = sum(cols * r for _, _, cols, r in views)
+    return wire.transfers("all-reduce",
+                          [4 * first] + ([4 * second] if second else []),
+                          axis, sizes)
 
   def payload_bytes(self, n: int) -> int:
-    return 4 * sum((rows + cols) * r if r else size for _, size, rows, cols, r in self.segments(n))
+    """Bytes one device sends per step for one flat ``n``-element buffer in
+    the flat view (what the performance model prices where it knows no
+    tensor shapes): ``4 (rows + cols) r``, or ``4 n`` when not compressed.
+    For a bucket of tensors, :meth:`transfers` counts each matrix."""
+    flat = dataclasses.replace(self, view="flat")
+    return 4 * sum((rows + cols) * r if r else size
+                   for size, rows, cols, r in flat.matrices(((n,),)))
+
+
+def _psum_parts(xs, axis_name):
+  """``lax.psum`` of flat arrays as one concatenated buffer (one
+  collective), cut back into the arrays."""
+  if not xs:
+    return []
+  total = lax.psum(_parts.concat(tuple(xs)), axis_name)
+  return list(_parts.split(total, [x.shape[0] for x in xs]))

@@ -70,6 +70,7 @@ class QSGD(Compressor):
 
   name: ClassVar[str] = "qsgd"
   randomness: ClassVar[str] = "independent"
+  default_collective: ClassVar[str] = "auto"  # two-phase where it pays
   levels: int = 4
   bucket_size: int = 512
   implementation: str | None = None

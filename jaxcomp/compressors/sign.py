@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _parts
+from jaxcomp import wire
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import quantize
@@ -114,12 +116,22 @@ class MajorityVote(Compressor):
     del key
     return _signs(payload, n)
 
-  def exchange(self, x, key, axis_name, state):
+  def exchange(self, parts, shapes, *, key, step, axis_name, state):
+    del step
+    x = _parts.concat(parts)
     n = x.shape[0]
     words = self.encode(x, key)
     gathered = lax.all_gather(words, axis_name, to="invarying")
-    votes = jnp.sum(jax.vmap(lambda w: _signs(w, n))(gathered), axis=0)
-    return jnp.sign(votes), self.decode(words, n, key), state
+    votes = self.decode_sum(gathered, n, key)
+    sizes = _parts.sizes(shapes)
+    return (_parts.split(jnp.sign(votes), sizes),
+            _parts.split(self.decode(words, n, key), sizes), state)
+
+  def transfers(self, shapes, sizes):
+    """An all-gather of the packed signs."""
+    return wire.transfers("all-gather",
+                          (self.payload_bytes(sum(_parts.sizes(shapes))),),
+                          wire.axes_of(sizes), sizes)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * bitpack.packed_words(n, 1)

@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _parts
+from jaxcomp import wire
+from jaxcomp._mesh import axis_size
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, register
 from jaxcomp.kernels import bitpack
@@ -52,8 +55,6 @@ class TernGrad(Compressor):
   name: ClassVar[str] = "terngrad"
   randomness: ClassVar[str] = "independent"
   own_exchange: ClassVar[bool] = True
-  # What the exchange runs, for jaxcomp.perfmodel: a scalar pmax, then an all-gather of the packed words.
-  exchange_collective: ClassVar[str] = "allgather"
   clip_sigma: float | None = None
 
   def __post_init__(self):
@@ -95,16 +96,32 @@ class TernGrad(Compressor):
     del key
     return payload["scale"] * self.unpack(payload["codes"], n)
 
-  def exchange(self, x, key, axis_name, state):
+  def exchange(self, parts, shapes, *, key, step, axis_name, state):
+    del step
+    x = self._clip(_parts.concat(parts).astype(jnp.float32))
     n = x.shape[0]
-    x = self._clip(x.astype(jnp.float32))
     scale = lax.pmax(jnp.max(jnp.abs(x)), axis_name)
     words = self.pack(self.ternarize(x, scale, key))
     gathered = lax.all_gather(words, axis_name, to="invarying")
-    total = jnp.sum(jax.vmap(lambda w: self.unpack(w, n))(gathered), axis=0)
-    p = lax.axis_size(axis_name)
-    mean = scale * total / jnp.float32(p)
-    return mean, scale * self.unpack(words, n), state
+    # The decodes at scale 1 are integer counts, summed exactly; one
+    # multiplication by the shared scale then rounds once.
+    p = gathered.shape[0]
+    counts = self.decode_sum({"codes": gathered,
+                              "scale": jnp.ones((p,), jnp.float32)}, n, key)
+    mean = scale * counts / jnp.float32(axis_size(axis_name))
+    sizes = _parts.sizes(shapes)
+    return (_parts.split(mean, sizes),
+            _parts.split(scale * self.unpack(words, n), sizes), state)
+
+  def transfers(self, shapes, sizes):
+    """A float32 scalar all-reduce (the ``pmax`` of the scale), then an
+    all-gather of the packed codes."""
+    n = sum(_parts.sizes(shapes))
+    axis = wire.axes_of(sizes)
+    return (wire.transfers("all-reduce", (4,), axis, sizes)
+            + wire.transfers("all-gather",
+                             (4 * bitpack.packed_words(n, _BITS),), axis,
+                             sizes))
 
   def payload_bytes(self, n: int) -> int:
     return 4 * bitpack.packed_words(n, _BITS) + 4

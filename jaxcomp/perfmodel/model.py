@@ -275,23 +275,19 @@ def default_collective(compressor) -> str:
   ``compressor``: ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
   ``"auto"``.
 
-  A compressor that runs its own exchange names what it runs in an
-  ``exchange_collective`` attribute (PowerSGD: ``"allreduce"``, TernGrad:
-  ``"allgather"``); linear compressors are all-reduced; other jaxcomp
-  compressors follow :func:`jaxcomp.collectives.default_for` (``"auto"`` for
-  the quantizers, ``"allgather"`` for the sparsifiers); anything else that is
-  not linear is all-gathered.
+  A jaxcomp compressor that runs its own exchange is priced by the largest
+  collective its exchange issues (PowerSGD: all-reduces; TernGrad: the
+  all-gather of its codes); the others follow their ``default_collective``;
+  anything else that is not linear is all-gathered.
   """
-  named = getattr(compressor, "exchange_collective", None)
-  if named is not None:
-    return named
-  if compressor.linear:
-    return "allreduce"
-  from jaxcomp.collectives import base as _collectives
   from jaxcomp.compressors import base as _compressors
-  if isinstance(compressor, _compressors.Compressor) and not compressor.own_exchange:
-    return _LIBRARY_KINDS.get(_collectives.default_for(compressor).name, "allgather")
-  return "allgather"
+  if isinstance(compressor, _compressors.Compressor):
+    if compressor.own_exchange:
+      ts = compressor.transfers(((1 << 16,),), {"data": 2})
+      kind = max(ts, key=lambda t: t.operand_bytes).kind
+      return "allgather" if kind == "all-gather" else "allreduce"
+    return _LIBRARY_KINDS.get(compressor.default_collective, "allgather")
+  return "allreduce" if compressor.linear else "allgather"
 
 
 def _comm_kind(compressor, collective: str | None) -> str:
