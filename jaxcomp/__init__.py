@@ -16,6 +16,7 @@ from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic
 from jaxcomp.sharding import init_sharded
+from jaxcomp.sharding import make_train_step
 from jaxcomp.sharding import per_device_grad
 from jaxcomp.sharding import per_device_value_and_grad
 from jaxcomp.sharding import shard_train_step

@@ -176,3 +176,60 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
   return jax.shard_map(
       body, mesh=mesh, in_specs=(params_spec, state_specs, batch_spec),
       out_specs=(params_spec, state_specs, out_aux_spec))
+
+
+def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
+                    axis_name: AxisName = "data", batch_spec: Any = None,
+                    has_aux: bool = False, donate: bool = True) -> Callable:
+  """The data-parallel train step, compiled: per-device gradient, ``tx``'s
+  compressed update, parameters updated, loss averaged.
+
+  Per device, under ``jax.shard_map`` over ``mesh``::
+
+    loss, grads = per_device_value_and_grad(loss_fn, axis_name)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, lax.pmean(loss, axis_name)
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (a float32 scalar, this
+      device's mean over its share of the batch), or ``(loss, aux)`` with
+      ``has_aux``.
+    tx: the optimizer, containing jaxcomp transforms over ``axis_name``.
+    mesh: the device mesh.
+    state_specs: the specs :func:`init_sharded` returned with the state.
+    axis_name: the data-parallel axis (or tuple of axes).
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``
+      (every leaf split over the devices along its first dimension).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
+      averaged over ``axis_name`` too (every leaf must be a float array).
+    donate: donate the parameters' and the state's buffers to the step.
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (or
+    ``(params, opt_state, (loss, aux))``) on global arrays, jitted;
+    ``batch`` must be placed on ``mesh`` with ``batch_spec``
+    (``jax.device_put(batch, NamedSharding(mesh, P("data")))``).
+
+  Raises:
+    ValueError: as :func:`jaxcomp.init_sharded`, for a bad ``axis_name``.
+  """
+  import optax  # pylint: disable=g-import-not-at-top
+
+  axes = check_axis_name(axis_name)
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"axis_name {missing} not in the mesh axes "
+                     f"{mesh.axis_names}")
+  grad_fn = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+
+  def step_fn(params, opt_state, batch):
+    out, grads = grad_fn(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    out = jax.tree.map(lambda v: jax.lax.pmean(v, axis_name), out)
+    return optax.apply_updates(params, updates), opt_state, out
+
+  step = shard_train_step(
+      step_fn, mesh=mesh, state_specs=state_specs,
+      batch_spec=P(axis_name) if batch_spec is None else batch_spec)
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
