@@ -37,10 +37,21 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
          "collective-permute")
 
 
-def _check_kind(kind: str) -> None:
-  if kind not in KINDS:
+# kind: (ring bytes per operand byte, ring messages), for a group of g >= 2.
+_RING = {
+    "all-reduce": (lambda g: 2 * (g - 1) / g, lambda g: 2 * (g - 1)),
+    "all-gather": (lambda g: g - 1, lambda g: g - 1),
+    "reduce-scatter": (lambda g: (g - 1) / g, lambda g: g - 1),
+    "all-to-all": (lambda g: (g - 1) / g, lambda g: g - 1),
+    "collective-permute": (lambda g: 1, lambda g: 1),
+}
+
+
+def _ring(kind: str):
+  if kind not in _RING:
     raise ValueError(f"unknown collective kind {kind!r}; expected one of "
                      f"{KINDS}")
+  return _RING[kind]
 
 
 def ring_bytes(kind: str, operand_bytes: float, group_size: int) -> float:
@@ -55,17 +66,8 @@ def ring_bytes(kind: str, operand_bytes: float, group_size: int) -> float:
   Raises:
     ValueError: an unknown ``kind``.
   """
-  _check_kind(kind)
-  g = group_size
-  if g <= 1:
-    return 0.0
-  if kind == "all-reduce":
-    return 2 * (g - 1) / g * operand_bytes
-  if kind == "all-gather":
-    return (g - 1) * operand_bytes
-  if kind in ("reduce-scatter", "all-to-all"):
-    return (g - 1) / g * operand_bytes
-  return float(operand_bytes)
+  factor, _ = _ring(kind)
+  return 0.0 if group_size <= 1 else factor(group_size) * operand_bytes
 
 
 def ring_messages(kind: str, group_size: int) -> int:
@@ -75,15 +77,8 @@ def ring_messages(kind: str, group_size: int) -> int:
   Raises:
     ValueError: an unknown ``kind``.
   """
-  _check_kind(kind)
-  g = group_size
-  if g <= 1:
-    return 0
-  if kind == "all-reduce":
-    return 2 * (g - 1)
-  if kind == "collective-permute":
-    return 1
-  return g - 1
+  _, messages = _ring(kind)
+  return 0 if group_size <= 1 else messages(group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +98,7 @@ class Transfer:
   group_size: int
 
   def __post_init__(self):
-    _check_kind(self.kind)
+    _ring(self.kind)
 
   @property
   def ring_bytes(self) -> float:

@@ -52,9 +52,12 @@ Sizes = dict  # dict[str, int]: {mesh axis: devices}, the axes averaged over
 class Collective:
   """Base class. Subclasses set ``name`` and implement ``exchange_flat`` and
   ``flat_transfers`` (or, working on the tensors, ``exchange``,
-  ``init_state`` and ``transfers``)."""
+  ``init_state`` and ``transfers``); one that moves the payload by a single
+  collective may name its kind in ``payload_kind`` instead of writing
+  ``flat_transfers``."""
 
   name: ClassVar[str] = ""
+  payload_kind: ClassVar[str | None] = None  # a kind of jaxcomp.wire.KINDS
 
   def check(self, compressor: Compressor) -> None:
     """Raises ValueError if this collective cannot carry ``compressor``."""
@@ -126,8 +129,12 @@ class Collective:
 
   def flat_transfers(self, compressor: Compressor, n: int,
                      sizes: Sizes) -> tuple[wire.Transfer, ...]:
-    """:meth:`transfers` for one flat ``n``-element buffer."""
-    raise NotImplementedError
+    """:meth:`transfers` for one flat ``n``-element buffer: by default one
+    collective of ``payload_kind`` per payload array."""
+    if self.payload_kind is None:
+      raise NotImplementedError(f"{type(self).__name__} declares no transfers")
+    return wire.transfers(self.payload_kind, compressor.payload_arrays(n),
+                          axes_of(sizes), sizes)
 
   def payload_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
                     sizes: Sizes) -> int:
@@ -160,6 +167,7 @@ class PsumMean(Collective):
   """
 
   name: ClassVar[str] = "psum"
+  payload_kind: ClassVar[str] = "all-reduce"
 
   def check(self, compressor):
     super().check(compressor)
@@ -181,10 +189,6 @@ class PsumMean(Collective):
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
     return mean, compressor.decode(payload, n, key), state
 
-  def flat_transfers(self, compressor, n, sizes):
-    return wire.transfers("all-reduce", compressor.payload_arrays(n),
-                          axes_of(sizes), sizes)
-
 
 @register
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +202,7 @@ class AllGatherMean(Collective):
   """
 
   name: ClassVar[str] = "allgather"
+  payload_kind: ClassVar[str] = "all-gather"
 
   def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
@@ -207,10 +212,6 @@ class AllGatherMean(Collective):
         lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
     mean = compressor.decode_sum(gathered, n, key) / p
     return mean, compressor.decode(payload, n, key), state
-
-  def flat_transfers(self, compressor, n, sizes):
-    return wire.transfers("all-gather", compressor.payload_arrays(n),
-                          axes_of(sizes), sizes)
 
 
 @register
