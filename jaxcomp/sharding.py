@@ -131,6 +131,18 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
 
   Raises:
     ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
+    ...                  optax.adam(1e-3))
+    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((64,))},
+    ...                                     mesh, "data")
+    >>> specs[0].feedback  # the residual: one per device
+    ((P('data',),),)
+    >>> state[0].feedback[0][0].shape == (jax.device_count(), 64)
+    True
   """
   axes = check_axis_name(axis_name)
   missing = [a for a in axes if a not in mesh.axis_names]
@@ -213,6 +225,27 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
 
   Raises:
     ValueError: as :func:`jaxcomp.init_sharded`, for a bad ``axis_name``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> def loss_fn(params, batch):
+    ...   x, y = batch
+    ...   return jnp.mean((x @ params["w"] - y) ** 2)
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
+    ...                  optax.sgd(0.1))
+    >>> params = {"w": jnp.zeros((4,))}
+    >>> state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
+    ...                                state_specs=specs)
+    >>> n = 4 * jax.device_count()
+    >>> batch = jax.device_put((jnp.ones((n, 4)), jnp.ones((n,))),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
+    >>> params, state, loss = step(params, state, batch)
+    >>> float(loss)
+    1.0
   """
   import optax  # pylint: disable=g-import-not-at-top
 

@@ -65,9 +65,15 @@ def ring_bytes(kind: str, operand_bytes: float, group_size: int) -> float:
 
   Raises:
     ValueError: an unknown ``kind``.
+
+  Example:
+    >>> ring_bytes("all-reduce", 1000, 8)  # 2 (g - 1) / g of the buffer
+    1750.0
+    >>> ring_bytes("all-gather", 1000, 8)  # every peer's payload
+    7000.0
   """
   factor, _ = _ring(kind)
-  return 0.0 if group_size <= 1 else factor(group_size) * operand_bytes
+  return 0.0 if group_size <= 1 else float(factor(group_size) * operand_bytes)
 
 
 def ring_messages(kind: str, group_size: int) -> int:
