@@ -46,20 +46,44 @@ def check_axis_name(axis_name, param: str = "axis_name") -> tuple[str, ...]:
   return names
 
 
+def bound_axes() -> tuple[str, ...]:
+  """The mesh axes bound here by ``shard_map``/``pmap`` (manual axes), in
+  mesh order; ``()`` outside them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()) or ())
+  return tuple(a for a in getattr(mesh, "axis_names", ()) if a in manual)
+
+
 def check_bound(axis_name: AxisName, where: str,
                 param: str = "axis_name") -> None:
   """Raises a ``NameError`` that says where to call ``where`` when an axis of
   ``axis_name`` (the parameter ``param``) is not bound by
-  ``shard_map``/``pmap``."""
+  ``shard_map``/``pmap``, naming the axes that are bound."""
   for ax in axes(axis_name):
     try:
       lax.axis_index(ax)
     except NameError as e:
-      raise NameError(
-          f"{where}: {param} {ax!r} is not bound. Call it inside "
-          f"jax.shard_map(..., mesh=mesh) over a mesh with axis {ax!r}, or "
-          f"inside jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded "
-          "and jaxcomp.shard_train_step do that for you.") from e
+      bound = bound_axes()
+      if bound:
+        advice = (
+            f"The enclosing shard_map/pmap binds {bound}: pass the same "
+            f"axis name to jaxcomp (compressed_mean(axis_name=...)) and to "
+            f"the mesh that init_sharded / shard_train_step run over, e.g. "
+            f"{param}={bound[0]!r} or a mesh with axis {ax!r}.")
+      else:
+        advice = (
+            f"Nothing is bound here: call it inside jax.shard_map(..., "
+            f"mesh=mesh) over a mesh with axis {ax!r}, or inside "
+            f"jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded and "
+            "jaxcomp.shard_train_step do that for you.")
+      raise NameError(f"{where}: {param} {ax!r} is not bound. {advice}") from e
+
+
+def types_track_devices(axis_name: AxisName) -> bool:
+  """Whether values here carry varying types over ``axis_name``
+  (``shard_map`` with ``check_vma=True``, the default); False under
+  ``pmap``, whose values are all typed alike."""
+  return all(a in varying_axes(lax.axis_index(a)) for a in axes(axis_name))
 
 
 def axis_size(axis_name: AxisName) -> int:

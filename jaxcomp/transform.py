@@ -76,6 +76,55 @@ def _check_leaves(leaves, what: str) -> None:
           "(e.g. with optax.masked) or make them floats.")
 
 
+def _check_per_device(tree, axis_name) -> None:
+  """Raises TypeError when a gradient leaf is typed invariant over
+  ``axis_name``: JAX already summed it over the devices (plain ``jax.grad``
+  inside ``shard_map`` w.r.t. replicated parameters), so compressing it would
+  save nothing and the mean would come out ``p`` times too large."""
+  if not _mesh.types_track_devices(axis_name):
+    return  # pmap: every value is per device
+  names = set(_mesh.axes(axis_name))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not names <= _mesh.varying_axes(leaf):
+      raise TypeError(
+          f"compressed_mean.update: the gradient leaf "
+          f"{jax.tree_util.keystr(path) or '(root)'} is identical on every "
+          f"device along {axis_name!r}: JAX already summed it over the "
+          "devices, which is what plain jax.grad returns inside shard_map "
+          "for replicated parameters. Compute the gradient with "
+          f"jaxcomp.per_device_value_and_grad(loss_fn, {axis_name!r}) (or "
+          "jax.grad of the parameters after jaxcomp.to_varying) so that "
+          "each device compresses its own gradient.")
+
+
+def _check_state(state, expected) -> None:
+  """Raises ValueError naming the first leaf where ``state`` differs in
+  structure, shape or dtype from ``expected`` (the state ``init`` would make
+  for this gradient)."""
+  got = jax.tree_util.tree_flatten_with_path(state)
+  want = jax.tree_util.tree_flatten_with_path(expected)
+  if got[1] != want[1]:
+    got_paths = [jax.tree_util.keystr(p) for p, _ in got[0]]
+    want_paths = [jax.tree_util.keystr(p) for p, _ in want[0]]
+    first = next((g, w) for g, w in zip(got_paths + ["(end)"],
+                                        want_paths + ["(end)"]) if g != w)
+    raise ValueError(
+        "compressed_mean.update: the state does not fit this gradient: its "
+        f"structure differs first at {first[0]} where {first[1]} was "
+        f"expected ({len(got_paths)} leaves given, {len(want_paths)} "
+        "expected). Initialise the state (jaxcomp.init_sharded) with "
+        "parameters of the same structure and shapes as the gradients.")
+  for (path, g), (_, w) in zip(got[0], want[0]):
+    if jnp.shape(g) != w.shape or jnp.result_type(g) != w.dtype:
+      raise ValueError(
+          f"compressed_mean.update: the state leaf "
+          f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} and dtype "
+          f"{jnp.result_type(g)}, but this gradient needs {w.shape} "
+          f"{w.dtype}: the state was made for another model, bucketing or "
+          "compressor. Initialise it (jaxcomp.init_sharded) with parameters "
+          "of the same structure and shapes as the gradients.")
+
+
 class _Layout(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
@@ -257,12 +306,9 @@ def compressed_mean(
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves(leaves, "gradient")
     _mesh.check_bound(axis_name, "compressed_mean.update")
+    _check_per_device(updates, axis_name)
+    _check_state(state, jax.eval_shape(init_fn, updates))
     lay = layout(leaves)
-    if len(lay.shapes) != len(state.feedback):
-      raise ValueError(
-          f"the gradient has {len(lay.shapes)} buckets but the state was "
-          f"initialised for {len(state.feedback)}; initialise the state with "
-          "parameters of the same structure as the gradients")
     flat, any_bad = screen([x.reshape(-1).astype(jnp.float32) for x in leaves])
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                   state.count)

@@ -191,11 +191,11 @@ class Zen(Collective):
         raise TypeError(f"{field} must be a number, got {field}={v!r}")
     if not 0.0 < self.density <= 1.0:
       raise ValueError(f"density must be in (0, 1], got {self.density=}")
-    if not self.capacity_factor > 0:
+    if not (math.isfinite(self.capacity_factor) and self.capacity_factor > 0):
       raise ValueError(
           f"capacity_factor must be > 0, got {self.capacity_factor=}")
     if self.gather_capacity_factor is not None and not (
-        self.gather_capacity_factor > 0):
+        math.isfinite(self.gather_capacity_factor) and self.gather_capacity_factor > 0):
       raise ValueError(f"gather_capacity_factor must be > 0, got "
                        f"{self.gather_capacity_factor=}")
     if (isinstance(self.hash_seed, bool)

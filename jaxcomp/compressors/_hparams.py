@@ -54,13 +54,16 @@ def check_number(v, name: str, *, low=None, high=None, low_open=False,
 
   Raises:
     TypeError: not a number (or not an integer where ``integer``).
-    ValueError: outside ``[low, high]`` (``(low, high]`` with ``low_open``).
+    ValueError: NaN or infinite, or outside ``[low, high]`` (``(low, high]``
+      with ``low_open``).
   """
   c = concrete(v)
   if c is None:
     return
   if isinstance(c, bool) or not isinstance(c, numbers.Real):
     raise TypeError(f"{name} must be a number, got {name}={v!r}")
+  if not math.isfinite(c):
+    raise ValueError(f"{name} must be a finite number, got {name}={c}")
   if integer and float(c) != int(c):
     raise TypeError(f"{name} must be an integer, got {name}={c!r}")
   bad = (low is not None and (c <= low if low_open else c < low)) or (

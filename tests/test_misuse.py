@@ -1,0 +1,74 @@
+"""Misuse is caught at trace time or construction, with a message that
+names what to do ([integration] item 5)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcomp
+
+
+def _loss(p, batch):
+  return jnp.mean((batch @ p["w"]) ** 2)
+
+
+def _batch(mesh, n=16, d=4):
+  return jax.device_put(jax.random.normal(jax.random.key(0), (n, d)),
+                        NamedSharding(mesh, P(mesh.axis_names[0])))
+
+
+def test_plain_jax_grad_inside_shard_map_is_refused(mesh8):
+  """Plain jax.value_and_grad of replicated parameters gives a gradient JAX
+  already summed over the devices: refused, naming the helper to use."""
+  tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
+  params = {"w": jnp.ones((4,))}
+  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+
+  def step(p, s, batch):
+    loss, g = jax.value_and_grad(_loss)(p, batch)  # the trap
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+  f = jax.jit(jaxcomp.shard_train_step(step, mesh=mesh8, state_specs=specs,
+                                       batch_spec=P("data")))
+  with pytest.raises(TypeError, match=r"per_device_value_and_grad.*'data'"):
+    f(params, state, _batch(mesh8))
+
+
+def test_axis_mismatch_names_both_axes():
+  mesh = jax.make_mesh((8,), ("batch",))
+  tx = jaxcomp.compressed_mean("topk", "data")
+  with pytest.raises(NameError, match=r"'data' is not bound.*\('batch',\)"):
+    jaxcomp.init_sharded(tx, {"w": jnp.ones((4,))}, mesh, "batch")
+
+
+@pytest.mark.parametrize("other,match", [
+    ({"w": jnp.ones((5,))}, r"shape \(5,\).*needs \(4,\)"),
+    ({"w": jnp.ones((4,)), "b": jnp.ones((2,))}, r"structure differs"),
+])
+def test_state_of_another_model_names_the_leaf(mesh8, other, match):
+  tx = jaxcomp.compressed_mean("topk", "data")
+  state, specs = jaxcomp.init_sharded(tx, other, mesh8, "data")
+  f = jax.jit(jax.shard_map(
+      lambda g, s: tx.update(g, jaxcomp.to_local(s, specs))[0], mesh=mesh8,
+      in_specs=(P("data"), specs), out_specs=P()))
+  g = jax.device_put({"w": jnp.ones((8, 4))}, NamedSharding(mesh8, P("data")))
+  with pytest.raises(ValueError, match=match):
+    f(g, state)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("topk", {"ratio": float("nan")}), ("topk", {"ratio": float("inf")}),
+    ("dgc", {"ratio": float("nan")}), ("random_k", {"ratio": float("nan")}),
+    ("random_block", {"ratio": float("inf")}),
+    ("threshold", {"threshold": float("inf")}),
+    ("powersgd", {"min_compression_rate": float("nan")}),
+    ("terngrad", {"clip_sigma": float("nan")}),
+])
+def test_non_finite_hyperparameters_are_refused_at_construction(name, kwargs):
+  (param,) = kwargs
+  with pytest.raises(ValueError, match=rf"{param} must be a finite number"):
+    jaxcomp.compressed_mean(name, "data", **kwargs)
