@@ -8,10 +8,13 @@ to read what a compiled step sends.
 
 from jaxcomp import bucketing
 from jaxcomp import collectives
+from jaxcomp import combinators
 from jaxcomp import compressors
 from jaxcomp import distributed
 from jaxcomp import feedback
 from jaxcomp import wire
+from jaxcomp.combinators import apply_if_finite
+from jaxcomp.combinators import multi_steps
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic

@@ -87,6 +87,10 @@ class CollectiveOp:
   # per operand, each paying the start-up cost: that is the message count
   # a cost model needs (``Traffic.messages``).
   operand_sizes: tuple[int, ...] = ()
+  computation: str = ""  # the HLO computation the op sits in
+  # Whether the op runs only inside a branch of a conditional (``lax.cond``,
+  # e.g. the k-th micro-step of jaxcomp.multi_steps), not on every step.
+  in_branch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,16 @@ class Traffic:
     return [(op.kind, b) for op in self.ops
             for b in ((op.operand_bytes,) if op.kind == "all-to-all" or not op.operand_sizes
                       else op.operand_sizes)]
+
+  def every_step(self) -> "Traffic":
+    """The collectives that run on every step: those outside the branches
+    of a conditional."""
+    return _traffic([op for op in self.ops if not op.in_branch])
+
+  def in_branches(self) -> "Traffic":
+    """The collectives inside the branches of a conditional (run only on the
+    steps that take the branch)."""
+    return _traffic([op for op in self.ops if op.in_branch])
 
   def by_kind(self) -> dict[str, int]:
     """Operand bytes per device for each collective kind present."""
@@ -149,6 +163,45 @@ def _split_top(args: str) -> list[str]:
   return out
 
 
+def _traffic(ops) -> Traffic:
+  return Traffic(ops, sum(o.operand_bytes for o in ops),
+                 sum(o.ring_bytes for o in ops))
+
+
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLS_RE = re.compile(
+    r"(to_apply|calls|body|condition|true_computation|false_computation"
+    r"|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _computations(lines):
+  """``(computation of each line, branch-only computations)``: the name of
+  the computation every line sits in, and the computations reachable only
+  through a conditional's branches."""
+  where, current = [], ""
+  calls: dict[str, set] = {}
+  branch_roots: set = set()
+  for line in lines:
+    m = _COMP_RE.match(line)
+    if m and not line.startswith(" "):
+      current = m.group(1)
+    where.append(current)
+    for key, target in _CALLS_RE.findall(line):
+      names = {t.strip().lstrip("%") for t in target.strip("{}").split(",")}
+      calls.setdefault(current, set()).update(names)
+      if key in ("true_computation", "false_computation",
+                 "branch_computations"):
+        branch_roots |= names
+  inside = set()
+  todo = list(branch_roots)
+  while todo:
+    c = todo.pop()
+    if c not in inside:
+      inside.add(c)
+      todo.extend(calls.get(c, ()))
+  return where, inside
+
+
 def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic:
   """Reads the collectives of a compiled (or lowered) JAX computation.
 
@@ -180,7 +233,9 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     if m:
       shapes[m.group(1)] = m.group(2)
   ops = []
-  for line in text.splitlines():
+  lines = text.splitlines()
+  where, branch_only = _computations(lines)
+  for line, computation in zip(lines, where):
     m = _INSTR_RE.match(line)
     if not m:
       continue
@@ -208,6 +263,6 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     if start:  # async start returns (operands..., results...): halve
       result -= operand
     ops.append(CollectiveOp(kind, name, operand, result, groups, g,
-                            wire.ring_bytes(kind, operand, g), tuple(sizes)))
-  return Traffic(ops, sum(o.operand_bytes for o in ops),
-                 sum(o.ring_bytes for o in ops))
+                            wire.ring_bytes(kind, operand, g), tuple(sizes),
+                            computation, computation in branch_only))
+  return _traffic(ops)

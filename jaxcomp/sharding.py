@@ -24,6 +24,7 @@ from jaxcomp._mesh import AxisName
 from jaxcomp._mesh import check_axis_name
 from jaxcomp._mesh import check_bound
 from jaxcomp._mesh import to_varying
+from jaxcomp._mesh import varying_after
 from jaxcomp._mesh import varying_axes
 
 
@@ -77,28 +78,74 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def state_partition_specs(init_fn: Callable, params, mesh,
-                          axis_name: AxisName):
-  """Partition specs of ``init_fn(params)``'s leaves, derived from types.
+def _state_axes(tx, params, mesh, axis_name: AxisName):
+  """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
+  ``init`` makes it, and as it must be declared so that ``update`` keeps its
+  type (``init``'s axes plus those an update gives it, to a fixed point).
 
-  Traces ``init_fn`` once inside ``shard_map`` (nothing runs) and reads which
-  mesh axes each leaf varies over: invariant leaves get ``P()``; varying ones
-  get ``P(axes)`` and are carried with a leading device axis (see
-  :func:`to_local` / :func:`to_global`).
-
-  Returns:
-    A pytree of ``PartitionSpec`` with the structure of the state.
-  """
+  ``tx`` is a GradientTransformation, or an ``init`` function alone (then
+  both are ``init``'s)."""
+  init_fn = getattr(tx, "init", tx)
   found = []
 
   def probe(p):
-    st = init_fn(p)
-    found.append(jax.tree.map(lambda x: varying_axes(x), st))
+    found.append(jax.tree.map(varying_axes, init_fn(p)))
     return jnp.zeros((), jnp.float32)
 
   jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P()),
                  params)
-  return jax.tree.map(lambda axes: _spec_for(axes, mesh), found[0],
+  init_axes = found[0]
+  update = getattr(tx, "update", None)
+  if update is None:
+    return init_axes, init_axes
+  is_axes = lambda x: isinstance(x, frozenset)
+  cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
+  local_state = jax.eval_shape(jax.shard_map(
+      init_fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
+      params)
+  n_params = len(jax.tree.leaves(params))
+  data = frozenset(check_axis_name(axis_name))
+  for _ in range(8):  # each round can only add axes: a fixed point soon
+    try:
+      out = varying_after(
+          lambda g, s, p: update(g, s, p)[1], (params, local_state, params),
+          [data] * n_params + cur + [frozenset()] * n_params, mesh)
+    except Exception:  # pylint: disable=broad-except
+      # An update that cannot be traced here (it needs extra arguments, say)
+      # fails the same way in the train step, where its error is clearer;
+      # init's types stand.
+      break
+    new = [c | o for c, o in zip(cur, out)]
+    if new == cur:
+      break
+    cur = new
+  return init_axes, jax.tree.unflatten(treedef, cur)
+
+
+def state_partition_specs(tx, params, mesh, axis_name: AxisName):
+  """Partition specs of ``tx``'s state leaves, derived from their types.
+
+  Traces ``tx.init`` once inside ``shard_map`` (nothing runs) and reads which
+  mesh axes each leaf varies over; then follows one ``tx.update`` with
+  per-device gradients by data flow, so that a leaf that an update fills
+  with per-device values (a gradient accumulator such as
+  ``optax.MultiSteps``') is per device too. Invariant leaves get ``P()``;
+  varying ones get ``P(axes)`` and are carried with a leading device axis
+  (see :func:`to_local` / :func:`to_global`).
+
+  Args:
+    tx: a GradientTransformation (or an ``init`` function: then ``init``'s
+      types alone decide).
+    params: the (replicated) parameters.
+    mesh: the mesh.
+    axis_name: the data-parallel axis (or tuple of axes) the gradients vary
+      over.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of the state.
+  """
+  _, axes = _state_axes(tx, params, mesh, axis_name)
+  return jax.tree.map(lambda a: _spec_for(a, mesh), axes,
                       is_leaf=lambda x: isinstance(x, frozenset))
 
 
@@ -150,10 +197,17 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
     raise ValueError(f"axis_name {missing} not in the mesh axes "
                      f"{mesh.axis_names}")
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  specs = state_partition_specs(tx.init, params, mesh, axis_name)
+  init_axes, state_axes = _state_axes(tx, params, mesh, axis_name)
+  is_axes = lambda x: isinstance(x, frozenset)
+  specs = jax.tree.map(lambda a: _spec_for(a, mesh), state_axes,
+                       is_leaf=is_axes)
 
   def init_global(p):
-    return to_global(tx.init(p), specs)
+    # Leaves that an update makes per device start per device.
+    st = jax.tree.map(
+        lambda x, a, b: to_varying(x, tuple(sorted(b - a))) if b - a else x,
+        tx.init(p), init_axes, state_axes)
+    return to_global(st, specs)
 
   state = jax.jit(jax.shard_map(init_global, mesh=mesh, in_specs=P(),
                                 out_specs=specs))(params)

@@ -66,14 +66,37 @@ class CompressedMeanState(NamedTuple):
   stats: CompressionStats
 
 
-def _check_leaves(leaves, what: str) -> None:
-  for i, leaf in enumerate(leaves):
+def _leaf_flags(tree, mask) -> list[bool]:
+  """Per leaf of ``tree`` (``jax.tree.leaves`` order), whether ``mask``
+  selects it for compression.
+
+  Raises:
+    ValueError: ``mask`` does not fit ``tree``'s structure.
+  """
+  leaves = jax.tree.leaves(tree)
+  if mask is None:
+    return [True] * len(leaves)
+  m = mask(tree) if callable(mask) else mask
+  try:
+    flags = jax.tree.leaves(jax.tree.map(
+        lambda f, sub: jax.tree.map(lambda _: bool(f), sub), m, tree))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "compressed_mean: mask must be a pytree of booleans with the "
+        "structure of the parameters (or a prefix of it), or a function of "
+        f"the parameters returning one: {e}") from None
+  return flags
+
+
+def _check_floating(leaves, flags, what: str) -> None:
+  for i, (leaf, f) in enumerate(zip(leaves, flags)):
     dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if f and not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
           f"compressed_mean: {what} leaf {i} has dtype {dtype}; only floating "
-          "gradients can be averaged. Exclude integer and boolean leaves "
-          "(e.g. with optax.masked) or make them floats.")
+          "gradients can be averaged. Leave integer and boolean leaves out "
+          "with compressed_mean(..., mask=...) (their update is then zero) "
+          "or make them floats.")
 
 
 def _check_per_device(tree, axis_name) -> None:
@@ -129,8 +152,10 @@ class _Layout(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
   sizes: list  # elements per leaf
-  plan: bucketing_lib.BucketPlan
+  plan: bucketing_lib.BucketPlan  # exact: averaged by one pmean
   shapes: list  # per bucket: the shapes of its tensors
+  passthrough: tuple  # leaves left out by the mask that are not floating:
+  #                     their update is zero
 
   def bucket_sizes(self, b: int) -> list[int]:
     return [self.sizes[i] for i in self.plan.buckets[b]]
@@ -147,6 +172,7 @@ def compressed_mean(
     bucket_elements: int | None = None,
     bucket_bytes: int | None = None,
     plan: Sequence[Sequence[int]] | None = None,
+    mask=None,
     nonfinite: str = "skip",
     seed: int = 0,
     **compressor_kwargs,
@@ -190,6 +216,14 @@ def compressed_mean(
       ``bucketing="fixed_bytes"``.
     plan: explicit buckets as lists of leaf indices (``jax.tree.leaves``
       order); overrides ``bucketing``.
+    mask: which leaves are compressed: None (all), a pytree of booleans
+      with the parameters' structure (or a prefix of it), or a function of
+      the parameters returning one, as ``optax.masked`` takes. Floating
+      leaves it leaves out go through the exact float32 ``pmean`` (biases,
+      norms, embeddings you want exact); others (integer, boolean) get a
+      zero update (``float0`` gradients are returned as they are). ``optax.masked(compressed_mean(...), mask)`` does
+      not do this: the leaves it leaves out come out per device,
+      un-averaged.
     nonfinite: what a NaN or Inf in any device's gradient does to the step.
       ``"skip"`` (default): the update is zero and the error-feedback state
       is left unchanged on every device (one extra scalar all-reduce);
@@ -209,7 +243,9 @@ def compressed_mean(
     ValueError: at construction, for an unknown compressor, collective,
       feedback, bucketing or nonfinite policy, a bad hyperparameter, an empty
       ``axis_name``, or a collective that cannot carry the compressor.
-    TypeError: in ``init``/``update``, for integer or boolean leaves.
+    TypeError: in ``init``/``update``, for integer or boolean leaves that
+      ``mask`` does not leave out, or for a gradient JAX already summed over
+      the devices (plain ``jax.grad`` inside ``shard_map``).
     NameError: in ``init``/``update``, when ``axis_name`` is not bound
       (called outside ``shard_map``/``pmap``).
 
@@ -242,32 +278,44 @@ def compressed_mean(
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
                              bucket_bytes=bucket_bytes, plan=plan)
 
-  def layout(leaves) -> _Layout:
+  def layout(tree, what: str) -> _Layout:
+    leaves = jax.tree.leaves(tree)
+    flags = _leaf_flags(tree, mask)
+    _check_floating(leaves, flags, what)
     sizes = [math.prod(jnp.shape(x)) for x in leaves]
+    passthrough = tuple(
+        i for i, x in enumerate(leaves)
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating))
+    # Leaves the mask leaves out are planned as empty, which sends them to
+    # the exact group (and out of an explicit plan).
     bplan = bucketing_lib.plan_buckets(
-        sizes, strategy=bucketing, min_size=min_compress_size,
-        bucket_elements=bucket_elements, bucket_bytes=bucket_bytes,
-        plan=plan)
-    shapes = [tuple(tuple(jnp.shape(leaves[i])) for i in b)
-              for b in bplan.buckets]
-    return _Layout(sizes, bplan, shapes)
+        [n if f else 0 for n, f in zip(sizes, flags)], strategy=bucketing,
+        min_size=min_compress_size, bucket_elements=bucket_elements,
+        bucket_bytes=bucket_bytes, plan=plan)
+    buckets = tuple(b for b in (tuple(i for i in b if flags[i])
+                                for b in bplan.buckets) if b)
+    exact = tuple(sorted(set(range(len(leaves))) - set(passthrough)
+                         - {i for b in buckets for i in b}))
+    shapes = [tuple(tuple(jnp.shape(leaves[i])) for i in b) for b in buckets]
+    return _Layout(sizes, bucketing_lib.BucketPlan(exact, buckets), shapes,
+                   passthrough)
 
   def static_stats(lay: _Layout) -> dict:
     axis_sizes = _mesh.axis_sizes(axis_name)
     sent = sum(coll.payload_bytes(comp, shapes, axis_sizes)
                for shapes in lay.shapes)
     sent += 4 * sum(lay.sizes[i] for i in lay.plan.exact)
-    sent, dense = float(sent), float(4 * sum(lay.sizes))
+    dense = 4 * sum(n for i, n in enumerate(lay.sizes)
+                    if i not in lay.passthrough)
+    sent, dense = float(sent), float(dense)
     return dict(bytes_sent=jnp.asarray(sent, jnp.float32),
                 dense_bytes=jnp.asarray(dense, jnp.float32),
                 compression_ratio=jnp.asarray(dense / max(sent, 1.0),
                                               jnp.float32))
 
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
-    _check_leaves(leaves, "params")
     _mesh.check_bound(axis_name, "compressed_mean.init")
-    lay = layout(leaves)
+    lay = layout(params, "params")
     for b in range(len(lay.shapes)):
       comp.check_size(sum(lay.bucket_sizes(b)))
     key = jax.random.key(seed)
@@ -304,12 +352,14 @@ def compressed_mean(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    _check_leaves(leaves, "gradient")
+    lay = layout(updates, "gradient")
     _mesh.check_bound(axis_name, "compressed_mean.update")
-    _check_per_device(updates, axis_name)
+    _check_per_device([x for i, x in enumerate(leaves)
+                       if i not in lay.passthrough], axis_name)
     _check_state(state, jax.eval_shape(init_fn, updates))
-    lay = layout(leaves)
-    flat, any_bad = screen([x.reshape(-1).astype(jnp.float32) for x in leaves])
+    flat, any_bad = screen([
+        x.reshape(-1).astype(jnp.float32) if i not in lay.passthrough
+        else jnp.zeros((0,), jnp.float32) for i, x in enumerate(leaves)])
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                   state.count)
     out = [None] * len(leaves)
@@ -346,7 +396,11 @@ def compressed_mean(
         out[i] = m
 
     mean_leaves = []
-    for m, leaf in zip(out, leaves):
+    for i, (m, leaf) in enumerate(zip(out, leaves)):
+      if i in lay.passthrough:  # no update, typed invariant
+        mean_leaves.append(leaf if jnp.result_type(leaf) == jax.dtypes.float0
+                           else jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf)))
+        continue
       if nonfinite == "propagate":
         m = jnp.where(any_bad, jnp.nan, m)
       mean_leaves.append(m.reshape(jnp.shape(leaf)).astype(leaf.dtype))
