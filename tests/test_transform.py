@@ -263,7 +263,7 @@ def test_a_state_carried_to_another_ratio_reports_that_ratios_bytes(mesh8):
   stats = jaxcomp.get_stats(state)
   assert float(stats.bytes_sent) == 8 * 4
   assert float(stats.bytes_sent) == float(jaxcomp.get_stats(narrow_init).bytes_sent)
-  assert float(stats.compression_ratio) == 4 * n / (8 * 4)
+  assert float(stats.compression_factor) == 4 * n / (8 * 4)
   # sum of what was averaged + mean residual == sum of the mean gradients.
   residual = np.asarray(concat_parts(state.feedback[0])).mean(0)  # (n,)
   np.testing.assert_allclose(np.asarray(u1["w"]) + np.asarray(u2["w"]) + residual,

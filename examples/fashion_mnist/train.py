@@ -169,7 +169,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "bytes_per_step": float(stats.bytes_sent),
       "total_bytes": common.run_bytes(stages, stage_bytes, total),
       "dense_bytes_per_step": float(stats.dense_bytes),
-      "ratio_to_dense": float(stats.compression_ratio),
+      "ratio_to_dense": float(stats.compression_factor),
       "hlo_operand_bytes": traffic.operand_bytes,
       "hlo_dense_operand_bytes": dense_traffic.operand_bytes,
       "params": params,
