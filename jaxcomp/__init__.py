@@ -18,6 +18,8 @@ from jaxcomp.combinators import multi_steps
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic
+from jaxcomp.sharding import CompressedValueAndGrad
+from jaxcomp.sharding import compressed_value_and_grad
 from jaxcomp.sharding import init_sharded
 from jaxcomp.sharding import make_train_step
 from jaxcomp.sharding import per_device_grad

@@ -75,7 +75,10 @@ def check_bound(axis_name: AxisName, where: str,
             f"Nothing is bound here: call it inside jax.shard_map(..., "
             f"mesh=mesh) over a mesh with axis {ax!r}, or inside "
             f"jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded and "
-            "jaxcomp.shard_train_step do that for you.")
+            "jaxcomp.shard_train_step do that for you (with Flax, "
+            "jaxcomp.flax.Optimizer in place of nnx.Optimizer and "
+            "jaxcomp.flax.create_train_state in place of "
+            "TrainState.create).")
       raise NameError(f"{where}: {param} {ax!r} is not bound. {advice}") from e
 
 

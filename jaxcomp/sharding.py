@@ -74,6 +74,15 @@ def _spec_for(axes: frozenset[str], mesh) -> P:
   return P(ordered if len(ordered) > 1 else ordered[0])
 
 
+def _check_mesh_axes(mesh, axis_name) -> None:
+  """Raises ValueError unless ``axis_name`` names axes of ``mesh``."""
+  missing = [a for a in check_axis_name(axis_name)
+             if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"axis_name {missing} not in the mesh axes "
+                     f"{mesh.axis_names}")
+
+
 def _is_spec(x) -> bool:
   return isinstance(x, P)
 
@@ -191,11 +200,7 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
     >>> state[0].feedback[0][0].shape == (jax.device_count(), 64)
     True
   """
-  axes = check_axis_name(axis_name)
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis_name {missing} not in the mesh axes "
-                     f"{mesh.axis_names}")
+  _check_mesh_axes(mesh, axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   init_axes, state_axes = _state_axes(tx, params, mesh, axis_name)
   is_axes = lambda x: isinstance(x, frozenset)
@@ -303,11 +308,7 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   """
   import optax  # pylint: disable=g-import-not-at-top
 
-  axes = check_axis_name(axis_name)
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis_name {missing} not in the mesh axes "
-                     f"{mesh.axis_names}")
+  _check_mesh_axes(mesh, axis_name)
   grad_fn = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
 
   def step_fn(params, opt_state, batch):
@@ -320,3 +321,113 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
       step_fn, mesh=mesh, state_specs=state_specs,
       batch_spec=P(axis_name) if batch_spec is None else batch_spec)
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+class CompressedValueAndGrad:
+  """``jax.value_and_grad`` for ``jax.jit`` steps on sharded batches, with
+  the gradient averaged by a compressed exchange.
+
+  A ``jax.jit`` train step that lets XLA partition the batch (no
+  hand-written per-device step) adopts compression by changing its
+  gradient line: this runs ``loss_fn``'s per-device gradient and
+  ``transform`` (e.g. ``jaxcomp.compressed_mean("topk", "data")``) under
+  ``jax.shard_map`` over ``mesh`` and returns the averaged gradient,
+  replicated, with the transform's state threaded through::
+
+    grad_fn = jaxcomp.compressed_value_and_grad(
+        loss_fn, jaxcomp.compressed_mean("topk", "data", ratio=0.01), mesh)
+    comp_state = grad_fn.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, comp_state, batch):
+      (loss, grads), comp_state = grad_fn(params, comp_state, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, comp_state, loss
+
+  The optimizer runs outside ``shard_map`` on the averaged gradient, as in
+  the uncompressed step.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (this device's mean over
+      its share of the batch), or ``(loss, aux)`` with ``has_aux``.
+    transform: a jaxcomp transform over ``axis_name`` (or a chain of them).
+    mesh: the device mesh.
+    axis_name: the data-parallel axis (or tuple of axes).
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
+      averaged over ``axis_name`` too.
+
+  Raises:
+    ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
+  """
+
+  def __init__(self, loss_fn: Callable, transform, mesh, *,
+               axis_name: AxisName = "data", batch_spec: Any = None,
+               has_aux: bool = False):
+    _check_mesh_axes(mesh, axis_name)
+    self.transform, self.mesh, self.axis_name = transform, mesh, axis_name
+    self.batch_spec = P(axis_name) if batch_spec is None else batch_spec
+    self._grad = per_device_value_and_grad(loss_fn, axis_name,
+                                           has_aux=has_aux)
+    self.specs = None
+
+  def init(self, params):
+    """The transform's state for ``params``, placed on the mesh (per-device
+    leaves with a leading device axis, see :func:`init_sharded`)."""
+    state, self.specs = init_sharded(self.transform, params, self.mesh,
+                                     self.axis_name)
+    return state
+
+  def __call__(self, params, state, batch):
+    """``((loss, grads), state)``: the loss (and aux) averaged over the
+    devices, the compressed mean of the per-device gradients (replicated),
+    and the transform's new state."""
+    if self.specs is None:
+      raise ValueError("call init(params) first: it places the transform's "
+                       "state on the mesh and derives its partition specs")
+
+    def body(params, state, batch):
+      out, grads = self._grad(params, batch)
+      mean, state = self.transform.update(grads, to_local(state, self.specs),
+                                          params)
+      out = jax.tree.map(lambda v: jax.lax.pmean(v, self.axis_name), out)
+      return (out, mean), to_global(state, self.specs)
+
+    return jax.shard_map(
+        body, mesh=self.mesh, in_specs=(P(), self.specs, self.batch_spec),
+        out_specs=((P(), P()), self.specs))(params, state, batch)
+
+
+def compressed_value_and_grad(loss_fn: Callable, transform, mesh, *,
+                              axis_name: AxisName = "data",
+                              batch_spec: Any = None,
+                              has_aux: bool = False) -> CompressedValueAndGrad:
+  """:class:`CompressedValueAndGrad`: the averaged gradient of ``loss_fn``
+  through ``transform``'s compressed exchange, for ``jax.jit`` steps.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch @ params["w"]) ** 2)
+    >>> grad_fn = jaxcomp.compressed_value_and_grad(
+    ...     loss_fn, jaxcomp.compressed_mean("topk", "data", ratio=0.5), mesh)
+    >>> params = {"w": jnp.ones((4,))}
+    >>> comp_state = grad_fn.init(params)
+    >>> optimizer = optax.sgd(0.1)
+    >>> opt_state = optimizer.init(params)
+    >>> @jax.jit
+    ... def train_step(params, opt_state, comp_state, batch):
+    ...   (loss, grads), comp_state = grad_fn(params, comp_state, batch)
+    ...   updates, opt_state = optimizer.update(grads, opt_state, params)
+    ...   return optax.apply_updates(params, updates), opt_state, comp_state, loss
+    >>> batch = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> params, opt_state, comp_state, loss = train_step(
+    ...     params, opt_state, comp_state, batch)
+    >>> float(loss)
+    16.0
+  """
+  return CompressedValueAndGrad(loss_fn, transform, mesh, axis_name=axis_name,
+                                batch_spec=batch_spec, has_aux=has_aux)

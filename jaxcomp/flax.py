@@ -1,0 +1,251 @@
+"""Flax: NNX optimizers and Linen train states whose transform compresses.
+
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and Linen's
+``TrainState.create(..., tx=tx)`` call ``tx.init`` eagerly, outside any
+``shard_map``, where a jaxcomp transform has no device axis to create its
+per-device state over (``NameError: axis_name 'data' is not bound``). The
+helpers here initialise that state with :func:`jaxcomp.init_sharded`
+instead and run the step per device under ``jax.shard_map``:
+
+* NNX: :class:`Optimizer` (an ``nnx.Optimizer``) and :func:`train_step`,
+  which runs ``loss_fn(model, batch)`` on each device's share of the batch
+  with its own dropout keys, averages the BatchNorm statistics (and every
+  other floating non-parameter state) over the devices after the step, as
+  Flax's ImageNet example syncs ``batch_stats``, and updates the model and
+  the optimizer in place.
+* Linen: :func:`create_train_state` (a ``flax.training.train_state.
+  TrainState`` with the state placed per device) and
+  :func:`train_state_step`, which wraps a per-device ``step(state, batch)``
+  written with ``state.apply_gradients``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+
+from flax import nnx
+from flax.nnx.training import optimizer as nnx_optimizer
+
+from jaxcomp import _mesh
+from jaxcomp import sharding
+from jaxcomp._mesh import AxisName
+
+
+class Optimizer(nnx.Optimizer):
+  """An ``nnx.Optimizer`` whose jaxcomp state is placed per device.
+
+  Use it where ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` would be, with
+  the mesh, and step with :func:`train_step`.
+
+  Args:
+    model: the NNX model.
+    tx: the optimizer, containing jaxcomp transforms over ``axis_name``.
+    wrt: the variables to optimise (``nnx.Param``), as ``nnx.Optimizer``.
+    mesh: the device mesh.
+    axis_name: the data-parallel axis (or tuple of axes).
+
+  Raises:
+    ValueError: ``axis_name`` is not an axis of ``mesh``.
+  """
+
+  def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
+               axis_name: AxisName = "data"):
+    # What nnx.Optimizer.__init__ does, with the state from init_sharded.
+    self.graph = None
+    self.step = nnx_optimizer.OptState(jnp.array(0, dtype=jnp.uint32))
+    self.tx = tx
+    params = nnx.as_pure(nnx.state(model, wrt))
+    state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+    self.opt_state = nnx.data(nnx_optimizer.to_opt_state(state))
+    self.wrt = wrt
+    self.mesh = nnx.static(mesh)
+    self.axis_name = nnx.static(axis_name)
+    self.specs = nnx.static(_Static(specs))
+
+
+class _Static:
+  """A pytree held as one static value (NNX metadata), compared by
+  identity."""
+
+  def __init__(self, tree):
+    self.tree = tree
+
+
+def train_step(loss_fn: Callable, *, has_aux: bool = False,
+               batch_spec: Any = None) -> Callable:
+  """The NNX data-parallel train step with compression, compiled.
+
+  ``step(model, optimizer, batch)`` runs, under ``jax.shard_map`` over the
+  optimizer's mesh, per device: ``loss_fn(model, batch)`` on this device's
+  share of the batch, its gradient with respect to the optimizer's ``wrt``
+  variables as this device's own (not summed by JAX), ``optimizer.tx``'s
+  compressed update, and the parameter update. Dropout and other random
+  streams draw different numbers on each device (their keys are folded with
+  the device index for the step and kept as they were). BatchNorm
+  statistics and every other floating variable that the forward pass
+  changes are averaged over the devices afterwards. The model and the
+  optimizer are updated in place, as ``nnx.Optimizer.update`` does.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch) -> loss`` (a scalar), or ``(loss,
+      aux)`` with ``has_aux``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is
+      averaged over the devices.
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+
+  Returns:
+    ``step(model, optimizer, batch) -> loss`` (or ``(loss, aux)``), the
+    loss averaged over the devices. ``optimizer`` must be a
+    :class:`Optimizer`; ``batch`` placed on its mesh with ``batch_spec``.
+
+  Raises:
+    TypeError: ``optimizer`` is a plain ``nnx.Optimizer``.
+  """
+  compiled: dict = {}
+
+  def build(graphdef, optimizer):
+    mesh, axis = optimizer.mesh, optimizer.axis_name
+    specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
+    bspec = P(axis) if batch_spec is None else batch_spec
+
+    def body(params, keys, rest, opt_state, batch):
+      index = lax.axis_index(axis)
+      step_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+
+      def loss_of(p):
+        model = nnx.merge(graphdef, p, step_keys, rest)
+        out = loss_fn(model, batch)
+        *_, new_rest = nnx.split(model, wrt, nnx.RngKey, ...)
+        return out[0] if has_aux else out, (out, nnx.as_pure(new_rest))
+
+      (_, (out, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+          _mesh.to_varying(params, axis))
+      new_rest = jax.tree.map(
+          lambda x: lax.pmean(x, axis)
+          if jnp.issubdtype(x.dtype, jnp.floating) else x, new_rest)
+      updates, opt_state = tx.update(grads, sharding.to_local(opt_state, specs),
+                                     params)
+      out = jax.tree.map(lambda v: lax.pmean(v, axis), out)
+      return (optax.apply_updates(params, updates), new_rest,
+              sharding.to_global(opt_state, specs), out)
+
+    f = jax.shard_map(body, mesh=mesh,
+                      in_specs=(P(), P(), P(), specs, bspec),
+                      out_specs=(P(), P(), specs, P()))
+    return jax.jit(f, donate_argnums=(0, 2, 3))
+
+  def step(model, optimizer, batch):
+    if not hasattr(optimizer, "specs"):
+      raise TypeError(
+          "jaxcomp.flax.train_step needs a jaxcomp.flax.Optimizer(model, tx, "
+          "wrt=..., mesh=mesh, axis_name=...): an nnx.Optimizer cannot "
+          "initialise a jaxcomp transform outside shard_map")
+    graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey,
+                                             ...)
+    key = (graphdef, id(optimizer))
+    if key not in compiled:
+      compiled[key] = build(graphdef, optimizer)
+    rep = NamedSharding(optimizer.mesh, P())
+    params, keys, rest = jax.device_put(
+        (nnx.as_pure(params), nnx.as_pure(keys), nnx.as_pure(rest)), rep)
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    params, rest, opt_state, out = compiled[key](params, keys, rest,
+                                                 opt_state, batch)
+    nnx.update(model, params, rest)
+    nnx.update(optimizer.opt_state, nnx.state(opt_state))
+    optimizer.step[...] += 1
+    return out
+
+  return step
+
+
+def create_train_state(apply_fn: Callable, params, tx, *, mesh,
+                       axis_name: AxisName = "data", state_class=None):
+  """A Linen ``TrainState`` whose jaxcomp state is placed per device.
+
+  ``TrainState.create(apply_fn=..., params=..., tx=tx)`` would call
+  ``tx.init`` outside ``shard_map``; this initialises it with
+  :func:`jaxcomp.init_sharded`.
+
+  Args:
+    apply_fn: the model's ``apply``.
+    params: the parameters.
+    tx: the optimizer, containing jaxcomp transforms over ``axis_name``.
+    mesh: the device mesh.
+    axis_name: the data-parallel axis (or tuple of axes).
+    state_class: a ``TrainState`` subclass (default
+      ``flax.training.train_state.TrainState``); extra fields keep their
+      defaults.
+
+  Returns:
+    ``(state, specs)``: the train state (parameters replicated on
+    ``mesh``) and the partition specs of its ``opt_state`` for
+    :func:`train_state_step`.
+
+  Raises:
+    ValueError: ``axis_name`` is not an axis of ``mesh``.
+  """
+  if state_class is None:
+    from flax.training import train_state  # pylint: disable=g-import-not-at-top
+    state_class = train_state.TrainState
+  opt_state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  state = state_class(step=jax.device_put(jnp.zeros((), jnp.int32),
+                                          NamedSharding(mesh, P())),
+                      apply_fn=apply_fn, params=params, tx=tx,
+                      opt_state=opt_state)
+  return state, specs
+
+
+def train_state_step(step_fn: Callable, *, mesh, opt_specs,
+                     batch_spec: Any = None, axis_name: AxisName = "data",
+                     donate: bool = True) -> Callable:
+  """Compiles a per-device Linen step ``step_fn(state, batch) -> (state,
+  aux)`` under ``jax.shard_map``.
+
+  ``step_fn`` is written per device as usual::
+
+    def step_fn(state, batch):
+      loss, grads = jaxcomp.per_device_value_and_grad(loss_fn, "data")(
+          state.params, batch)
+      return state.apply_gradients(grads=grads), lax.pmean(loss, "data")
+
+  and sees ``state.opt_state`` without the device axis; ``aux`` must be
+  identical on every device (a ``lax.pmean``).
+
+  Args:
+    step_fn: the per-device step.
+    mesh: the device mesh.
+    opt_specs: the specs :func:`create_train_state` returned.
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+    axis_name: the data-parallel axis (or tuple of axes).
+    donate: donate the state's buffers to the step.
+
+  Returns:
+    ``step(state, batch) -> (state, aux)`` on global arrays, jitted.
+  """
+  bspec = P(axis_name) if batch_spec is None else batch_spec
+
+  def specs_of(state):
+    return jax.tree.map(lambda _: P(), state.replace(opt_state=None)).replace(
+        opt_state=opt_specs)
+
+  def body(state, batch):
+    state = state.replace(opt_state=sharding.to_local(state.opt_state,
+                                                      opt_specs))
+    state, aux = step_fn(state, batch)
+    return state.replace(opt_state=sharding.to_global(state.opt_state,
+                                                      opt_specs)), aux
+
+  def run(state, batch):
+    specs = specs_of(state)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, bspec),
+                         out_specs=(specs, P()))(state, batch)
+
+  return jax.jit(run, donate_argnums=(0,) if donate else ())
