@@ -169,8 +169,11 @@ class _Layout(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
   sizes: list  # elements per leaf
-  plan: bucketing_lib.BucketPlan  # exact: averaged by one pmean
+  dtypes: list  # per leaf: its dtype
+  plan: bucketing_lib.BucketPlan  # exact: averaged by one pmean per dtype
   shapes: list  # per bucket: the shapes of its tensors
+  bucket_dtypes: list  # per bucket: the dtype it travels in (its leaves'
+  #                      common dtype, float32 where they differ)
   passthrough: tuple  # leaves left out by the mask that are not floating:
   #                     their update is zero
 
@@ -314,20 +317,24 @@ def compressed_mean(
     exact = tuple(sorted(set(range(len(leaves))) - set(passthrough)
                          - {i for b in buckets for i in b}))
     shapes = [tuple(tuple(jnp.shape(leaves[i])) for i in b) for b in buckets]
-    return _Layout(sizes, bucketing_lib.BucketPlan(exact, buckets), shapes,
-                   passthrough)
+    dtypes = [jnp.dtype(jnp.result_type(x)) for x in leaves]
+    bucket_dtypes = [dtypes[b[0]] if len({dtypes[i] for i in b}) == 1
+                     else jnp.dtype(jnp.float32) for b in buckets]
+    return _Layout(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
+                   shapes, bucket_dtypes, passthrough)
 
   def static_stats(lay: _Layout) -> dict:
     axis_sizes = _mesh.axis_sizes(axis_name)
     p = wire.devices(axis_sizes)
-    ts = [t for shapes in lay.shapes
-          for t in coll.transfers(comp, shapes, axis_sizes)]
-    exact = 4 * sum(lay.sizes[i] for i in lay.plan.exact)
+    ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
+          for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
+    nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
+    exact = sum(nbytes(i) for i in lay.plan.exact)
     sent = wire.operand_bytes(ts) + exact
     on_wire = (wire.total_ring_bytes(ts)
                + wire.ring_bytes("all-reduce", exact, p))
-    dense = 4 * sum(n for i, n in enumerate(lay.sizes)
-                    if i not in lay.passthrough)
+    dense = sum(nbytes(i) for i in range(len(lay.sizes))
+                if i not in lay.passthrough)
     dense_wire = wire.ring_bytes("all-reduce", dense, p)
     f32 = lambda v: jnp.asarray(float(v), jnp.float32)
     return dict(bytes_sent=f32(sent), dense_bytes=f32(dense),
@@ -386,18 +393,22 @@ def compressed_mean(
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                   state.count)
     out = [None] * len(leaves)
-    if lay.plan.exact:
-      mean = lax.pmean(_parts.concat(tuple(flat[i] for i in lay.plan.exact)),
-                       axis_name)
-      for i, m in zip(lay.plan.exact, _parts.split(
-          mean, [lay.sizes[i] for i in lay.plan.exact])):
-        out[i] = m
+    for dtype in dict.fromkeys(lay.dtypes[i] for i in lay.plan.exact):
+      # One exact pmean per dtype, in that dtype (a bf16 leaf sends bf16).
+      group = [i for i in lay.plan.exact if lay.dtypes[i] == dtype]
+      mean = lax.pmean(_parts.concat(
+          tuple(flat[i].astype(dtype) for i in group)), axis_name)
+      for i, m in zip(group, _parts.split(mean, [lay.sizes[i] for i in group])):
+        out[i] = m.astype(jnp.float32)
     new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
     for b, bucket in enumerate(lay.plan.buckets):
       v, ctx = fb.prepare(tuple(flat[i] for i in bucket), state.feedback[b])
+      # The bucket travels in its gradient's own dtype; the feedback keeps
+      # float32, and the rounding to that dtype is part of what it keeps.
+      dtype = lay.bucket_dtypes[b]
       mean, local, estate = coll.exchange(
-          comp, v, lay.shapes[b],
+          comp, tuple(x.astype(dtype) for x in v), lay.shapes[b],
           key=coll.device_key(comp, jax.random.fold_in(step_key, b),
                               axis_name),
           step=state.count, axis_name=axis_name,

@@ -69,3 +69,27 @@ def test_get_stats_counts_every_compressed_mean(mesh8):
   g = stacked(jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params), mesh8)
   lowered = jaxcomp.collective_traffic(f.lower(g, state))
   assert lowered.operand_bytes == 2 * 1000 + 8 * 200 + 2 * 4
+
+
+def test_bf16_gradients_travel_in_bf16_with_float32_residuals(mesh8):
+  """Native low precision ([integration] item 6): identity of bfloat16
+  gradients is a bfloat16 all-reduce (2 n bytes, as a bf16 pmean), top-k's
+  values travel in bfloat16 beside int32 indices, the residual stays
+  float32, and dense_bytes counts the model's own dtype."""
+  n = 10_000
+  params = {"w": jnp.zeros((n,), jnp.bfloat16)}
+  for name, kw, sent in (("identity", {}, 2 * n),
+                         ("topk", {"ratio": 0.01}, (2 + 4) * 100)):
+    f, state, _ = sharded_update(
+        jaxcomp.compressed_mean(name, "data", **kw), params, mesh8)
+    g = stacked({"w": jnp.ones((8, n), jnp.bfloat16)}, mesh8)
+    lowered = jaxcomp.collective_traffic(f.lower(g, state))
+    stats = jaxcomp.get_stats(state)
+    assert float(stats.bytes_sent) == sent
+    assert float(stats.dense_bytes) == 2 * n
+    assert lowered.operand_bytes == sent + 4  # + the non-finite flag
+    if name == "topk":
+      (residual,) = jax.tree.leaves(state.feedback)
+      assert residual.dtype == jnp.float32
+    u, _ = f(g, state)
+    assert u["w"].dtype == jnp.bfloat16

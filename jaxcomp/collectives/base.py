@@ -37,6 +37,7 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _parts
@@ -122,30 +123,34 @@ class Collective:
     raise NotImplementedError
 
   def transfers(self, compressor: Compressor, shapes: _parts.Shapes,
-                sizes: Sizes) -> tuple[wire.Transfer, ...]:
-    """The collectives one exchange of a bucket of ``shapes`` issues, per
-    device, over the axes of ``sizes`` (``{axis: devices}``)."""
-    return self.flat_transfers(compressor, sum(_parts.sizes(shapes)), sizes)
+                sizes: Sizes, dtype=jnp.float32) -> tuple[wire.Transfer, ...]:
+    """The collectives one exchange of a bucket of ``shapes`` (a gradient
+    of ``dtype``) issues, per device, over the axes of ``sizes`` (``{axis:
+    devices}``)."""
+    return self.flat_transfers(compressor, sum(_parts.sizes(shapes)), sizes,
+                               dtype)
 
-  def flat_transfers(self, compressor: Compressor, n: int,
-                     sizes: Sizes) -> tuple[wire.Transfer, ...]:
+  def flat_transfers(self, compressor: Compressor, n: int, sizes: Sizes,
+                     dtype=jnp.float32) -> tuple[wire.Transfer, ...]:
     """:meth:`transfers` for one flat ``n``-element buffer: by default one
     collective of ``payload_kind`` per payload array."""
     if self.payload_kind is None:
       raise NotImplementedError(f"{type(self).__name__} declares no transfers")
-    return wire.transfers(self.payload_kind, compressor.payload_arrays(n),
-                          axes_of(sizes), sizes)
+    return wire.transfers(self.payload_kind,
+                          compressor.payload_arrays(n, dtype), axes_of(sizes),
+                          sizes)
 
   def payload_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
-                    sizes: Sizes) -> int:
+                    sizes: Sizes, dtype=jnp.float32) -> int:
     """Operand bytes one device hands to collectives for one exchange."""
-    return wire.operand_bytes(self.transfers(compressor, shapes, sizes))
+    return wire.operand_bytes(self.transfers(compressor, shapes, sizes, dtype))
 
   def ring_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
-                 sizes: Sizes) -> float:
+                 sizes: Sizes, dtype=jnp.float32) -> float:
     """Bytes one device sends for one exchange by the ring algorithms: what
     :attr:`jaxcomp.Traffic.ring_bytes` reads from the compiled HLO."""
-    return wire.total_ring_bytes(self.transfers(compressor, shapes, sizes))
+    return wire.total_ring_bytes(self.transfers(compressor, shapes, sizes,
+                                                dtype))
 
 
 REGISTRY: Registry[Collective] = Registry("collective")
@@ -237,8 +242,8 @@ class OwnExchange(Collective):
     return compressor.exchange(parts, shapes, key=key, step=step,
                                axis_name=axis_name, state=state)
 
-  def transfers(self, compressor, shapes, sizes):
-    return compressor.transfers(shapes, sizes)
+  def transfers(self, compressor, shapes, sizes, dtype=jnp.float32):
+    return compressor.transfers(shapes, sizes, dtype)
 
 
 def chunk_size(n: int, num_devices: int) -> int:

@@ -208,39 +208,42 @@ class Hierarchical(Collective):
       mean, sent, state = inner.exchange(compressor, host, shapes, key=key,
                                          step=step, axis_name=slow,
                                          state=state)
-      local = tuple(v - h + c for v, h, c in zip(parts, host, sent))
+      f32 = lambda a: a.astype(jnp.float32)
+      local = tuple(f32(v) - f32(h) + c for v, h, c in zip(parts, host, sent))
       return mean, local, state
     n = x.shape[0]
     f_size = lax.axis_size(fast)
     c = chunk_size(n, f_size)
     padded = jnp.pad(x, (0, f_size * c - n))
-    shard = lax.psum_scatter(padded, fast, scatter_dimension=0,
-                             tiled=True) / f_size
+    shard = (lax.psum_scatter(padded, fast, scatter_dimension=0, tiled=True)
+             .astype(jnp.float32) / f_size)
     mean_shard, sent, state = inner.exchange_flat(compressor, shard, key,
                                                   slow, state)
     mean = lax.all_gather(mean_shard, fast, tiled=True, to="invarying")[:n]
     start = lax.axis_index(fast) * c
     err = lax.dynamic_update_slice(jnp.zeros((f_size * c,), jnp.float32),
                                    f_size * (shard - sent), (start,))
-    return (_parts.split(mean, sizes), _parts.split(x - err[:n], sizes),
-            state)
+    return (_parts.split(mean, sizes),
+            _parts.split(x.astype(jnp.float32) - err[:n], sizes), state)
 
-  def transfers(self, compressor, shapes, sizes):
-    """Over ``fast_axis`` the float32 all-reduce of the bucket (``4 n``), or
-    the reduce-scatter (``4 F ceil(n / F)``) and all-gather (``4 ceil(n /
-    F)``); over ``slow_axis`` the inner collective's transfers (on ``n``
-    elements, or on the ``ceil(n / F)``-element shard)."""
+  def transfers(self, compressor, shapes, sizes, dtype=jnp.float32):
+    """Over ``fast_axis`` the all-reduce of the bucket in its dtype
+    (``itemsize * n``), or the reduce-scatter (``itemsize * F ceil(n / F)``)
+    and the float32 all-gather (``4 ceil(n / F)``); over ``slow_axis`` the
+    inner collective's transfers (on ``n`` elements, or on the float32
+    ``ceil(n / F)``-element shard)."""
+    item = jnp.dtype(dtype).itemsize
     fast, slow = self.axes(tuple(sizes))
     fast_sizes = {a: sizes[a] for a in _mesh.axes(fast)}
     slow_sizes = {a: sizes[a] for a in _mesh.axes(slow)}
     inner = self._inner(compressor)
     n = sum(_parts.sizes(shapes))
     if self.fast == "psum":
-      return (wire.transfers("all-reduce", (4 * n,), fast, fast_sizes)
-              + inner.transfers(compressor, shapes, slow_sizes))
+      return (wire.transfers("all-reduce", (item * n,), fast, fast_sizes)
+              + inner.transfers(compressor, shapes, slow_sizes, dtype))
     f_size = wire.group_size(fast, fast_sizes)
     c = chunk_size(n, f_size)
-    return (wire.transfers("reduce-scatter", (4 * f_size * c,), fast,
+    return (wire.transfers("reduce-scatter", (item * f_size * c,), fast,
                            fast_sizes)
             + inner.flat_transfers(compressor, c, slow_sizes)
             + wire.transfers("all-gather", (4 * c,), fast, fast_sizes))

@@ -119,7 +119,9 @@ class TwoPhase(Collective):
     if self.residual:
       chunk_mean = chunk_mean + state
     key2 = jax.random.fold_in(key, p + me)
-    payload2 = compressor.encode(chunk_mean, key2)
+    # Phase 2 travels in the gradient's dtype too; its rounding error is
+    # part of what the second-phase residual keeps.
+    payload2 = compressor.encode(chunk_mean.astype(x.dtype), key2)
     if self.residual:
       state = chunk_mean - compressor.decode(payload2, c, key2)
     gathered = jax.tree.map(
@@ -128,11 +130,11 @@ class TwoPhase(Collective):
         gathered, _chunk_keys(key, p, p)).reshape(-1)[:n]
     return mean, local, state
 
-  def flat_transfers(self, compressor, n, sizes):
+  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
     """An all-to-all of ``p`` chunk payloads (operands ``p *
     payload(ceil(n / p))``), then an all-gather of one chunk payload."""
     axis, p = axes_of(sizes), devices(sizes)
-    chunk = compressor.payload_arrays(chunk_size(n, p))
+    chunk = compressor.payload_arrays(chunk_size(n, p), dtype)
     return (wire.transfers("all-to-all", [p * b for b in chunk], axis, sizes)
             + wire.transfers("all-gather", chunk, axis, sizes))
 
@@ -161,7 +163,7 @@ class Auto(Collective):
     gather = AllGatherMean()
     sizes = {"_": num_devices}
     ring = lambda coll: wire.total_ring_bytes(
-        coll.flat_transfers(compressor, n, sizes))
+        coll.flat_transfers(compressor, n, sizes))  # float32, as ever
     return self.two_phase if ring(self.two_phase) < ring(gather) else gather
 
   def check(self, compressor):
@@ -176,6 +178,6 @@ class Auto(Collective):
     coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
     return coll.exchange_flat(compressor, x, key, axis_name, state)
 
-  def flat_transfers(self, compressor, n, sizes):
+  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
     return self.pick(compressor, n, devices(sizes)).flat_transfers(
-        compressor, n, sizes)
+        compressor, n, sizes, dtype)

@@ -291,11 +291,11 @@ class Zen(Collective):
     new_state = s - sent + owner_back
     return mean, y, new_state
 
-  def flat_transfers(self, compressor, n, sizes):
-    """An all-to-all of ``p cap`` values (float32) and offsets (int32),
-    operands ``8 p cap`` bytes; an all-gather of the bitmap (``4 ceil(c /
-    32)``) and ``cap2`` values (``4 cap2``)."""
-    del compressor
+  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+    """An all-to-all of ``p cap`` values (float32, whatever the gradient's
+    dtype) and offsets (int32), operands ``8 p cap`` bytes; an all-gather of
+    the bitmap (``4 ceil(c / 32)``) and ``cap2`` values (``4 cap2``)."""
+    del compressor, dtype
     axis, p = axes_of(sizes), devices(sizes)
     cap, cap2 = self.capacities(n, p)
     words = bitpack.packed_words(chunk_size(n, p), 1)

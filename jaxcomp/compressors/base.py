@@ -75,7 +75,9 @@ class Compressor:
     return "psum" if self.linear else "allgather"
 
   def encode(self, x: jax.Array, key: jax.Array) -> Payload:
-    """Encodes ``x`` (float32, shape ``(n,)``) into a payload pytree."""
+    """Encodes ``x`` (shape ``(n,)``, float32 or the gradient's own
+    floating dtype) into a payload pytree. Values that travel as they are
+    (identity, the kept entries of sparsifiers) keep ``x``'s dtype."""
     raise NotImplementedError
 
   def decode(self, payload: Payload, n: int, key: jax.Array) -> jax.Array:
@@ -106,11 +108,12 @@ class Compressor:
       return acc
     return lax.fori_loop(1, p, lambda i, acc: acc + one(i), one(0))
 
-  def payload_arrays(self, n: int) -> tuple[int, ...]:
-    """Bytes of each array of the payload of an ``n``-element buffer, in
-    ``jax.tree.leaves`` order (each travels as its own collective)."""
+  def payload_arrays(self, n: int, dtype=jnp.float32) -> tuple[int, ...]:
+    """Bytes of each array of the payload of an ``n``-element buffer of
+    ``dtype``, in ``jax.tree.leaves`` order (each travels as its own
+    collective)."""
     shapes = jax.eval_shape(lambda x: self.encode(x, jax.random.key(0)),
-                            jax.ShapeDtypeStruct((n,), jnp.float32))
+                            jax.ShapeDtypeStruct((n,), dtype))
     return tuple(int(s.size) * s.dtype.itemsize
                  for s in jax.tree.leaves(shapes))
 
@@ -149,10 +152,11 @@ class Compressor:
     transform's int32 step count."""
     raise NotImplementedError(f"{self.name} has no exchange of its own")
 
-  def transfers(self, shapes: Shapes, sizes: dict[str, int]):
+  def transfers(self, shapes: Shapes, sizes: dict[str, int],
+                dtype=jnp.float32):
     """``own_exchange`` compressors: the collectives one bucket's exchange
-    issues, as :class:`jaxcomp.wire.Transfer` s, over the axes of ``sizes``
-    (``{axis: devices}``)."""
+    of a gradient of ``dtype`` issues, as :class:`jaxcomp.wire.Transfer` s,
+    over the axes of ``sizes`` (``{axis: devices}``)."""
     raise NotImplementedError(f"{self.name} has no exchange of its own")
 
 

@@ -109,7 +109,6 @@ class DGC(SparsePayload):
     return t
 
   def encode(self, x, key):
-    x = x.astype(jnp.float32)
     n = x.shape[0]
     cap = self.capacity(n)
     eligible = jnp.abs(x) >= self.threshold(x, key)

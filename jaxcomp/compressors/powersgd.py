@@ -291,9 +291,11 @@ class PowerSGD(Compressor):
       mean, local = _parts.split(mean[0], sizes), _parts.split(local[0], sizes)
     return mean, local, PowerSGDState(q=q)
 
-  def transfers(self, shapes, sizes):
+  def transfers(self, shapes, sizes, dtype=jnp.float32):
     """One all-reduce of the P's and the exact tensors, one of the Q's
-    (float32); a bucket with no compressed matrix, one all-reduce of it."""
+    (float32 whatever the gradient's dtype); a bucket with no compressed
+    matrix, one all-reduce of it."""
+    del dtype
     views = self.matrices(shapes)
     axis = wire.axes_of(sizes)
     first = sum(rows * r if r else size for size, rows, _, r in views)

@@ -32,7 +32,8 @@ class RandomK(Compressor):
   ``k`` are sent as zeros. A buffer with fewer elements than ``k`` sends all
   of them (k is capped at n).
 
-  Payload: float32 ``(k,)`` (``(k_max,)`` with ``max_ratio``): ``4 * k``
+  Payload: ``(k,)`` in the gradient's dtype (``(k_max,)`` with
+  ``max_ratio``): ``4 * k``
   bytes.
 
   Args:
@@ -88,10 +89,13 @@ class RandomK(Compressor):
 
   def encode(self, x, key):
     n = x.shape[0]
-    return x.astype(jnp.float32)[self.indices(n, key)] * self._weights(n)
+    # The values travel in the gradient's dtype (scaled in float32 first).
+    return (x[self.indices(n, key)].astype(jnp.float32)
+            * self._weights(n)).astype(x.dtype)
 
   def decode(self, payload, n, key):
-    return jnp.zeros((n,), jnp.float32).at[self.indices(n, key)].add(payload)
+    return jnp.zeros((n,), jnp.float32).at[self.indices(n, key)].add(
+        payload.astype(jnp.float32))
 
   def payload_bytes(self, n: int) -> int:
     return 4 * self.capacity(n)

@@ -127,8 +127,9 @@ class MajorityVote(Compressor):
     return (_parts.split(jnp.sign(votes), sizes),
             _parts.split(self.decode(words, n, key), sizes), state)
 
-  def transfers(self, shapes, sizes):
-    """An all-gather of the packed signs."""
+  def transfers(self, shapes, sizes, dtype=jnp.float32):
+    """An all-gather of the packed signs (whatever the gradient's dtype)."""
+    del dtype
     return wire.transfers("all-gather",
                           (self.payload_bytes(sum(_parts.sizes(shapes))),),
                           wire.axes_of(sizes), sizes)

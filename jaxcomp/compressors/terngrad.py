@@ -113,9 +113,10 @@ class TernGrad(Compressor):
     return (_parts.split(mean, sizes),
             _parts.split(scale * self.unpack(words, n), sizes), state)
 
-  def transfers(self, shapes, sizes):
+  def transfers(self, shapes, sizes, dtype=jnp.float32):
     """A float32 scalar all-reduce (the ``pmax`` of the scale), then an
-    all-gather of the packed codes."""
+    all-gather of the packed codes (whatever the gradient's dtype)."""
+    del dtype
     n = sum(_parts.sizes(shapes))
     axis = wire.axes_of(sizes)
     return (wire.transfers("all-reduce", (4,), axis, sizes)

@@ -31,18 +31,19 @@ def masked_topk(x: jax.Array, eligible: jax.Array, cap: int):
 def scatter_decode(payload, n: int) -> jax.Array:
   """float32 ``(n,)``: the payload's values scatter-added at its indices."""
   return jnp.zeros((n,), jnp.float32).at[payload["indices"]].add(
-      payload["values"])
+      payload["values"].astype(jnp.float32))
 
 
 def scatter_decode_sum(payloads, n: int) -> jax.Array:
   """Sum of stacked payloads (leading axis: devices) in one scatter-add."""
   return jnp.zeros((n,), jnp.float32).at[payloads["indices"].reshape(-1)].add(
-      payloads["values"].reshape(-1))
+      payloads["values"].reshape(-1).astype(jnp.float32))
 
 
 class SparsePayload(Compressor):
   """Base of the compressors whose payload is ``capacity(n)`` (value, index)
-  pairs: ``values`` float32 and ``indices`` int32, decoded by scatter-add
+  pairs: ``values`` (in the gradient's dtype) and ``indices`` int32, decoded
+  by scatter-add
   (one scatter-add for all devices' payloads in :meth:`decode_sum`).
   Subclasses define ``encode`` and ``capacity``."""
 
@@ -107,7 +108,7 @@ class Threshold(SparsePayload):
 
   def encode(self, x, key):
     del key
-    x = x.astype(jnp.float32)
-    eligible = jnp.abs(x) >= _hparams.as_f32(self.threshold)
+    eligible = (jnp.abs(x).astype(jnp.float32)
+                >= _hparams.as_f32(self.threshold))
     values, idx = masked_topk(x, eligible, self.capacity(x.shape[0]))
     return {"values": values, "indices": idx}

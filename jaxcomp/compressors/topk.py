@@ -26,8 +26,8 @@ class TopK(SparsePayload):
   turns residual error feedback on by default. Not linear: the payloads are
   all-gathered and every device scatter-adds all of them.
 
-  Payload: ``values`` float32 ``(k,)`` and ``indices`` int32 ``(k,)``:
-  ``8 * k`` bytes. With ``max_ratio`` (a scheduled ``ratio``), the payload
+  Payload: ``values`` ``(k,)`` in the gradient's dtype and ``indices`` int32
+  ``(k,)``: ``8 * k`` bytes for float32 (``6 * k`` for bfloat16). With ``max_ratio`` (a scheduled ``ratio``), the payload
   always has ``k_max = ceil(max_ratio * n)`` slots and the entries beyond the
   ``ceil(ratio * n)`` largest are sent as zeros.
 
@@ -80,5 +80,4 @@ class TopK(SparsePayload):
       rank = jnp.zeros((k,), jnp.int32).at[order].set(
           jnp.arange(k, dtype=jnp.int32))
       values = jnp.where(rank < k_now, values, jnp.zeros_like(values))
-    return {"values": values.astype(jnp.float32),
-            "indices": idx.astype(jnp.int32)}
+    return {"values": values, "indices": idx.astype(jnp.int32)}
