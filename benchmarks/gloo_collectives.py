@@ -1,7 +1,7 @@
 """The bare collectives of JAX's gloo backend on rate-limited links.
 
 Two JAX processes (one CPU device each), each in its own network namespace
-behind a ``tc tbf`` limit (:class:`jaxcomp.netns.RateLimitedCluster`, needs
+behind a ``tc tbf`` limit (``benchmarks/netns.py``'s ``RateLimitedCluster``, needs
 root), time one collective at a time on a buffer of ``--elements`` entries
 (default: the parameters of ``benchmarks/vs_pytorch.py``'s MLP):
 
@@ -56,11 +56,12 @@ def worker(args) -> None:
   import jax
   import numpy as np
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
   jax.config.update("jax_num_cpu_devices", 1)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(args.coordinator, NPROC, args.rank,
-                             initialization_timeout=300)
+  sys.path.insert(0, REPO)
+  from jaxcomp import distributed
+  distributed.initialize_from_env(args.coordinator, NPROC, args.rank,
+                                  initialization_timeout=300)
   mesh = jax.make_mesh((NPROC,), ("d",))
   p = NPROC
   m = args.elements - args.elements % p  # divisible by p for the scatters
@@ -75,8 +76,8 @@ def worker(args) -> None:
   }
   out = {}
   for name, (dtype, _) in COLLECTIVES.items():
-    x = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("d")), np.ones((m,), dtype))
+    x = distributed.global_array(np.ones((m,), dtype), mesh, P("d"),
+                                 process_local=True)
     f = jax.jit(jax.shard_map(ops[name], mesh=mesh, in_specs=P("d"),
                               out_specs=P("d")))
     for _ in range(3):
@@ -113,8 +114,7 @@ def main(argv=None) -> int:
     return 0
   if args.elements < NPROC or args.reps < 1:
     ap.error(f"--elements must be >= {NPROC} and --reps >= 1")
-  sys.path.insert(0, REPO)
-  from jaxcomp import netns
+  import netns  # benchmarks/netns.py, beside this script
   try:
     netns.check_prerequisites()
   except netns.NetnsUnavailable as e:

@@ -68,9 +68,9 @@ def worker(args) -> None:
                              + " --xla_cpu_multi_thread_eigen=false"
                              )
   import jax
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(args.coordinator, args.nproc, args.rank,
-                             initialization_timeout=120)
+  from jaxcomp import distributed
+  distributed.initialize_from_env(args.coordinator, args.nproc, args.rank,
+                                  initialization_timeout=120)
   import numpy as np
   import optax
   from jax import lax
@@ -85,12 +85,9 @@ def worker(args) -> None:
   mesh = jax.make_mesh((p,), ("data",))
   out = {"nproc": p, "rank": jax.process_index()}
 
-  def global_array(tree, spec):
-    sharding = NamedSharding(mesh, spec)
-    if spec == P():
-      return jax.tree.map(lambda a: jax.make_array_from_callback(
-          a.shape, sharding, lambda idx: a[idx]), tree)
-    return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), tree)
+  def global_array(tree, spec):  # replicated, or this process's rows
+    return distributed.global_array(tree, mesh, spec,
+                                    process_local=spec != P())
 
   # The model: an MLP, per-worker batch BATCH, softmax cross-entropy.
   rng = np.random.default_rng(0)
@@ -721,8 +718,7 @@ def main(argv=None) -> int:
   for r in args.rates:
     if r not in RATES:
       ap.error(f"--rates takes {', '.join(RATES)}, got {r!r}")
-  sys.path.insert(0, REPO)
-  from jaxcomp import netns
+  import netns  # benchmarks/netns.py, beside this script
   try:
     netns.check_prerequisites()
   except netns.NetnsUnavailable as e:

@@ -32,7 +32,7 @@ inside its namespace: payload plus gloo, TCP and IP headers); payload bytes
 are the compressors' formulas.
 
 Links: every worker runs in its own network namespace
-(:class:`jaxcomp.netns.RateLimitedCluster`, needs root), unlimited or limited
+(``benchmarks/netns.py``'s ``RateLimitedCluster``, needs root), unlimited or limited
 by ``tc tbf`` to each ``--links`` rate. Without root it falls back to
 localhost, unlimited only, and reads the loopback counters.
 
@@ -132,23 +132,20 @@ def _jax_systems(args, say):
                              " intra_op_parallelism_threads=1")
   import jax
   jax.config.update("jax_num_cpu_devices", 1)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(args.coordinator, args.nproc, args.rank,
-                             initialization_timeout=300)
+  from jaxcomp import distributed
+  distributed.initialize_from_env(args.coordinator, args.nproc, args.rank,
+                                  initialization_timeout=300)
   from jax.experimental import multihost_utils
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
   import jaxcomp
   say("jax.distributed ready")
 
   mesh = jax.make_mesh((jax.process_count(),), ("data",))
   ws, bs, xs, ys = mlp_and_batch(args.rank)
 
-  def global_array(a, spec):
-    sharding = NamedSharding(mesh, spec)
-    if spec == P():
-      return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
-    return jax.make_array_from_process_local_data(sharding, a)
+  def global_array(a, spec):  # replicated, or this process's rows
+    return distributed.global_array(a, mesh, spec, process_local=spec != P())
 
   params = [(global_array(w, P()), global_array(b, P())) for w, b in zip(ws, bs)]
   batch = (global_array(xs, P("data")), global_array(ys, P("data")))
@@ -379,7 +376,7 @@ def run_links(args, tmp):
         print(f"--- {fw} worker {i} ---\n" + f.read()[-3000:], file=sys.stderr)
 
   try:
-    from jaxcomp import netns
+    import netns  # benchmarks/netns.py, beside this script
     netns.check_prerequisites()
   except Exception as e:  # no root / no ip: localhost, unlimited only
     print(f"no network namespaces ({e}); localhost, unlimited link only",

@@ -7,6 +7,7 @@ to read what a compiled step sends.
 """
 
 from jaxcomp import bucketing
+from jaxcomp import checkpoint
 from jaxcomp import collectives
 from jaxcomp import combinators
 from jaxcomp import compressors

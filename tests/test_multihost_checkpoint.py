@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp import distributed
+from jaxcomp import checkpoint, distributed
 from jaxcomp._parts import concat as concat_parts
 
 AXES = ("hosts", "devices")
@@ -105,7 +105,7 @@ def test_round_trip_is_bit_exact_and_continues_identically(tmp_path):
   residuals = np.asarray(concat_parts(run.opt_state[0].feedback[0]))
   assert residuals.shape[0] == 4 and np.abs(residuals).sum() > 0
   assert not np.array_equal(residuals[0], residuals[1])  # per device
-  with distributed.Checkpointer(tmp_path, config=CONFIG) as ckpt:
+  with checkpoint.Checkpointer(tmp_path, config=CONFIG) as ckpt:
     ckpt.save(3, run.state)
     assert ckpt.all_steps() == [3]
     meta = ckpt.metadata()
@@ -127,46 +127,46 @@ def test_round_trip_is_bit_exact_and_continues_identically(tmp_path):
 
 def test_other_compressor_config_is_refused_naming_it(tmp_path):
   run = Run(4, ratio=0.25).steps(1)
-  distributed.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
-  ckpt = distributed.Checkpointer(tmp_path, config={**CONFIG, "ratio": 0.5})
-  with pytest.raises(distributed.CheckpointMismatchError,
+  checkpoint.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
+  ckpt = checkpoint.Checkpointer(tmp_path, config={**CONFIG, "ratio": 0.5})
+  with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"ratio: 0.25 in the checkpoint .*, 0.5 in this "
                      "run"):
     ckpt.restore(Run(4, ratio=0.5).fresh)
   qsgd = {"compressor": "qsgd", "levels": 4, "error_feedback": False}
-  with pytest.raises(distributed.CheckpointMismatchError,
+  with pytest.raises(checkpoint.CheckpointMismatchError,
                      match="compressor: 'topk' in the checkpoint .*'qsgd' in "
                      "this run"):
-    distributed.Checkpointer(tmp_path, config=qsgd).restore(
+    checkpoint.Checkpointer(tmp_path, config=qsgd).restore(
         Run(4, "qsgd", ef=False, levels=4).fresh)
 
 
 def test_other_state_structure_is_refused(tmp_path):
   run = Run(4, ratio=0.25).steps(1)
-  distributed.Checkpointer(tmp_path).save(1, run.state)
+  checkpoint.Checkpointer(tmp_path).save(1, run.state)
   # Same (empty) config, but no error feedback: the residual leaves are absent.
-  with pytest.raises(distributed.CheckpointMismatchError,
+  with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"another state structure.*only in the checkpoint: "
                      r"\[\"\['opt_state'\]\[0\]\.feedback\[0\]\[0\]\""):
-    distributed.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
+    checkpoint.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
 
 
 def test_other_shape_is_refused_naming_the_leaf(tmp_path):
   run = Run(4, ratio=0.25, hidden=8).steps(1)
-  distributed.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
-  with pytest.raises(distributed.CheckpointMismatchError,
+  checkpoint.Checkpointer(tmp_path, config=CONFIG).save(1, run.state)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"leaf \['params'\]\['w1'\] is float32\[6, 8\], "
                      r"this run expects float32\[6, 16\]"):
-    distributed.Checkpointer(tmp_path, config=CONFIG).restore(
+    checkpoint.Checkpointer(tmp_path, config=CONFIG).restore(
         Run(4, ratio=0.25, hidden=16).fresh)
 
 
 def test_other_device_count_is_refused_or_averaged(tmp_path):
   run = Run(4, ratio=0.25).steps(3)
-  distributed.Checkpointer(tmp_path, config=CONFIG).save(3, run.state)
-  ckpt = distributed.Checkpointer(tmp_path, config=CONFIG)
+  checkpoint.Checkpointer(tmp_path, config=CONFIG).save(3, run.state)
+  ckpt = checkpoint.Checkpointer(tmp_path, config=CONFIG)
   target = Run(8, ratio=0.25).fresh
-  with pytest.raises(distributed.CheckpointMismatchError,
+  with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"per-device compression state .* for 4 devices .*"
                      r"this run has 8 devices"):
     ckpt.restore(target)
@@ -191,8 +191,8 @@ def test_other_device_count_is_refused_or_averaged(tmp_path):
 
 def test_device_count_change_without_per_device_state_restores(tmp_path):
   run = Run(4, "identity", ef=False).steps(2)
-  distributed.Checkpointer(tmp_path).save(2, run.state)
-  step, state = distributed.Checkpointer(tmp_path).restore(
+  checkpoint.Checkpointer(tmp_path).save(2, run.state)
+  step, state = checkpoint.Checkpointer(tmp_path).restore(
       Run(8, "identity", ef=False).fresh)
   assert step == 2
   _leaves_equal(state["params"], run.params)
@@ -206,7 +206,7 @@ def test_device_count_change_without_per_device_state_restores(tmp_path):
 
 
 def test_missing_and_duplicate_steps(tmp_path):
-  ckpt = distributed.Checkpointer(tmp_path / "empty")
+  ckpt = checkpoint.Checkpointer(tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="no checkpoint in"):
     ckpt.restore(Run(4).fresh)
   run = Run(4).steps(1)
@@ -295,7 +295,7 @@ def test_powersgd_q_round_trips_bit_exact(tmp_path):
   exchange = run.opt_state[0].exchange_state
   qs = [x for x in jax.tree.leaves(exchange) if x.ndim == 2]
   assert qs and all(q.sharding.is_fully_replicated for q in qs)  # shared Q
-  ckpt = distributed.Checkpointer(tmp_path, config={"compressor": "powersgd",
+  ckpt = checkpoint.Checkpointer(tmp_path, config={"compressor": "powersgd",
                                                     "rank": 2})
   ckpt.save(2, run.state)
   step, state = ckpt.restore(Run(4, "powersgd", rank=2, hidden=32).fresh)

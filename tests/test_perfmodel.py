@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import sys
 
 import pytest
 
@@ -435,7 +436,7 @@ def test_profile_flax_nnx():
 # ------------------------------------------- the namespace benchmark's guards --
 
 def test_netns_refuses_without_root_or_tc(monkeypatch):
-  from jaxcomp import netns
+  netns = _netns_module()
   monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
   with pytest.raises(netns.NetnsUnavailable, match="root"):
     netns.check_prerequisites()
@@ -444,6 +445,16 @@ def test_netns_refuses_without_root_or_tc(monkeypatch):
   monkeypatch.setattr(netns.shutil, "which", lambda c: None if c == "tc" else real_which(c))
   with pytest.raises(netns.NetnsUnavailable, match="tc"):
     netns.check_prerequisites()
+
+
+def _netns_module():
+  """benchmarks/netns.py (benchmark tooling, imported as the benchmarks
+  import it: from their own folder)."""
+  folder = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+  if folder not in sys.path:
+    sys.path.insert(0, folder)
+  import netns  # pylint: disable=g-import-not-at-top
+  return netns
 
 
 def _validation_module():
@@ -456,7 +467,7 @@ def _validation_module():
 
 
 def test_validation_benchmark_refuses_without_root(monkeypatch, capsys):
-  from jaxcomp import netns
+  netns = _netns_module()
   mod = _validation_module()
   monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
   created = []

@@ -119,7 +119,7 @@ def digest(params) -> str:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from jaxcomp import distributed
+  from jaxcomp import checkpoint, distributed
   distributed.initialize_from_env(
       args.coordinator_address, args.num_processes, args.process_id,
       heartbeat_timeout_seconds=args.heartbeat_timeout)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
   ckpt = None
   start = 0
   if args.checkpoint_dir:
-    ckpt = distributed.Checkpointer(args.checkpoint_dir, config=config,
+    ckpt = checkpoint.Checkpointer(args.checkpoint_dir, config=config,
                                     max_to_keep=args.max_to_keep)
     if args.resume and ckpt.latest_step() is not None:
       start, state = ckpt.restore({"params": params, "opt_state": opt_state})
