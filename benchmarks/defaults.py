@@ -82,7 +82,10 @@ def main(argv=None) -> None:
     for idx in order:
       batch = jax.device_put((x_train[idx], ds.train_labels[idx]),
                              batch_sharding)
-      params, state, _ = step(params, state, batch)
+      params, state, loss = step(params, state, batch)
+      # Wait for each step: on a 2-core machine, XLA:CPU's 8 simulated
+      # devices deadlocked in a collective with steps queued unawaited.
+      loss.block_until_ready()
     acc = float(np.mean(np.argmax(np.asarray(logits(params, x_test)), -1)
                         == ds.test_labels))
     stats = jaxcomp.get_stats(state)

@@ -30,7 +30,7 @@ def add_compression_flags(p: argparse.ArgumentParser, *,
   p.add_argument("--ratio", type=float, default=0.01,
                  help="fraction sent by top-k / random-block / random-k / "
                  "DGC (and the threshold compressor's capacity)")
-  p.add_argument("--levels", type=int, default=4, help="QSGD levels")
+  p.add_argument("--levels", type=int, default=7, help="QSGD levels")
   p.add_argument("--rank", type=int, default=rank, help="PowerSGD rank")
   p.add_argument("--bits", type=int, default=8, help="int8_block bits")
   p.add_argument("--format", default="e4m3", help="fp8_block format")

@@ -170,3 +170,12 @@ def test_qsgd_levels_schedule_within_max_levels(x):
     QSGD(levels=16, max_levels=15)
   with pytest.raises(ValueError, match="max_levels"):
     jax.jit(lambda s: QSGD(levels=s).encode(x, jax.random.key(0)))(3)
+
+
+def test_qsgd_default_levels_fill_the_code_they_pay_for():
+  """The default levels are the most its code width holds: one more level
+  would need wider codes (4 levels sent 4-bit codes holding 7)."""
+  from jaxcomp.compressors.qsgd import QSGD, code_bits
+  comp = QSGD()
+  assert code_bits(comp.levels) == comp.bits == 4
+  assert code_bits(comp.levels + 1) > comp.bits
