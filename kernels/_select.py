@@ -21,8 +21,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxcomp.sharding import varying_axes
-
 IMPLEMENTATIONS = ("pallas", "xla")
 ROW = 32  # float32 values per row: 128 bytes.
 
@@ -164,12 +162,12 @@ def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
                               manual_axis_type=jax.typeof(like).mat)
 
 
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-  """``x`` marked varying over the manual mesh axes ``like`` varies over
-  (inside ``jax.shard_map``; a no-op elsewhere), e.g. a loop carry that a
-  kernel output will replace."""
-  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+def zero_like(like: jax.Array, dtype) -> jax.Array:
+  """A scalar zero of ``dtype`` typed as ``like`` is over the manual mesh
+  axes (varying where it varies, inside ``jax.shard_map``), computed from
+  ``like`` itself so that no mesh-axis helper is needed: e.g. a loop carry
+  that a kernel output will replace."""
+  return jnp.zeros_like(like, shape=(), dtype=dtype)
 
 
 def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,

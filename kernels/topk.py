@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import _select
+from . import compact
 
 ROW = _select.ROW
 _NUM_CANDIDATES = 32  # one SMEM/TMA transfer of 128 bytes holds 32 int32.
@@ -144,84 +145,30 @@ def topk_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------
-# Bit-mask compaction (XLA, on n / 32 words).
+# Bit-mask selection (XLA, on n / 32 words): :mod:`jaxcomp.kernels.compact`.
 # ----------------------------------------------------------------------------
-
-
-def _popcount(w):
-  return jax.lax.population_count(w).astype(jnp.int32)
-
-
-def _select_bit(w: jax.Array, r: jax.Array) -> jax.Array:
-  """Position of the ``r``-th (0-based) set bit of each uint32 ``w``."""
-  pos = jnp.zeros(w.shape, jnp.uint32)
-  r = r.astype(jnp.int32)
-  for width in (16, 8, 4, 2, 1):
-    low = _popcount((w >> pos) & jnp.uint32((1 << width) - 1))
-    go = r >= low
-    r = jnp.where(go, r - low, r)
-    pos = jnp.where(go, pos + jnp.uint32(width), pos)
-  return pos.astype(jnp.int32)
 
 
 def _keep_lowest(w: jax.Array, a: jax.Array) -> jax.Array:
   """Keeps the lowest ``a`` set bits of each word (``0 <= a <= popcount``)."""
-  p = _select_bit(w, jnp.maximum(a - 1, 0)).astype(jnp.uint32)
+  p = compact.select_bit(w, jnp.maximum(a - 1, 0)).astype(jnp.uint32)
   below = jnp.where(p >= 31, jnp.uint32(0xFFFFFFFF),
                     (jnp.uint32(2) << jnp.minimum(p, 30)) - jnp.uint32(1))
   return jnp.where(a > 0, w & below, jnp.uint32(0))
 
 
-def _bit_positions(words: jax.Array, cap: int):
-  """Indices of the set bits of ``words`` in increasing order, ``cap`` slots.
-
-  Returns ``(indices int32[cap], valid bool[cap])``; invalid slots hold 0.
-  """
-  counts = _popcount(words)
-  incl = jnp.cumsum(counts)
-  excl = incl - counts
-  # Slot j belongs to the last word whose first slot is <= j: write each
-  # non-empty word's number at its first slot, then a running maximum.
-  first = jnp.where(counts > 0, excl, cap)
-  start = jnp.zeros((cap,), jnp.int32).at[first].set(
-      jnp.arange(words.shape[0], dtype=jnp.int32), mode="drop")
-  row = jax.lax.cummax(start)
-  j = jnp.arange(cap, dtype=jnp.int32)
-  bit = _select_bit(words[row], j - excl[row])
-  valid = j < incl[-1]
-  return jnp.where(valid, row * ROW + bit, 0), valid
-
-
 def _exact_words(gt_words, eq_words, k: int):
   """Words with exactly ``k`` bits: all of ``gt``, the lowest ties of ``eq``."""
-  need = k - jnp.sum(_popcount(gt_words))
-  pc_eq = _popcount(eq_words)
+  need = k - compact.count(gt_words)
+  pc_eq = compact.popcount(eq_words)
   eq_before = jnp.cumsum(pc_eq) - pc_eq
   a = jnp.clip(need - eq_before, 0, pc_eq)
   return gt_words | _keep_lowest(eq_words, a)
 
 
 def _words_xla(flat: jax.Array, pred) -> jax.Array:
-  """Packs ``pred(abs_key(flat))`` 32 per uint32 word (zero-padded tail).
-
-  The whole rows and the partial tail row are done apart: padding all of
-  ``flat`` would cost XLA a copy of it.
-  """
-  n = flat.shape[0]
-  m = n // ROW * ROW
-  shifts = jnp.arange(ROW, dtype=jnp.uint32)
-
-  def pack(keys2d):
-    return jnp.sum(pred(keys2d).astype(jnp.uint32) << shifts[None, :], axis=1,
-                   dtype=jnp.uint32)
-
-  parts = []
-  if m:
-    parts.append(pack(abs_key(flat[:m]).reshape(-1, ROW)))
-  if n > m:
-    tail = jnp.pad(abs_key(flat[m:]), (0, m + ROW - n))
-    parts.append(pack(tail.reshape(1, ROW)))
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  """Packs ``pred(abs_key(flat))`` 32 per uint32 word (:func:`compact.pack`)."""
+  return compact.pack(flat, lambda v: pred(abs_key(v)))
 
 
 def _gather(flat, idx, valid=None):
@@ -281,7 +228,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
     t = _kth_largest_key(flat, k)
     words = _exact_words(_words_xla(flat, lambda kk: kk > t),
                          _words_xla(flat, lambda kk: kk == t), k)
-    idx, _ = _bit_positions(words, k)
+    idx, _ = compact.compact(words, k)
     return idx
 
   if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
@@ -294,11 +241,11 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   t_lo = sorted_sample[s - rank]
   ge = _words_xla(flat, lambda kk: kk >= t_lo)
   gt = _words_xla(flat, lambda kk: kk > t_lo)
-  c_ge = jnp.sum(_popcount(ge))
-  c_gt = jnp.sum(_popcount(gt))
+  c_ge = compact.count(ge)
+  c_gt = compact.count(gt)
 
   def from_candidates():
-    cidx, valid = _bit_positions(ge, cap)
+    cidx, valid = compact.compact(ge, cap)
     ckey = jnp.where(valid, abs_key(flat[cidx]), -1)
 
     def sort_all():
@@ -329,7 +276,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
     return cidx[pos]
 
   def at_t_lo():  # k-th largest key is t_lo itself.
-    idx, _ = _bit_positions(_exact_words(gt, ge & ~gt, k), k)
+    idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
     return idx
 
   branch = jnp.where((c_ge >= k) & (c_ge <= cap), 0,
@@ -436,7 +383,7 @@ def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
     return base + (digit << shift)
 
   return jax.lax.fori_loop(0, len(passes), one_pass,
-                           _select.vary_like(jnp.int32(0), rows))
+                           _select.zero_like(rows, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
@@ -460,7 +407,7 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
                    radix_bits=config.radix_bits, interpret=interpret)
   gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
                            interpret=interpret)
-  idx, _ = _bit_positions(_exact_words(gt, eq, k), k)
+  idx, _ = compact.compact(_exact_words(gt, eq, k), k)
   return _gather(flat, idx), idx
 
 
@@ -508,7 +455,7 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
     words = gt | eq
   else:
     words = _words_xla(flat, lambda kk: kk >= t)
-  idx, valid = _bit_positions(words, k)
+  idx, valid = compact.compact(words, k)
   return _gather(flat, idx, valid), idx
 
 

@@ -16,6 +16,7 @@ import pytest
 from jaxcomp.kernels import _select
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import quantize
+from jaxcomp.kernels import compact
 from jaxcomp.kernels import topk
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -250,7 +251,7 @@ def test_radix_select_is_kth_largest_key(radix_bits):
 
 def test_bit_helpers():
   w = jnp.array([0b1011_0100, 0xFFFFFFFF, 0x80000001], jnp.uint32)
-  np.testing.assert_array_equal(topk._select_bit(w, jnp.array([0, 31, 1])),
+  np.testing.assert_array_equal(compact.select_bit(w, jnp.array([0, 31, 1])),
                                 [2, 31, 31])
   np.testing.assert_array_equal(
       topk._keep_lowest(w, jnp.array([2, 32, 1])),
@@ -298,3 +299,43 @@ def test_topk_auto_on_both_sides_of_the_fast_path_size(dtype):
     assert _set(i) == _set(topk.topk_reference(x, k)[1])
     assert bool(jnp.all(jnp.diff(i) > 0))
     np.testing.assert_array_equal(np.asarray(v), np.asarray(x[i]))
+
+
+@pytest.mark.parametrize("n", [0, 5, 32, 100, 1000])
+@pytest.mark.parametrize("capacity", [0, 3, 64])
+def test_compact_is_nonzero_in_index_order(n, capacity):
+  """The selection primitive: the first ``capacity`` positions where the
+  predicate holds, in index order, as ``jnp.nonzero`` finds them, and the
+  count of all of them (the partial last word included)."""
+  x = jnp.asarray(np.random.default_rng(n).normal(size=n), jnp.float32)
+  pred = lambda v: v > 0.5
+  idx, valid, total = compact.select(x, pred, capacity)
+  (want,) = np.nonzero(np.asarray(x) > 0.5)
+  assert int(total) == len(want)
+  got = np.asarray(idx)[np.asarray(valid)]
+  np.testing.assert_array_equal(got, want[:capacity])
+  assert not np.asarray(idx)[~np.asarray(valid)].any()
+  # A predicate true everywhere sets no bit past n.
+  assert int(compact.count(compact.pack(x, lambda v: v == v))) == n
+
+
+@pytest.mark.parametrize("case", ["plus_minus_ties", "all_equal", "all_zero",
+                                  "negative_zero", "multi_block"])
+@pytest.mark.parametrize("k", [0, 1, 37])
+def test_topk_edge_cases_match_the_reference_set(case, k):
+  """Ties between +a and -a go to the lower index, as lax.top_k of |x| does;
+  all-equal and all-zero inputs, -0.0, k = 0 and inputs of many blocks."""
+  n = {"multi_block": 3 * 256 * 32 + 17}.get(case, 1000)
+  rng = np.random.default_rng(1)
+  x = {
+      "plus_minus_ties": np.where(rng.random(n) < 0.5, 1.0, -1.0)
+                         * rng.integers(1, 4, n),
+      "all_equal": np.full(n, 2.5),
+      "all_zero": np.zeros(n),
+      "negative_zero": np.where(np.arange(n) % 2, -0.0, 0.0),
+      "multi_block": rng.normal(size=n),
+  }[case]
+  x = jnp.asarray(x, jnp.float32)
+  _, want = topk.topk_reference(x, k)
+  for got in (topk.topk_threshold_xla(x, k)[1], topk.topk_exact_small(x, k)[1]):
+    np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(want)))

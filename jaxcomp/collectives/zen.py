@@ -28,6 +28,7 @@ from jaxcomp.collectives.base import Collective, chunk_size, register
 from jaxcomp.wire import axes_of, devices
 from jaxcomp.compressors.base import num_selected
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import compact
 
 # Odd 16-bit multipliers (Knuth's golden-ratio 40503 first); hash_seed picks
 # one, and the first coprime with the table size from there is used.
@@ -87,30 +88,6 @@ def unhash_index(h: jax.Array, a: int, m: int) -> jax.Array:
   hi = _shift16(hash_index(h, b >> 16, m).astype(jnp.uint32), mm)
   lo = hash_index(h, b & 0xFFFF, m).astype(jnp.uint32)
   return ((hi + lo) % mm).astype(jnp.int32)
-
-
-def _prefix_count(mask: jax.Array, block: int = 1024) -> jax.Array:
-  """Inclusive prefix sum of a boolean ``(n,)`` mask, int32 (blocked: a
-  scan inside blocks and one over the block totals, much faster on CPU than
-  one long ``cumsum``)."""
-  n = mask.shape[0]
-  rows = -(-n // block)
-  r = jnp.pad(mask.astype(jnp.int32), (0, rows * block - n)).reshape(rows, block)
-  within = lax.associative_scan(jnp.add, r, axis=1)
-  totals = within[:, -1]
-  offsets = lax.associative_scan(jnp.add, totals) - totals
-  return (within + offsets[:, None]).reshape(-1)[:n]
-
-
-def _compact(mask: jax.Array, size: int, fill: int) -> jax.Array:
-  """The first ``size`` indices where ``mask`` is set, in order, padded with
-  ``fill`` (``jnp.nonzero(mask, size=size, fill_value=fill)[0]``), found by
-  binary search in the prefix counts: no scatter over the whole mask."""
-  n = mask.shape[0]
-  counts = _prefix_count(mask)
-  idx = jnp.searchsorted(counts, jnp.arange(1, size + 1, dtype=jnp.int32),
-                         side="left").astype(jnp.int32)
-  return jnp.where(idx < n, idx, fill)
 
 
 @register
@@ -236,8 +213,8 @@ class Zen(Collective):
 
     # Phase 1: pack the first K nonzeros into p partitions of cap slots.
     num_cand = min(n, p * cap)
-    idx = _compact(s != 0, num_cand, n)
-    valid = idx < n
+    idx, valid, _ = compact.select(s, lambda v: v != 0, num_cand)
+    idx = jnp.where(valid, idx, n)
     safe_idx = jnp.where(valid, idx, 0)
     h = hash_index(safe_idx, a, m)
     owner = jnp.where(valid, h // c, p)
@@ -261,20 +238,18 @@ class Zen(Collective):
     part = jnp.zeros((c,), jnp.float32).at[recv_pos.reshape(-1)].add(
         recv_vals.reshape(-1))
 
-    # Phase 2: bitmap + the first cap2 reduced values.
+    # Phase 2: bitmap + the first cap2 reduced values, in offset order.
     nz = part != 0
-    rank2 = _prefix_count(nz) - 1
-    keep2 = nz & (rank2 < cap2)
-    bitmap = bitpack.pack_bits_reference(keep2.astype(jnp.uint32), 1)
-    out_vals = jnp.zeros((cap2,), jnp.float32).at[
-        jnp.where(keep2, rank2, cap2)].set(part, mode="drop")
+    off2, valid2 = compact.compact(compact.pack(part, lambda v: v != 0), cap2)
+    keep2 = jnp.zeros((c,), jnp.bool_).at[jnp.where(valid2, off2, c)].set(
+        True, mode="drop")
+    bitmap = compact.pack(keep2, lambda v: v)
+    out_vals = jnp.where(valid2, part[off2], 0.0)
     all_bitmaps = lax.all_gather(bitmap, axis_name, to="invarying")
     all_vals = lax.all_gather(out_vals, axis_name, to="invarying")
-    bits = jax.vmap(lambda w: bitpack.unpack_bits_reference(w, 1, c))(
-        all_bitmaps)
-    # The j-th set bit of owner o is its j-th value, at position o * c + off.
-    off = jax.vmap(lambda b: _compact(b != 0, cap2, c))(bits)
-    got = off < c
+    # The j-th set bit of owner o is its j-th value, at position o * c + off;
+    # compacted from the gathered bitmaps themselves.
+    off, got = jax.vmap(lambda w: compact.compact(w, cap2))(all_bitmaps)
     where = unhash_index(
         jnp.where(got, jnp.arange(p, dtype=jnp.int32)[:, None] * c + off, 0),
         a, m)

@@ -6,61 +6,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.compressors import _hparams
-from jaxcomp.compressors.base import (Compressor, check_ratio, num_selected,
-                                      register)
-
-
-def masked_topk(x: jax.Array, eligible: jax.Array, cap: int):
-  """The ``cap`` largest ``|x|`` among ``eligible`` entries.
-
-  Returns ``(values float32 (cap,), indices int32 (cap,))``; slots beyond the
-  number of eligible entries hold value 0 (their index is arbitrary, so a
-  scatter-add decode is unaffected).
-  """
-  score = jnp.where(eligible, jnp.abs(x), -1.0)
-  top, idx = lax.top_k(score, cap)
-  values = jnp.where(top >= 0, x[idx], 0.0)
-  return values, idx.astype(jnp.int32)
-
-
-def scatter_decode(payload, n: int) -> jax.Array:
-  """float32 ``(n,)``: the payload's values scatter-added at its indices."""
-  return jnp.zeros((n,), jnp.float32).at[payload["indices"]].add(
-      payload["values"].astype(jnp.float32))
-
-
-def scatter_decode_sum(payloads, n: int) -> jax.Array:
-  """Sum of stacked payloads (leading axis: devices) in one scatter-add."""
-  return jnp.zeros((n,), jnp.float32).at[payloads["indices"].reshape(-1)].add(
-      payloads["values"].reshape(-1).astype(jnp.float32))
-
-
-class SparsePayload(Compressor):
-  """Base of the compressors whose payload is ``capacity(n)`` (value, index)
-  pairs: ``values`` (in the gradient's dtype) and ``indices`` int32, decoded
-  by scatter-add
-  (one scatter-add for all devices' payloads in :meth:`decode_sum`).
-  Subclasses define ``encode`` and ``capacity``."""
-
-  def capacity(self, n: int) -> int:
-    raise NotImplementedError
-
-  def decode(self, payload, n, key):
-    del key
-    return scatter_decode(payload, n)
-
-  def decode_sum(self, payloads, n, key):
-    """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
-    del key
-    return scatter_decode_sum(payloads, n)
-
-  def payload_bytes(self, n: int) -> int:
-    return 8 * self.capacity(n)
+from jaxcomp.compressors.base import check_ratio, num_selected, register
+from jaxcomp.compressors.sparse import SparsePayload, largest_eligible
+from jaxcomp.kernels import compact
 
 
 @register
@@ -107,8 +59,17 @@ class Threshold(SparsePayload):
     return num_selected(self.capacity_ratio, n)
 
   def encode(self, x, key):
+    """One pass packs ``|x| >= threshold`` into bit masks; when at most the
+    capacity passes, they are compacted in index order (no sort); when more
+    pass, the capacity's largest of them are taken exactly
+    (:func:`~jaxcomp.compressors.sparse.largest_eligible`)."""
     del key
-    eligible = (jnp.abs(x).astype(jnp.float32)
-                >= _hparams.as_f32(self.threshold))
-    values, idx = masked_topk(x, eligible, self.capacity(x.shape[0]))
+    cap = self.capacity(x.shape[0])
+    thr = _hparams.as_f32(self.threshold)
+    passes = lambda v: jnp.abs(v).astype(jnp.float32) >= thr
+    idx, valid, total = compact.select(x, passes, cap)
+    values, idx = lax.cond(
+        total <= cap,
+        lambda: (jnp.where(valid, x[idx], 0), idx),
+        lambda: largest_eligible(x, passes(x), cap))
     return {"values": values, "indices": idx}

@@ -10,7 +10,7 @@ from jax import lax
 
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import check_implementation, ratio_slots, register
-from jaxcomp.compressors.threshold import SparsePayload
+from jaxcomp.compressors.sparse import SparsePayload
 from jaxcomp.kernels import topk as topk_kernels
 
 
@@ -20,23 +20,30 @@ class TopK(SparsePayload):
   """Sends the k = ceil(ratio * n) entries of largest magnitude.
 
   Exact selection: the same set as ``lax.top_k`` of ``|x|`` (ties go to the
-  lower index), found without a full sort: the Pallas radix-select kernel on
-  NVIDIA GPUs, the sampled-threshold XLA path elsewhere
-  (:mod:`jaxcomp.kernels.topk`). Biased, so :func:`jaxcomp.compressed_mean`
-  turns residual error feedback on by default. Not linear: the payloads are
-  all-gathered and every device scatter-adds all of them.
+  lower index). What runs, with ``implementation=None`` on every backend, is
+  the XLA path (:func:`jaxcomp.kernels.topk.topk_auto`): ``lax.top_k`` and an
+  index sort below :func:`jaxcomp.kernels.topk.fast_path_min_size` elements
+  (2^19 on CPU, 2^22 on GPU), and from there the sampled-threshold fast path
+  (a threshold bracket from an evenly spaced sample, bit-mask compaction of
+  the candidates, an exact sort of the bracket only). The Pallas radix
+  select runs only with ``implementation="pallas"`` (on an H100 it was
+  slower than the XLA path at every size measured). Biased, so
+  :func:`jaxcomp.compressed_mean` turns residual error feedback on by
+  default. Not linear: the payloads are all-gathered and every device
+  scatter-adds all of them.
 
   Payload: ``values`` ``(k,)`` in the gradient's dtype and ``indices`` int32
-  ``(k,)``: ``8 * k`` bytes for float32 (``6 * k`` for bfloat16). With ``max_ratio`` (a scheduled ``ratio``), the payload
-  always has ``k_max = ceil(max_ratio * n)`` slots and the entries beyond the
-  ``ceil(ratio * n)`` largest are sent as zeros.
+  ``(k,)``: ``8 * k`` bytes for float32 (``6 * k`` for bfloat16). With
+  ``max_ratio`` (a scheduled ``ratio``), the payload always has ``k_max =
+  ceil(max_ratio * n)`` slots and the entries beyond the ``ceil(ratio * n)``
+  largest are sent as zeros.
 
   Args:
     ratio: fraction of entries sent, in (0, 1]; may be traced (a schedule
       under ``optax.inject_hyperparams``) when ``max_ratio`` is set.
     max_ratio: static capacity for a scheduled ``ratio``, or None.
     implementation: ``"pallas"`` (radix-select kernels), ``"xla"`` or None
-      (the XLA path, measured faster on an H100; see
+      (the XLA path on every backend, measured faster on an H100; see
       :func:`jaxcomp.kernels.topk.topk_auto`).
 
   Raises:
