@@ -55,7 +55,6 @@ def main(argv=None) -> int:
 
   import jax
   import jax.numpy as jnp
-  from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
   import numpy as np
   import optax
@@ -138,13 +137,8 @@ def main(argv=None) -> int:
     with jax.numpy_dtype_promotion("standard"):
       state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
 
-      def step(prm, s, b, tx=tx):
-        loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(prm, *b)
-        u, s = tx.update(g, s, prm)
-        return optax.apply_updates(prm, u), s, lax.pmean(loss, "data")
-
-      f = jax.jit(jaxcomp.shard_train_step(step, mesh=mesh, state_specs=specs,
-                                           batch_spec=P("data")))
+      f = jaxcomp.make_train_step(lambda prm, b: loss_fn(prm, *b), tx,
+                                  mesh=mesh, state_specs=specs, donate=False)
       prm = jax.device_put(params, NamedSharding(mesh, P()))
       b0 = jax.device_put(batches[0], data_sharding)
       traffic = jaxcomp.collective_traffic(f.lower(prm, state, b0).compile())

@@ -53,7 +53,6 @@ def main(argv=None) -> int:
 
   import jax
   import jax.numpy as jnp
-  from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
   import numpy as np
   import optax
@@ -91,16 +90,9 @@ def main(argv=None) -> int:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", **kw),
                      optax.adam(2e-3))
 
-    def step(p, s, batch):
-      x, y = batch
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, x, y)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
-
     state, specs = jaxcomp.init_sharded(tx, params0, mesh, "data")
-    f = jax.jit(jaxcomp.shard_train_step(step, mesh=mesh, state_specs=specs,
-                                         batch_spec=P("data")),
-                donate_argnums=(0, 1))
+    f = jaxcomp.make_train_step(lambda p, b: loss_fn(p, *b), tx, mesh=mesh,
+                                state_specs=specs)
     return f, state
 
   def time_step(name, **kw):

@@ -62,13 +62,9 @@ def main(argv=None) -> int:
                      optax.sgd(0.01))
     state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
 
-    def step_fn(p_, s, b, tx=tx):
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p_, *b)
-      u, s = tx.update(g, s, p_)
-      return optax.apply_updates(p_, u), s, loss[None]
-
-    step = jax.jit(jaxcomp.shard_train_step(step_fn, mesh=mesh, state_specs=specs,
-                                            batch_spec=P("data"), out_aux_spec=P("data")))
+    step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx, mesh=mesh,
+                                   state_specs=specs, donate=False,
+                                   per_device_loss=True)
     carry = [jax.device_put(params, NamedSharding(mesh, P())), state]
     times = []
     for i in range(args.steps + 3):  # 3 untimed: compile and warm up

@@ -208,14 +208,9 @@ def worker(args) -> None:
                      optax.sgd(lr))
     state, specs = jaxcomp.init_sharded(tx, prm, on_mesh, "data")
 
-    def step_fn(p_, s, b):
-      x, y = b
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p_, x, y)
-      u, s = tx.update(g, s, p_)
-      return optax.apply_updates(p_, u), s, loss[None]
-
-    step = jax.jit(jaxcomp.shard_train_step(step_fn, mesh=on_mesh, state_specs=specs,
-                                            batch_spec=P("data"), out_aux_spec=P("data")))
+    step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx,
+                                   mesh=on_mesh, state_specs=specs,
+                                   donate=False, per_device_loss=True)
     carry = [prm, state]
     for _ in range(2):  # compile and warm up
       carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))

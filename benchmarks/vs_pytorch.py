@@ -173,15 +173,10 @@ def _jax_systems(args, say):
     with jax.numpy_dtype_promotion("standard"):
       state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
 
-    def step_fn(prm, s, b, tx=tx):
-      loss, g = jaxcomp.per_device_value_and_grad(mlp_loss, "data")(prm, *b)
-      u, s = tx.update(g, s, prm)
-      # The per-process loss, not averaged (DDP does not average it either).
-      return optax.apply_updates(prm, u), s, loss[None]
-
-    step = jax.jit(jaxcomp.shard_train_step(
-        step_fn, mesh=mesh, state_specs=specs, batch_spec=P("data"),
-        out_aux_spec=P("data")))
+    # The per-process loss, not averaged (DDP does not average it either).
+    step = jaxcomp.make_train_step(lambda prm, b: mlp_loss(prm, *b), tx,
+                                   mesh=mesh, state_specs=specs, donate=False,
+                                   per_device_loss=True)
     with jax.numpy_dtype_promotion("standard"):
       compiled = step.lower(params, state, batch).compile()
     info["hlo_operand_bytes"][name] = jaxcomp.collective_traffic(

@@ -8,6 +8,7 @@ Importing this module does not import jax (set XLA flags first, see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 # Config fields that may be compressor hyperparameters, by the name the
@@ -20,38 +21,74 @@ _HYPERPARAMETER_FIELDS = {
 _ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
 
-def add_compression_flags(p: argparse.ArgumentParser, *,
-                          rank: int = 4) -> None:
+@dataclasses.dataclass
+class CompressionConfig:
+  """The compression fields every example's Config has (its config module
+  may override a default, e.g. PowerSGD's rank)."""
+
+  compressor: str = "topk"  # a name from jaxcomp.compressors.names()
+  ratio: float = 0.01  # fraction of entries sent (top-k, random-block, ...)
+  levels: int = 7  # QSGD levels
+  rank: int = 4  # PowerSGD rank
+  bits: int = 8  # int8_block bits (2, 4 or 8)
+  format: str = "e4m3"  # fp8_block format
+  threshold: float = 1e-3  # threshold compressor's magnitude threshold
+  block_size: int = 256  # int8_block / fp8_block elements per scale
+  error_feedback: bool | str | None = None  # None: on for biased ones
+  min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
+  optimizer: str = "adam"  # one of OPTIMIZERS, after the compressed mean
+  seed: int = 0
+  max_steps: int | None = None  # stop early (tests)
+  progress: bool = True
+
+
+def add_compression_flags(p: argparse.ArgumentParser, defaults) -> None:
   """Adds --compressor and its hyperparameter flags, --error-feedback, and
   the run flags every example has (--devices, --seed, --max-steps,
-  --no-progress)."""
-  p.add_argument("--compressor", default="topk",
+  --no-progress), with ``defaults`` (the example's ``config.Config()``) as
+  their defaults: the config module is the one place they are set."""
+  d = defaults
+  ef = {v: k for k, v in _ERROR_FEEDBACK.items()}.get(d.error_feedback,
+                                                     d.error_feedback)
+  p.add_argument("--compressor", default=d.compressor,
                  help="compressor name (see jaxcomp.compressors.names())")
-  p.add_argument("--ratio", type=float, default=0.01,
+  p.add_argument("--ratio", type=float, default=d.ratio,
                  help="fraction sent by top-k / random-block / random-k / "
                  "DGC (and the threshold compressor's capacity)")
-  p.add_argument("--levels", type=int, default=7, help="QSGD levels")
-  p.add_argument("--rank", type=int, default=rank, help="PowerSGD rank")
-  p.add_argument("--bits", type=int, default=8, help="int8_block bits")
-  p.add_argument("--format", default="e4m3", help="fp8_block format")
-  p.add_argument("--threshold", type=float, default=1e-3,
+  p.add_argument("--levels", type=int, default=d.levels, help="QSGD levels")
+  p.add_argument("--rank", type=int, default=d.rank, help="PowerSGD rank")
+  p.add_argument("--bits", type=int, default=d.bits, help="int8_block bits")
+  p.add_argument("--format", default=d.format, help="fp8_block format")
+  p.add_argument("--threshold", type=float, default=d.threshold,
                  help="threshold compressor's magnitude threshold")
-  p.add_argument("--block-size", type=int, default=256,
+  p.add_argument("--block-size", type=int, default=d.block_size,
                  help="int8_block / fp8_block elements per scale")
   p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
-                 default="auto", help="auto: on for biased compressors")
-  p.add_argument("--ratio-warmup-steps", type=int, default=0,
+                 default=ef, help="auto: on for biased compressors")
+  p.add_argument("--ratio-warmup-steps", type=int,
+                 default=d.ratio_warmup_steps,
                  help="DGC's sparsity warm-up: stages of this many steps at "
                  "ratio 25%%, 6.25%%, ... down to --ratio, each its own "
                  "compiled step (0: none)")
-  p.add_argument("--min-compress-size", type=int, default=0,
+  p.add_argument("--min-compress-size", type=int, default=d.min_compress_size,
                  help="tensors with fewer elements go through an exact "
                  "all-reduce (biases, norms)")
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices (ignored on GPU/TPU)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--max-steps", type=int, default=None)
+  p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--max-steps", type=int, default=d.max_steps)
   p.add_argument("--no-progress", action="store_true")
+
+
+def add_run_flags(p: argparse.ArgumentParser, defaults, names) -> None:
+  """Adds ``--name`` flags for the Config fields ``names`` (their type and
+  default from ``defaults``; ``name_with_underscores`` as
+  ``--name-with-dashes``)."""
+  for name in names:
+    value = getattr(defaults, name)
+    kind = type(value) if value is not None else str
+    p.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
 
 
 OPTIMIZERS = ("adam", "momentum", "sgd")
@@ -104,105 +141,66 @@ def compressor_kwargs(config) -> dict[str, Any]:
           for name, field in _HYPERPARAMETER_FIELDS.items() if name in taken}
 
 
-def ratio_stages(config) -> list[tuple[int, dict[str, Any]]]:
-  """The run's stages as ``[(first_step, compressor kwargs), ...]``.
+def stages(config, learning_rate):
+  """The run's transformations, as :func:`jaxcomp.sparsity_warmup` stages.
 
-  Without ``config.ratio_warmup_steps`` one stage, from step 0, with
-  :func:`compressor_kwargs`. With it, DGC's sparsity warm-up
-  (:func:`jaxcomp.compressors.dgc_warmup_stages`): ``ratio`` 0.25 for that
-  many steps, then 0.0625, ... down to ``config.ratio``. Each stage gets its
-  own transform and compiled step, so each sends its own payload size (a
-  scheduled ratio would keep the first stage's capacity all along).
+  Each is the compressed mean over ``"data"`` (``config``'s compressor,
+  hyperparameters, error feedback, ``min_compress_size``, seed) chained with
+  ``config.optimizer``. Without ``config.ratio_warmup_steps``: one stage
+  from step 0. With it, DGC's sparsity warm-up: ``ratio`` 0.25 for that many
+  steps, then 0.0625, ... down to ``config.ratio``, each stage its own
+  transformation and compiled step, sending its own payload.
 
   Raises:
-    ValueError: ``ratio_warmup_steps`` < 0, or > 0 with a compressor that
-      takes no ``ratio``.
+    ValueError: an unknown compressor, ``ratio_warmup_steps`` < 0, or > 0
+      with a compressor that takes no ``ratio``.
   """
+  import jaxcomp
+  import optax
   kwargs = compressor_kwargs(config)
+
+  def make_tx(ratio=None):
+    kw = kwargs if ratio is None else dict(kwargs, ratio=ratio)
+    return optax.chain(
+        jaxcomp.compressed_mean(config.compressor, "data",
+                                min_compress_size=config.min_compress_size,
+                                error_feedback=config.error_feedback,
+                                seed=config.seed, **kw),
+        optimizer(config.optimizer, learning_rate))
+
   if config.ratio_warmup_steps < 0:
     raise ValueError("ratio_warmup_steps must be >= 0, got "
                      f"{config.ratio_warmup_steps}")
   if not config.ratio_warmup_steps:
-    return [(0, kwargs)]
+    return [jaxcomp.combinators.WarmupStage(0, kwargs.get("ratio"),
+                                            make_tx())]
   if "ratio" not in kwargs:
     raise ValueError(f"ratio_warmup_steps needs a compressor that takes a "
                      f"ratio (topk, dgc, random_block, ...), not "
                      f"{config.compressor!r}; set it to 0")
+  return jaxcomp.sparsity_warmup(make_tx, config.ratio,
+                                 config.ratio_warmup_steps)
+
+
+def stage_bytes(stages, params, mesh):
+  """Bytes one device sends per step in each stage (its transformation's
+  statistics), for :func:`jaxcomp.combinators.bytes_over`."""
   import jaxcomp
-  return [(first, dict(kwargs, ratio=r)) for first, r in
-          jaxcomp.compressors.dgc_warmup_stages(config.ratio,
-                                                config.ratio_warmup_steps)]
-
-
-def stage_at(stages, step: int) -> int:
-  """Index of the stage of :func:`ratio_stages` that ``step`` is in."""
-  return max(i for i, (first, _) in enumerate(stages) if first <= step)
-
-
-def stage_steps(config, stages, params, mesh, make_step, learning_rate):
-  """The example's transform per stage of :func:`ratio_stages` (the
-  compressed mean over ``"data"``, then ``config.optimizer``), each
-  compiled into a train step.
-
-  Args:
-    config: the example's Config.
-    stages: :func:`ratio_stages` ``(config)``.
-    params: the initial parameters.
-    mesh: the device mesh, with axis ``"data"``.
-    make_step: ``tx -> step_fn(params, opt_state, batch) -> (params,
-      opt_state, loss)``, run per device under ``shard_map``.
-    learning_rate: a float or an Optax schedule.
-
-  Returns:
-    ``(opt_state, steps, stage_bytes)``: the sharded initial state, which
-    every stage's step takes and returns; one jitted step per stage
-    (parameters and state donated); and the bytes one device sends per step
-    in each stage (the stage transform's statistics), for
-    :func:`run_bytes`.
-
-  Raises:
-    ValueError: the stages' states differ in structure, shape or dtype.
-  """
-  import jax
-  import optax
-  import jaxcomp
-  from jax.sharding import PartitionSpec as P
-  txs = [optax.chain(
-      jaxcomp.compressed_mean(config.compressor, "data",
-                              min_compress_size=config.min_compress_size,
-                              error_feedback=config.error_feedback,
-                              seed=config.seed, **kwargs),
-      optimizer(config.optimizer, learning_rate)) for _, kwargs in stages]
-  inits = [jaxcomp.init_sharded(tx, params, mesh, "data") for tx in txs]
-  sig = [jax.tree.map(lambda a: (a.shape, a.dtype), s) for s, _ in inits]
-  if any(s != sig[0] for s in sig[1:]):
-    raise ValueError("the compressor's state depends on its ratio, so "
-                     "ratio_warmup_steps cannot carry it across stages; set "
-                     "ratio_warmup_steps=0")
-  stage_bytes = [float(jaxcomp.get_stats(s).bytes_sent) for s, _ in inits]
-  opt_state, specs = inits[0]
-  steps = [jax.jit(jaxcomp.shard_train_step(
-      make_step(tx), mesh=mesh, state_specs=specs, batch_spec=P("data")),
-                   donate_argnums=(0, 1)) for tx in txs]
-  return opt_state, steps, stage_bytes
-
-
-def run_bytes(stages, stage_bytes, steps_run: int) -> float:
-  """Bytes one device sent over the first ``steps_run`` steps: each stage of
-  :func:`ratio_stages` at its ``stage_bytes`` (from :func:`stage_steps`)."""
-  ends = [first for first, _ in stages[1:]] + [steps_run]
-  return sum(max(0, min(end, steps_run) - first) * b
-             for (first, _), end, b in zip(stages, ends, stage_bytes))
+  return [float(jaxcomp.get_stats(jaxcomp.init_sharded(
+      s.tx, params, mesh, "data")[0]).bytes_sent) for s in stages]
 
 
 def print_traffic(result: dict[str, Any]) -> None:
   """Prints the bytes each device sends per step, from the transform's
-  statistics and from the collectives of the lowered step (on CPU, XLA's
-  backend later promotes bf16 all-reduces to float32; GPUs keep bf16)."""
+  statistics (operand bytes, and the wire bytes of the ring algorithms)
+  and from the collectives of the lowered step (on CPU, XLA's backend
+  later widens bf16 all-reduces to float32; GPUs keep bf16). A compression
+  factor is dense bytes over compressed bytes."""
   print(f"bytes sent per device per step: {result['bytes_per_step']:.0f} "
-        f"(dense {result['dense_bytes_per_step']:.0f}, ratio to dense "
-        f"{result['bytes_per_step'] / result['dense_bytes_per_step']:.4f}, "
-        f"compression {result['ratio_to_dense']:.1f}x)")
+        f"(dense {result['dense_bytes_per_step']:.0f}, compression "
+        f"{result['compression']:.1f}x; on the wire "
+        f"{result['wire_bytes_per_step']:.0f}, compression "
+        f"{result['wire_compression']:.1f}x)")
   total = result.get("total_bytes")
   if total is not None and total != result["bytes_per_step"] * result["steps"]:
     dense_total = result["dense_bytes_per_step"] * result["steps"]

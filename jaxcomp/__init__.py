@@ -16,6 +16,7 @@ from jaxcomp import feedback
 from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps
+from jaxcomp.combinators import sparsity_warmup
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic

@@ -103,6 +103,10 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     ``step(model, optimizer, batch) -> loss`` (or ``(loss, aux)``), the
     loss averaged over the devices. ``optimizer`` must be a
     :class:`Optimizer`; ``batch`` placed on its mesh with ``batch_spec``.
+    ``step.lower(model, optimizer, batch)`` lowers it without running it.
+    Assigning another transformation of the same state structure to
+    ``optimizer.tx`` (the next stage of :func:`jaxcomp.sparsity_warmup`)
+    compiles a step for it.
 
   Raises:
     TypeError: ``optimizer`` is a plain ``nnx.Optimizer``.
@@ -140,7 +144,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
                       out_specs=(P(), P(), specs, P()))
     return jax.jit(f, donate_argnums=(0, 2, 3))
 
-  def step(model, optimizer, batch):
+  def prepare(model, optimizer):
     if not hasattr(optimizer, "specs"):
       raise TypeError(
           "jaxcomp.flax.train_step needs a jaxcomp.flax.Optimizer(model, tx, "
@@ -148,20 +152,31 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
           "initialise a jaxcomp transform outside shard_map")
     graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey,
                                              ...)
-    key = (graphdef, id(optimizer))
+    # One compiled step per model structure and transformation (a warm-up
+    # stage may swap optimizer.tx for the next stage's).
+    key = (graphdef, id(optimizer), id(optimizer.tx))
     if key not in compiled:
       compiled[key] = build(graphdef, optimizer)
     rep = NamedSharding(optimizer.mesh, P())
     params, keys, rest = jax.device_put(
         (nnx.as_pure(params), nnx.as_pure(keys), nnx.as_pure(rest)), rep)
-    opt_state = nnx.as_pure(optimizer.opt_state)
-    params, rest, opt_state, out = compiled[key](params, keys, rest,
-                                                 opt_state, batch)
+    return compiled[key], (params, keys, rest, nnx.as_pure(optimizer.opt_state))
+
+  def step(model, optimizer, batch):
+    f, args = prepare(model, optimizer)
+    params, rest, opt_state, out = f(*args, batch)
     nnx.update(model, params, rest)
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
     optimizer.step[...] += 1
     return out
 
+  def lower(model, optimizer, batch):
+    """The compiled step's ``jax.stages.Lowered`` (for
+    :func:`jaxcomp.collective_traffic`); runs nothing."""
+    f, args = prepare(model, optimizer)
+    return f.lower(*args, batch)
+
+  step.lower = lower
   return step
 
 

@@ -251,7 +251,8 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     axis_name: AxisName = "data", batch_spec: Any = None,
-                    has_aux: bool = False, donate: bool = True) -> Callable:
+                    has_aux: bool = False, donate: bool = True,
+                    per_device_loss: bool = False) -> Callable:
   """The data-parallel train step, compiled: per-device gradient, ``tx``'s
   compressed update, parameters updated, loss averaged.
 
@@ -275,6 +276,9 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
       averaged over ``axis_name`` too (every leaf must be a float array).
     donate: donate the parameters' and the state's buffers to the step.
+    per_device_loss: return each device's own loss (and aux), stacked on a
+      leading device axis, instead of their mean: the step then runs no
+      collective besides the transform's (benchmarks that time it).
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (or
@@ -314,12 +318,15 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   def step_fn(params, opt_state, batch):
     out, grads = grad_fn(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    out = jax.tree.map(lambda v: jax.lax.pmean(v, axis_name), out)
+    out = jax.tree.map(
+        (lambda v: v[None]) if per_device_loss
+        else (lambda v: jax.lax.pmean(v, axis_name)), out)
     return optax.apply_updates(params, updates), opt_state, out
 
   step = shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,
-      batch_spec=P(axis_name) if batch_spec is None else batch_spec)
+      batch_spec=P(axis_name) if batch_spec is None else batch_spec,
+      out_aux_spec=P(axis_name) if per_device_loss else P())
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 

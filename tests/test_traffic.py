@@ -1,5 +1,6 @@
 """Traffic read from the compiled HLO of real train steps."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,26 +21,21 @@ def _train_step_traffic(mesh, compressor, lowered=False, **kwargs):
 
 
 def _traffic(mesh, compressor, lowered, **kwargs):
-  model = CNN(10)
+  graphdef, params = nnx.split(CNN(10, rngs=nnx.Rngs(0)), nnx.Param)
+  params = nnx.as_pure(params)
   x = jnp.zeros((64, 28, 28, 1))
   y = jnp.zeros((64,), jnp.int32)
-  params = model.init(jax.random.key(0), x[:1])["params"]
 
-  def loss_fn(p, x, y):
-    logits = model.apply({"params": p}, x)
+  def loss_fn(p, batch):
+    x, y = batch
+    logits = nnx.merge(graphdef, p)(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   tx = optax.chain(jaxcomp.compressed_mean(compressor, "data", **kwargs),
                    optax.adam(1e-3))
   state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
-  def step(p, s, batch):
-    loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, *batch)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
-
-  f = jax.jit(jaxcomp.shard_train_step(step, mesh=mesh, state_specs=specs,
-                                       batch_spec=P("data")))
+  f = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs,
+                              donate=False)
   batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
   params = jax.device_put(params, NamedSharding(mesh, P()))
   low = f.lower(params, state, batch)

@@ -10,24 +10,25 @@ import argparse
 import sys
 
 from examples import common
+from examples.char_lm.config import Config
 
 
 def parse(argv=None):
+  defaults = Config()
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
-  common.add_compression_flags(p, rank=4)
-  p.add_argument("--epochs", type=int, default=3)
-  p.add_argument("--steps-per-epoch", type=int, default=100)
-  p.add_argument("--batch-size", type=int, default=32, help="global batch")
-  p.add_argument("--context", type=int, default=64)
-  p.add_argument("--d-model", type=int, default=128)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--learning-rate", type=float, default=3e-3)
-  p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
+  common.add_compression_flags(p, defaults)
+  common.add_run_flags(p, defaults, (
+      "epochs", "steps_per_epoch", "batch_size", "context", "d_model",
+      "learning_rate"))
+  p.add_argument("--layers", type=int, default=defaults.num_layers)
+  p.add_argument("--heads", type=int, default=defaults.num_heads)
+  p.add_argument("--optimizer", choices=common.OPTIMIZERS,
+                 default=defaults.optimizer,
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
-  p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES, default="constant",
+  p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES,
+                 default=defaults.lr_schedule,
                  help="after the warm-up: constant, or cosine decay to 0 at the last step")
   return p.parse_args(argv)
 
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
   from examples.char_lm import train
   import jax
 
-  config = train.Config(
+  config = Config(
       epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
       batch_size=args.batch_size, context=args.context, d_model=args.d_model,
       num_layers=args.layers, num_heads=args.heads,

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
@@ -18,37 +16,9 @@ import jaxcomp
 from examples import common
 from examples.char_lm import data as data_lib
 from examples.char_lm import model as model_lib
+from examples.char_lm.config import Config
 
-
-@dataclasses.dataclass
-class Config:
-  compressor: str = "identity"  # a name from jaxcomp.compressors.names()
-  ratio: float = 0.01  # top-k / random-block fraction sent
-  levels: int = 4  # QSGD levels
-  rank: int = 4  # PowerSGD rank
-  bits: int = 8  # int8_block bits
-  format: str = "e4m3"  # fp8_block format
-  threshold: float = 1e-3  # threshold compressor's magnitude threshold
-  block_size: int = 256  # int8_block / fp8_block elements per scale
-  error_feedback: bool | str | None = None  # None: on for biased compressors
-  min_compress_size: int = 0  # smaller tensors: exact all-reduce
-  ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
-  optimizer: str = "adam"  # one of examples.common.OPTIMIZERS
-  epochs: int = 3
-  steps_per_epoch: int = 100  # an "epoch" is this many steps on random windows
-  batch_size: int = 32  # global, split over the devices
-  context: int = 64
-  d_model: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  learning_rate: float = 3e-3
-  warmup_steps: int = 50
-  lr_schedule: str = "constant"  # after the warm-up: "constant" or "cosine" (to 0)
-  max_train_bytes: int | None = 2_000_000  # a subset of the training files
-  valid_windows: int = 256  # held-out windows of `context` predictions each
-  seed: int = 0
-  max_steps: int | None = None  # stop early (tests)
-  progress: bool = True
+__all__ = ["Config", "learning_rate_schedule", "train_and_evaluate"]
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -79,8 +49,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   Returns:
     ``{"dataset", "epochs": [{"epoch", "loss", "valid_loss",
     "bits_per_char", "seconds"}], "steps", "bytes_per_step",
-    "total_bytes", "dense_bytes_per_step", "ratio_to_dense",
-    "hlo_operand_bytes", "num_params", "params"}``. Losses are mean cross-entropy in nats per
+    "total_bytes", "dense_bytes_per_step", "compression",
+    "wire_bytes_per_step", "wire_compression", "hlo_operand_bytes",
+    "num_params", "params"}`` (a compression factor is dense over
+    compressed). Losses are mean cross-entropy in nats per
     character; bits per character is ``valid_loss / ln 2``.
     ``bytes_per_step`` is what one device sends per step after the ratio
     warm-up (``config.ratio_warmup_steps``), ``total_bytes`` the sum over
@@ -96,7 +68,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.batch_size % n_dev:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
                      f"the device count {n_dev}")
-  stages = common.ratio_stages(config)  # bad names fail before any work
+  stages = common.stages(config, learning_rate_schedule(config))
   corpus = data_lib.load(max_train_bytes=config.max_train_bytes)
   length = config.context + 1  # inputs and next-character targets
   valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)
@@ -115,19 +87,12 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, windows[:, 1:]).mean()
 
-  schedule = learning_rate_schedule(config)
-
-  def make_step(tx):
-    def step_fn(p, s, windows):
-      loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, windows)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
-    return step_fn
-
-  # One transform and compiled step per warm-up stage (one without warm-up),
-  # all carrying the same optimizer state.
-  opt_state, steps, stage_bytes = common.stage_steps(
-      config, stages, params, mesh, make_step, schedule)
+  # One compiled step per warm-up stage (one without warm-up), all carrying
+  # the same optimizer state.
+  stage_bytes = common.stage_bytes(stages, params, mesh)
+  opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
+  steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh, state_specs=specs)
+           for st in stages]
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch_sharding = NamedSharding(mesh, P("data"))
 
@@ -162,7 +127,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     for _ in it:
       if config.max_steps is not None and done >= config.max_steps:
         break
-      i = common.stage_at(stages, done)
+      i = jaxcomp.combinators.stage_at(stages, done)
       params, opt_state, loss = steps[i](params, opt_state, next_batch())
       # Wait for each step: with many steps in flight, simulated CPU devices
       # (threads sharing one pool) were seen to deadlock in a collective.
@@ -187,9 +152,11 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "steps": done,
       "num_params": num_params,
       "bytes_per_step": float(stats.bytes_sent),
-      "total_bytes": common.run_bytes(stages, stage_bytes, done),
+      "total_bytes": jaxcomp.combinators.bytes_over(stages, stage_bytes, done),
       "dense_bytes_per_step": float(stats.dense_bytes),
-      "ratio_to_dense": float(stats.compression_factor),
+      "compression": float(stats.compression_factor),
+      "wire_bytes_per_step": float(stats.wire_bytes),
+      "wire_compression": float(stats.wire_compression_factor),
       "hlo_operand_bytes": traffic.operand_bytes,
       "params": params,
   }

@@ -1,4 +1,5 @@
-"""Train a CNN on Fashion-MNIST over simulated devices with jaxcomp.
+"""Train a CNN (Flax NNX) on Fashion-MNIST over simulated devices with
+jaxcomp.
 
   python -m examples.fashion_mnist.main --compressor=topk --ratio=0.01
 """
@@ -10,19 +11,20 @@ import sys
 
 from examples import common
 from examples import xla_flags
+from examples.fashion_mnist.config import Config
 
 
 def parse(argv=None):
+  defaults = Config()
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
-  common.add_compression_flags(p, rank=1)
-  p.add_argument("--epochs", type=int, default=2)
-  p.add_argument("--batch-size", type=int, default=256, help="global batch")
-  p.add_argument("--learning-rate", type=float, default=2e-3)
-  p.add_argument("--optimizer", choices=common.OPTIMIZERS, default="adam",
+  common.add_compression_flags(p, defaults)
+  common.add_run_flags(p, defaults, ("epochs", "batch_size", "learning_rate"))
+  p.add_argument("--optimizer", choices=common.OPTIMIZERS,
+                 default=defaults.optimizer,
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
-  p.add_argument("--dataset", default="auto",
+  p.add_argument("--dataset", default=defaults.dataset,
                  choices=["auto", "fashion_mnist", "digits"])
   return p.parse_args(argv)
 
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
   from examples.fashion_mnist import train
   import jax
 
-  config = train.Config(
+  config = Config(
       dataset=args.dataset, epochs=args.epochs, batch_size=args.batch_size,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
       **common.compression_config(args))

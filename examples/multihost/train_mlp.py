@@ -125,7 +125,6 @@ def main(argv=None) -> int:
       heartbeat_timeout_seconds=args.heartbeat_timeout)
 
   import jax
-  from jax import lax
   from jax.sharding import PartitionSpec as P
   import numpy as np
   import optax
@@ -157,17 +156,10 @@ def main(argv=None) -> int:
                               **hyper),
       inner)
 
-  def step_fn(p, s, batch):
-    x, y = batch
-    loss, g = jaxcomp.per_device_value_and_grad(loss_fn, axes)(p, x, y)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, lax.pmean(loss, axes)
-
   params = distributed.global_array(init_params(args.seed, args.hidden), mesh)
   opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, axes)
-  step = jax.jit(jaxcomp.shard_train_step(
-      step_fn, mesh=mesh, state_specs=specs, batch_spec=P(axes)),
-                 donate_argnums=(0, 1))
+  step = jaxcomp.make_train_step(lambda p, b: loss_fn(p, *b), tx, mesh=mesh,
+                                 state_specs=specs, axis_name=axes)
 
   ckpt = None
   start = 0
