@@ -1,9 +1,10 @@
-"""Kernels vs references: exact equality, in interpret mode off GPU.
+"""Kernels vs references: exact equality, compiled on a GPU and in interpret
+mode everywhere (a compiled test class and an interpret-mode subclass).
 
-``INTERPRET`` is True unless the backend is a GPU, where the same cases run the
-compiled Mosaic GPU kernels. Sizes are small and are not multiples of the
-kernels' block (64 rows x 32 = 2048 elements here) so the padded tail is
-exercised.
+:class:`TestKernelsCompiled` runs the compiled Mosaic GPU kernels (skipped
+off an NVIDIA GPU) and :class:`TestKernelsInterpret` the same cases with
+``interpret=True``. Sizes are small and are not multiples of the kernels'
+block (64 rows x 32 = 2048 elements here) so the padded tail is exercised.
 """
 
 import itertools
@@ -19,7 +20,6 @@ from jaxcomp.kernels import quantize
 from jaxcomp.kernels import compact
 from jaxcomp.kernels import topk
 
-INTERPRET = jax.default_backend() != "gpu"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 QCFG = quantize.QuantizeConfig(block_rows=64)
 TCFG = topk.TopKConfig(block_rows=64, sample_size=256)
@@ -74,91 +74,6 @@ def test_bad_knobs_raise():
 # --------------------------------------------------------------------------
 # Quantization.
 # --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n,dtype", list(itertools.product((1000, 3001, 2304),
-                                                          DTYPES)))
-def test_sign_pack_matches_reference(n, dtype):
-  x = _normal(n, dtype, seed=n)
-  words, scale = quantize.sign_pack(x, config=QCFG, interpret=INTERPRET)
-  ref_words, ref_scale = quantize.sign_pack_reference(x)
-  assert words.shape == (bitpack.packed_words(n, 1),)
-  np.testing.assert_array_equal(words, ref_words)
-  np.testing.assert_array_equal(
-      words, bitpack.pack_bits_reference((x < 0).astype(jnp.uint32), 1))
-  np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
-  decoded = quantize.sign_unpack_reference(words, scale, n)
-  np.testing.assert_array_equal(decoded < 0, x < 0)
-  np.testing.assert_allclose(jnp.abs(decoded), scale)
-
-
-@pytest.mark.parametrize("n,dtype,levels", [
-    (1000, jnp.float32, 1), (3001, jnp.float32, 7), (3001, jnp.bfloat16, 127),
-    (2304, jnp.float32, 15),
-    (2500, jnp.float16, 3), (1000, jnp.float32, 1000)])
-def test_qsgd_matches_reference(n, dtype, levels):
-  x = _normal(n, dtype, seed=n)
-  u = jax.random.uniform(jax.random.key(1), (n,))
-  words, norms = quantize.qsgd_quantize(
-      x, u, levels=levels, bucket_size=128, config=QCFG, interpret=INTERPRET)
-  ref_words, ref_norms = quantize.qsgd_quantize_reference(
-      x, u, levels=levels, bucket_size=128)
-  bits = quantize.qsgd_bits(levels)
-  assert words.shape == (bitpack.packed_words(n, bits),)
-  np.testing.assert_array_equal(words, ref_words)
-  # Norms are XLA reductions in two programs: on GPU their summation order
-  # (so the last bit) may differ.
-  np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
-  # Decoding is within one level of the input.
-  y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
-                                         bucket_size=128)
-  err = jnp.abs(y - x.astype(jnp.float32))
-  bound = jnp.repeat(norms, 128)[:n] / levels
-  assert bool(jnp.all(err <= bound * (1 + 1e-5)))
-  assert bool(jnp.all((y == 0) | (jnp.sign(y) == jnp.sign(x.astype(jnp.float32)))))
-
-
-def test_qsgd_uint32_bits_and_zero_bucket():
-  n = 700
-  x = _normal(n, jnp.float32).at[:256].set(0.0)  # two all-zero buckets
-  bits = jax.random.bits(jax.random.key(3), (n,), jnp.uint32)
-  got = quantize.qsgd_quantize(x, bits, levels=15, bucket_size=128,
-                               config=QCFG, interpret=INTERPRET)
-  ref = quantize.qsgd_quantize_reference(x, bits, levels=15, bucket_size=128)
-  np.testing.assert_array_equal(got[0], ref[0])
-  np.testing.assert_array_equal(got[1][:2], 0.0)
-  codes = bitpack.unpack_bits_reference(got[0], 8, n)
-  np.testing.assert_array_equal(codes[:256], 0)
-
-
-@pytest.mark.parametrize("n,dtype,stochastic", [
-    (1000, jnp.float32, False), (3001, jnp.bfloat16, False),
-    (4352, jnp.float32, False),
-    (3001, jnp.float16, True), (2500, jnp.float32, True)])
-def test_int8_block_matches_reference(n, dtype, stochastic):
-  x = _normal(n, dtype, seed=n).at[:64].set(0)  # first block all zero
-  u = jax.random.uniform(jax.random.key(2), (n,)) if stochastic else None
-  q, scales = quantize.int8_block_quantize(
-      x, block_size=64, stochastic_uniform=u, config=QCFG,
-      interpret=INTERPRET)
-  ref_q, ref_scales = quantize.int8_block_quantize_reference(
-      x, block_size=64, stochastic_uniform=u)
-  assert q.dtype == jnp.int8 and q.shape == (-(-n // 64) * 64,)
-  np.testing.assert_array_equal(q, ref_q)
-  np.testing.assert_array_equal(scales, ref_scales)
-  assert scales[0] == 0 and bool(jnp.all(q[:64] == 0))
-  y = quantize.int8_block_dequantize_reference(q, scales, block_size=64, n=n)
-  step = jnp.repeat(scales, 64)[:n]
-  limit = step * (1.0 if stochastic else 0.5) * (1 + 1e-5)
-  assert bool(jnp.all(jnp.abs(y - x.astype(jnp.float32)) <= limit))
-
-
-def test_int8_round_half_to_even():
-  x = jnp.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26)
-  q, scales = quantize.int8_block_quantize(x, block_size=32, config=QCFG,
-                                           interpret=INTERPRET)
-  assert scales[0] == 1.0
-  np.testing.assert_array_equal(q[:6], [127, 0, 2, 2, 0, -2])
 
 
 # --------------------------------------------------------------------------
@@ -217,38 +132,6 @@ def test_topk_xla_every_branch(case):
   np.testing.assert_array_equal(v, x[i])
 
 
-@pytest.mark.parametrize("n,dtype,k", [
-    (3001, jnp.float32, 30), (2049, jnp.bfloat16, 1), (1000, jnp.float16, 1000),
-    (2304, jnp.float32, 20)])
-def test_topk_pallas_matches_reference_set(n, dtype, k):
-  x = _normal(n, dtype, seed=n)
-  _, ref_i = topk.topk_reference(x, k)
-  v, i = topk.topk(x, k, config=TCFG, interpret=INTERPRET)
-  assert _set(i) == _set(ref_i)
-  assert bool(jnp.all(jnp.diff(i) > 0))
-  np.testing.assert_array_equal(v, x[i])
-
-
-def test_topk_pallas_ties_take_lowest_indices():
-  x = jnp.zeros(3001).at[jnp.arange(5, 3001, 100)].set(-2.0)  # 30 ties
-  k = 45  # 30 nonzero ties at -2.0, then 15 of the tied zeros
-  _, i = topk.topk(x, k, config=TCFG, interpret=INTERPRET)
-  _, ref_i = topk.topk_reference(x, k)
-  assert _set(i) == _set(ref_i)
-  assert set(range(15)) <= _set(i)
-
-
-@pytest.mark.parametrize("radix_bits", [5, 3])
-def test_radix_select_is_kth_largest_key(radix_bits):
-  x = _normal(3001, jnp.float32, seed=11)
-  rows, _ = _select.to_rows(x, 64, interpret=INTERPRET)
-  k = jnp.int32(77)
-  t = jax.jit(lambda r: topk.radix_select(r, 77, block_rows=64,
-                                          radix_bits=radix_bits,
-                                          interpret=INTERPRET))(rows)
-  assert int(t) == int(jnp.sort(topk.abs_key(x))[-k])
-
-
 def test_bit_helpers():
   w = jnp.array([0b1011_0100, 0xFFFFFFFF, 0x80000001], jnp.uint32)
   np.testing.assert_array_equal(compact.select_bit(w, jnp.array([0, 31, 1])),
@@ -256,34 +139,6 @@ def test_bit_helpers():
   np.testing.assert_array_equal(
       topk._keep_lowest(w, jnp.array([2, 32, 1])),
       [0b0001_0100, 0xFFFFFFFF, 1])
-
-
-def test_sampled_topk():
-  n, k = 3001, 30
-  x = _normal(n, jnp.float32, seed=5) * 0.01
-  big = jnp.arange(3, n, 10)  # 300 equal winners: the sample finds them
-  x = x.at[big].set(10.0)
-  key = jax.random.key(0)
-  v, i = topk.sampled_topk(x, k, key, sample_ratio=0.1, implementation="xla")
-  vp, ip = topk.sampled_topk(x, k, key, sample_ratio=0.1,
-                             implementation="pallas", config=TCFG,
-                             interpret=INTERPRET)
-  np.testing.assert_array_equal(i, ip)
-  np.testing.assert_array_equal(v, vp)
-  assert i.shape == (k,) and i.dtype == jnp.int32
-  valid = v != 0
-  assert bool(jnp.all(jnp.diff(i[valid]) > 0))
-  np.testing.assert_array_equal(v[valid], x[i[valid]])
-  np.testing.assert_array_equal(i[~valid], 0)  # padding: index 0, value 0
-  np.testing.assert_array_equal(i, big[:k])  # all pass: lowest k indices
-  np.testing.assert_array_equal(v, 10.0)
-  # A threshold of 0 lets everything through: the first k indices are kept.
-  z = jnp.zeros(n).at[7].set(1.0)
-  _, iz = topk.sampled_topk(z, k, key, sample_ratio=0.01, implementation="xla")
-  np.testing.assert_array_equal(iz, np.arange(k))
-  with pytest.raises(ValueError, match="sample_ratio"):
-    topk.sampled_topk(x, k, key, sample_ratio=0.0)
-
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -339,3 +194,156 @@ def test_topk_edge_cases_match_the_reference_set(case, k):
   _, want = topk.topk_reference(x, k)
   for got in (topk.topk_threshold_xla(x, k)[1], topk.topk_exact_small(x, k)[1]):
     np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(want)))
+
+
+class TestKernelsCompiled:
+  """The Pallas kernels against their references, compiled (Mosaic GPU):
+  skipped off an NVIDIA GPU, where :class:`TestKernelsInterpret` runs the
+  same cases in interpret mode."""
+
+  INTERPRET = False
+
+  def setup_method(self):
+    if not self.INTERPRET and not _select.nvidia_gpu():
+      pytest.skip("the Pallas kernels compile only on an NVIDIA GPU backend")
+
+  @pytest.mark.parametrize("n,dtype", list(itertools.product((1000, 3001, 2304),
+                                                            DTYPES)))
+  def test_sign_pack_matches_reference(self, n, dtype):
+    x = _normal(n, dtype, seed=n)
+    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    assert words.shape == (bitpack.packed_words(n, 1),)
+    np.testing.assert_array_equal(words, ref_words)
+    np.testing.assert_array_equal(
+        words, bitpack.pack_bits_reference((x < 0).astype(jnp.uint32), 1))
+    np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
+    decoded = quantize.sign_unpack_reference(words, scale, n)
+    np.testing.assert_array_equal(decoded < 0, x < 0)
+    np.testing.assert_allclose(jnp.abs(decoded), scale)
+
+  @pytest.mark.parametrize("n,dtype,levels", [
+      (1000, jnp.float32, 1), (3001, jnp.float32, 7), (3001, jnp.bfloat16, 127),
+      (2304, jnp.float32, 15),
+      (2500, jnp.float16, 3), (1000, jnp.float32, 1000)])
+  def test_qsgd_matches_reference(self, n, dtype, levels):
+    x = _normal(n, dtype, seed=n)
+    u = jax.random.uniform(jax.random.key(1), (n,))
+    words, norms = quantize.qsgd_quantize(
+        x, u, levels=levels, bucket_size=128, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_norms = quantize.qsgd_quantize_reference(
+        x, u, levels=levels, bucket_size=128)
+    bits = quantize.qsgd_bits(levels)
+    assert words.shape == (bitpack.packed_words(n, bits),)
+    np.testing.assert_array_equal(words, ref_words)
+    # Norms are XLA reductions in two programs: on GPU their summation order
+    # (so the last bit) may differ.
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
+    # Decoding is within one level of the input.
+    y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
+                                           bucket_size=128)
+    err = jnp.abs(y - x.astype(jnp.float32))
+    bound = jnp.repeat(norms, 128)[:n] / levels
+    assert bool(jnp.all(err <= bound * (1 + 1e-5)))
+    assert bool(jnp.all((y == 0) | (jnp.sign(y) == jnp.sign(x.astype(jnp.float32)))))
+
+  def test_qsgd_uint32_bits_and_zero_bucket(self):
+    n = 700
+    x = _normal(n, jnp.float32).at[:256].set(0.0)  # two all-zero buckets
+    bits = jax.random.bits(jax.random.key(3), (n,), jnp.uint32)
+    got = quantize.qsgd_quantize(x, bits, levels=15, bucket_size=128,
+                                 config=QCFG, interpret=self.INTERPRET)
+    ref = quantize.qsgd_quantize_reference(x, bits, levels=15, bucket_size=128)
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1][:2], 0.0)
+    codes = bitpack.unpack_bits_reference(got[0], 8, n)
+    np.testing.assert_array_equal(codes[:256], 0)
+
+  @pytest.mark.parametrize("n,dtype,stochastic", [
+      (1000, jnp.float32, False), (3001, jnp.bfloat16, False),
+      (4352, jnp.float32, False),
+      (3001, jnp.float16, True), (2500, jnp.float32, True)])
+  def test_int8_block_matches_reference(self, n, dtype, stochastic):
+    x = _normal(n, dtype, seed=n).at[:64].set(0)  # first block all zero
+    u = jax.random.uniform(jax.random.key(2), (n,)) if stochastic else None
+    q, scales = quantize.int8_block_quantize(
+        x, block_size=64, stochastic_uniform=u, config=QCFG,
+        interpret=self.INTERPRET)
+    ref_q, ref_scales = quantize.int8_block_quantize_reference(
+        x, block_size=64, stochastic_uniform=u)
+    assert q.dtype == jnp.int8 and q.shape == (-(-n // 64) * 64,)
+    np.testing.assert_array_equal(q, ref_q)
+    np.testing.assert_array_equal(scales, ref_scales)
+    assert scales[0] == 0 and bool(jnp.all(q[:64] == 0))
+    y = quantize.int8_block_dequantize_reference(q, scales, block_size=64, n=n)
+    step = jnp.repeat(scales, 64)[:n]
+    limit = step * (1.0 if stochastic else 0.5) * (1 + 1e-5)
+    assert bool(jnp.all(jnp.abs(y - x.astype(jnp.float32)) <= limit))
+
+  def test_int8_round_half_to_even(self):
+    x = jnp.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26)
+    q, scales = quantize.int8_block_quantize(x, block_size=32, config=QCFG,
+                                             interpret=self.INTERPRET)
+    assert scales[0] == 1.0
+    np.testing.assert_array_equal(q[:6], [127, 0, 2, 2, 0, -2])
+
+  @pytest.mark.parametrize("n,dtype,k", [
+      (3001, jnp.float32, 30), (2049, jnp.bfloat16, 1), (1000, jnp.float16, 1000),
+      (2304, jnp.float32, 20)])
+  def test_topk_pallas_matches_reference_set(self, n, dtype, k):
+    x = _normal(n, dtype, seed=n)
+    _, ref_i = topk.topk_reference(x, k)
+    v, i = topk.topk(x, k, config=TCFG, interpret=self.INTERPRET)
+    assert _set(i) == _set(ref_i)
+    assert bool(jnp.all(jnp.diff(i) > 0))
+    np.testing.assert_array_equal(v, x[i])
+
+  def test_topk_pallas_ties_take_lowest_indices(self):
+    x = jnp.zeros(3001).at[jnp.arange(5, 3001, 100)].set(-2.0)  # 30 ties
+    k = 45  # 30 nonzero ties at -2.0, then 15 of the tied zeros
+    _, i = topk.topk(x, k, config=TCFG, interpret=self.INTERPRET)
+    _, ref_i = topk.topk_reference(x, k)
+    assert _set(i) == _set(ref_i)
+    assert set(range(15)) <= _set(i)
+
+  @pytest.mark.parametrize("radix_bits", [5, 3])
+  def test_radix_select_is_kth_largest_key(self, radix_bits):
+    x = _normal(3001, jnp.float32, seed=11)
+    rows, _ = _select.to_rows(x, 64, interpret=self.INTERPRET)
+    k = jnp.int32(77)
+    t = jax.jit(lambda r: topk.radix_select(r, 77, block_rows=64,
+                                            radix_bits=radix_bits,
+                                            interpret=self.INTERPRET))(rows)
+    assert int(t) == int(jnp.sort(topk.abs_key(x))[-k])
+
+  def test_sampled_topk(self):
+    n, k = 3001, 30
+    x = _normal(n, jnp.float32, seed=5) * 0.01
+    big = jnp.arange(3, n, 10)  # 300 equal winners: the sample finds them
+    x = x.at[big].set(10.0)
+    key = jax.random.key(0)
+    v, i = topk.sampled_topk(x, k, key, sample_ratio=0.1, implementation="xla")
+    vp, ip = topk.sampled_topk(x, k, key, sample_ratio=0.1,
+                               implementation="pallas", config=TCFG,
+                               interpret=self.INTERPRET)
+    np.testing.assert_array_equal(i, ip)
+    np.testing.assert_array_equal(v, vp)
+    assert i.shape == (k,) and i.dtype == jnp.int32
+    valid = v != 0
+    assert bool(jnp.all(jnp.diff(i[valid]) > 0))
+    np.testing.assert_array_equal(v[valid], x[i[valid]])
+    np.testing.assert_array_equal(i[~valid], 0)  # padding: index 0, value 0
+    np.testing.assert_array_equal(i, big[:k])  # all pass: lowest k indices
+    np.testing.assert_array_equal(v, 10.0)
+    # A threshold of 0 lets everything through: the first k indices are kept.
+    z = jnp.zeros(n).at[7].set(1.0)
+    _, iz = topk.sampled_topk(z, k, key, sample_ratio=0.01, implementation="xla")
+    np.testing.assert_array_equal(iz, np.arange(k))
+    with pytest.raises(ValueError, match="sample_ratio"):
+      topk.sampled_topk(x, k, key, sample_ratio=0.0)
+
+
+class TestKernelsInterpret(TestKernelsCompiled):
+  """The same cases in interpret mode (``interpret=True``), on any backend."""
+
+  INTERPRET = True
