@@ -36,5 +36,6 @@ from jaxcomp.transform import CompressedMeanState
 from jaxcomp.transform import CompressionStats
 from jaxcomp.transform import compressed_mean
 from jaxcomp.transform import get_stats
+from jaxcomp.transform import transform_configs
 
 __version__ = "0.1.0"

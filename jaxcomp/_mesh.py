@@ -226,5 +226,6 @@ def varying_after(fn, args, in_axes, mesh) -> list:
   body = jax.shard_map(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
   closed = jax.make_jaxpr(body)(*flat)
-  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
-  return _flow(eqn.params["jaxpr"], list(in_axes))
+  # Flow through the outer program, so that the shard_map's inputs line up
+  # with ``args`` (constants it closes over become extra inputs of its body).
+  return _flow(closed.jaxpr, list(in_axes))

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcomp.distributed import _path_str
 from jaxcomp.transform import CompressionStats
+from jaxcomp.transform import transform_configs
 
 # 2: leaves carry a "stats" flag (statistics are found by type).
 CHECKPOINT_FORMAT = 2
@@ -62,13 +63,32 @@ def _mesh_of(tree) -> Mesh | None:
   return None
 
 
+def _flat(prefix: str, value) -> dict[str, Any]:
+  if isinstance(value, dict):
+    out = {}
+    for k, v in value.items():
+      out.update(_flat(f"{prefix}.{k}" if prefix else str(k), v))
+    return out
+  return {prefix: value}
+
+
+def compression_config(tree) -> dict[str, Any]:
+  """The configuration of every ``compressed_mean`` in ``tree``, flattened
+  to ``{"<path>: compressor.ratio": 0.01, ...}`` (from
+  :func:`jaxcomp.transform_configs`)."""
+  out = {}
+  for path, config in transform_configs(tree).items():
+    out.update({f"{path}: {k}": v for k, v in _flat("", config).items()})
+  return out
+
+
 def describe(tree, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The metadata saved next to a checkpoint of ``tree``.
 
   Returns:
-    A JSON-serialisable dict: ``format``, ``config`` (the caller's
-    description of the compression: compressor name and hyperparameters,
-    bucketing, ...), ``process_count``, ``device_count``, ``mesh``
+    A JSON-serialisable dict: ``format``, ``config`` (every
+    ``compressed_mean``'s own configuration, read from the state by
+    :func:`compression_config`, plus whatever the caller adds), ``process_count``, ``device_count``, ``mesh``
     (``{axis: size}``), and ``leaves``: per leaf its tree ``path``, ``shape``,
     ``dtype`` and partition ``spec`` (``P()`` for replicated leaves,
     ``P(axes)`` for per-device ones such as error-feedback residuals).
@@ -82,7 +102,8 @@ def describe(tree, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
                    "stats": _path_str(path) in stats})
   return {
       "format": CHECKPOINT_FORMAT,
-      "config": json.loads(json.dumps(dict(config or {}))),
+      "config": json.loads(json.dumps({**compression_config(tree),
+                                       **dict(config or {})})),
       "process_count": jax.process_count(),
       "device_count": int(mesh.devices.size) if mesh is not None else
                       jax.device_count(),
@@ -177,15 +198,17 @@ class Checkpointer:
 
   Args:
     directory: checkpoint root; created if absent.
-    config: JSON-serialisable description of the compression (e.g.
-      ``{"compressor": "topk", "ratio": 0.01, "error_feedback": True,
-      "bucketing": "layerwise"}``); a checkpoint is only restored into a run
-      with an equal ``config``.
+    config: anything else that must match on restore, JSON-serialisable
+      (e.g. ``{"hidden": 256}``). The compression configuration needs no
+      writing: every ``compressed_mean`` in the saved state records its own
+      (compressor, hyperparameters, collective, error feedback, bucketing,
+      seed; :func:`compression_config`), and a restore into a transform
+      configured otherwise is refused, naming the hyperparameter.
     max_to_keep: keep only the newest checkpoints (None: keep all).
 
   Example::
 
-    ckpt = jaxcomp.checkpoint.Checkpointer("/ckpt", config=config)
+    ckpt = jaxcomp.checkpoint.Checkpointer("/ckpt")
     ckpt.save(step, {"params": params, "opt_state": opt_state})
     step, state = ckpt.restore({"params": params, "opt_state": opt_state})
   """

@@ -16,12 +16,16 @@ Leaves below ``min_compress_size`` skip all of it and go through one exact
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
 
 from jaxcomp import _mesh
@@ -73,6 +77,8 @@ class CompressionStats(NamedTuple):
 class CompressedMeanState(NamedTuple):
   """State of :func:`compressed_mean`."""
 
+  config: jax.Array  # shape=(2,), uint32, digest of the transform's
+  #                    configuration (:func:`transform_configs` reads it)
   count: jax.Array  # shape=(), int32, steps taken (skipped ones included)
   key: jax.Array  # shape=(2,), uint32, raw PRNG key shared by all devices
   feedback: tuple  # per bucket: the feedback state (the residual: one float32
@@ -81,6 +87,61 @@ class CompressedMeanState(NamedTuple):
   exchange_state: tuple  # per bucket: the collective's state (e.g. PowerSGD's
   #                        Q or a second-phase residual), or ()
   stats: CompressionStats
+
+
+# digest -> configuration of every compressed_mean built in this process.
+_CONFIGS: dict[tuple[int, int], dict] = {}
+
+
+def _describe(value):
+  """A JSON-able description of a configuration value (a scheduled, traced
+  hyperparameter is ``"scheduled"``)."""
+  if isinstance(value, jax.core.Tracer):
+    return "scheduled"
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {"name": getattr(value, "name", type(value).__name__),
+            **{f.name: _describe(getattr(value, f.name))
+               for f in dataclasses.fields(value) if f.init}}
+  if isinstance(value, (list, tuple)):
+    return [_describe(v) for v in value]
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
+    return np.asarray(value).item()
+  return repr(value)
+
+
+def _config_digest(config: dict) -> tuple[int, int]:
+  h = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).digest()
+  return (int.from_bytes(h[:4], "little"), int.from_bytes(h[4:8], "little"))
+
+
+def transform_configs(state) -> dict[str, dict]:
+  """The configuration of every :func:`compressed_mean` in an optimizer
+  state, by its path in the state: the compressor and its
+  hyperparameters, collective, error feedback, bucketing, nonfinite policy,
+  seed and axis names (what :class:`jaxcomp.checkpoint.Checkpointer` saves
+  and compares on restore).
+
+  Raises:
+    ValueError: a state of a transform built in another process (its
+      configuration is known only where it was built).
+  """
+  found = {}
+
+  def visit(path, x):
+    if isinstance(x, CompressedMeanState):
+      digest = np.asarray(jax.device_get(x.config)).reshape(-1, 2)[0]
+      key = (int(digest[0]), int(digest[1]))
+      if key not in _CONFIGS:
+        raise ValueError(
+            f"state{jax.tree_util.keystr(path)} was made by a compressed_mean "
+            "this process did not build; build the transform first")
+      found[jax.tree_util.keystr(path)] = _CONFIGS[key]
+
+  jax.tree_util.tree_map_with_path(
+      visit, state, is_leaf=lambda x: isinstance(x, CompressedMeanState))
+  return found
 
 
 def _leaf_flags(tree, mask) -> list[bool]:
@@ -297,6 +358,15 @@ def compressed_mean(
     raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
                              bucket_bytes=bucket_bytes, plan=plan)
+  config = {k: _describe(v) for k, v in {
+      "compressor": comp, "collective": coll, "error_feedback": fb,
+      "axis_name": axis_name, "bucketing": bucketing,
+      "min_compress_size": min_compress_size,
+      "bucket_elements": bucket_elements, "bucket_bytes": bucket_bytes,
+      "plan": plan, "mask": None if mask is None else "given",
+      "nonfinite": nonfinite, "seed": seed}.items()}
+  digest = _config_digest(config)
+  _CONFIGS[digest] = config
 
   def layout(tree, what: str) -> _Layout:
     leaves = jax.tree.leaves(tree)
@@ -351,6 +421,7 @@ def compressed_mean(
     key = jax.random.key(seed)
     init_key = jax.random.fold_in(key, _INIT_STREAM)
     return CompressedMeanState(
+        config=jnp.asarray(digest, jnp.uint32),
         count=jnp.zeros((), jnp.int32),
         key=jax.random.key_data(key),
         feedback=tuple(fb.init(lay.bucket_sizes(b), axis_name)
@@ -445,7 +516,8 @@ def compressed_mean(
         residual_norm=_mesh.to_varying(jnp.sqrt(sq_residual), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(
-        count=state.count + 1, key=state.key, feedback=tuple(new_fb),
+        config=jnp.asarray(digest, jnp.uint32), count=state.count + 1,
+        key=state.key, feedback=tuple(new_fb),
         exchange_state=tuple(new_exchange), stats=stats)
     return jax.tree.unflatten(treedef, mean_leaves), new_state
 

@@ -109,7 +109,10 @@ def test_round_trip_is_bit_exact_and_continues_identically(tmp_path):
     ckpt.save(3, run.state)
     assert ckpt.all_steps() == [3]
     meta = ckpt.metadata()
-    assert meta["config"] == CONFIG and meta["device_count"] == 4
+    assert {k: meta["config"][k] for k in CONFIG} == CONFIG
+    # The transform records its own configuration beside the caller's.
+    assert meta["config"]["['opt_state'][0]: compressor.ratio"] == 0.25
+    assert meta["device_count"] == 4
     assert meta["mesh"] == {"hosts": 1, "devices": 4}
     assert "P(('hosts', 'devices'),)" in {l["spec"] for l in meta["leaves"]}
     other = Run(4, ratio=0.25)  # fresh state: zero residuals, count 0
@@ -141,14 +144,36 @@ def test_other_compressor_config_is_refused_naming_it(tmp_path):
         Run(4, "qsgd", ef=False, levels=4).fresh)
 
 
+def test_changed_hyperparameter_is_refused_without_a_written_config(tmp_path):
+  """The transform records its own configuration: a run whose ratio changed
+  (same state shapes) is refused on restore with no config written by hand,
+  and the message names the hyperparameter."""
+  run = Run(4, ratio=0.25).steps(1)
+  checkpoint.Checkpointer(tmp_path).save(1, run.state)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"\['opt_state'\]\[0\]: compressor\.ratio: 0\.25 in "
+                     r"the checkpoint .*, 0\.5 in this run"):
+    checkpoint.Checkpointer(tmp_path).restore(Run(4, ratio=0.5).fresh)
+  assert jaxcomp.transform_configs(run.opt_state)[
+      "[0]"]["compressor"]["ratio"] == 0.25
+
+
 def test_other_state_structure_is_refused(tmp_path):
   run = Run(4, ratio=0.25).steps(1)
   checkpoint.Checkpointer(tmp_path).save(1, run.state)
-  # Same (empty) config, but no error feedback: the residual leaves are absent.
+  # No caller config at all: the transform's own configuration refuses a
+  # run without error feedback (another compressor too), naming it.
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"error_feedback\.name: 'residual' in the checkpoint"):
+    checkpoint.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
+  # The same transform around another tree: refused as another structure,
+  # naming the leaf only the checkpoint has.
+  target = Run(4, ratio=0.25).fresh
+  target = {**target, "params": {"w1": target["params"]["w1"]}}
   with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"another state structure.*only in the checkpoint: "
-                     r"\[\"\['opt_state'\]\[0\]\.feedback\[0\]\[0\]\""):
-    checkpoint.Checkpointer(tmp_path).restore(Run(4, "qsgd", ef=False).fresh)
+                     r"\[\"\['params'\]\['w2'\]\""):
+    checkpoint.Checkpointer(tmp_path).restore(target)
 
 
 def test_other_shape_is_refused_naming_the_leaf(tmp_path):

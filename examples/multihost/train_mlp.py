@@ -164,8 +164,9 @@ def main(argv=None) -> int:
   ckpt = None
   start = 0
   if args.checkpoint_dir:
-    ckpt = checkpoint.Checkpointer(args.checkpoint_dir, config=config,
-                                    max_to_keep=args.max_to_keep)
+    # The transform records its own configuration in the checkpoint.
+    ckpt = checkpoint.Checkpointer(args.checkpoint_dir,
+                                   max_to_keep=args.max_to_keep)
     if args.resume and ckpt.latest_step() is not None:
       start, state = ckpt.restore({"params": params, "opt_state": opt_state})
       params, opt_state = state["params"], state["opt_state"]
