@@ -72,6 +72,16 @@ def _cluster_detected() -> bool:
   return any(m in os.environ for m in _CLUSTER_MARKERS)
 
 
+def check_address(address: str) -> None:
+  """Raises ValueError unless ``address`` is ``"host:port"`` with a port in
+  1..65535 (the form ``jax.distributed.initialize`` takes)."""
+  host, sep, port = str(address).rpartition(":")
+  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise ValueError(
+        f"coordinator address must be 'host:port' with a port in 1..65535, "
+        f"got {address!r} (from the argument or {ENV_COORDINATOR})")
+
+
 def initialize_from_env(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -125,7 +135,8 @@ def initialize_from_env(
 
   Raises:
     ValueError: an incomplete or inconsistent set of parameters (e.g. a
-      ``process_id`` without ``num_processes``, or out of range).
+      ``process_id`` without ``num_processes``, or out of range), or a
+      coordinator address that is not ``host:port``.
   """
   if jax.distributed.is_initialized():
     return True
@@ -135,10 +146,14 @@ def initialize_from_env(
   if process_id is None:
     process_id = _env_int(ENV_PROCESS_ID)
   if heartbeat_timeout_seconds is None:
-    heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT) or 100
+    heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT)
+    if heartbeat_timeout_seconds is None:
+      heartbeat_timeout_seconds = 100
   if heartbeat_timeout_seconds < 1:
     raise ValueError("heartbeat_timeout_seconds must be >= 1, got "
                      f"{heartbeat_timeout_seconds=}")
+  if address is not None:
+    check_address(address)
   explicit = (address, num_processes, process_id)
   if any(v is not None for v in explicit):
     if any(v is None for v in explicit):

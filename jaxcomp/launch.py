@@ -75,6 +75,21 @@ class JobResult:
   message: str
 
 
+def check_port(port: int, host: str = "127.0.0.1") -> None:
+  """Raises ValueError unless ``port`` is a TCP port number that is free on
+  ``host`` now (process 0's coordinator must bind it)."""
+  if isinstance(port, bool) or not isinstance(port, int) or not (
+      1 <= port <= 65535):
+    raise ValueError(f"port must be in 1..65535, got {port=!r}")
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind((host, port))
+    except OSError as e:
+      raise ValueError(
+          f"port {port} on {host} is in use ({e.strerror}); pick another "
+          "or omit --port for a free one") from None
+
+
 def _describe_code(code: int) -> str:
   if code < 0:
     try:
@@ -178,6 +193,11 @@ def launch(command: Sequence[str], num_processes: int, *,
   if grace < 0 or (timeout is not None and timeout <= 0):
     raise ValueError(f"need grace >= 0 and timeout > 0, got {grace=}, "
                      f"{timeout=}")
+  if heartbeat_timeout is not None and heartbeat_timeout < 1:
+    raise ValueError(f"heartbeat_timeout must be >= 1 second, got "
+                     f"{heartbeat_timeout=} (omit it for JAX's default)")
+  if port is not None:
+    check_port(port)
   out = stdout or sys.stdout
   port = port or free_port()
   base = dict(os.environ)
@@ -312,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, command = argv, []
   p = argparse.ArgumentParser(
       prog="python -m jaxcomp.launch", description=__doc__,
+      usage="%(prog)s -n N [options] -- command [args ...]",
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-n", "--num-processes", type=int, required=True)
   p.add_argument("--devices-per-process", type=int, default=None,

@@ -193,6 +193,10 @@ def test_launcher_timeout_and_success():
     (dict(num_processes=0), "num_processes"),
     (dict(devices_per_process=0), "devices_per_process"),
     (dict(grace=-1), "grace"),
+    (dict(port=70000), r"port must be in 1\.\.65535"),
+    (dict(port=0), r"port must be in 1\.\.65535"),
+    (dict(heartbeat_timeout=0), "heartbeat_timeout must be >= 1"),
+    (dict(heartbeat_timeout=-5), "heartbeat_timeout must be >= 1"),
 ])
 def test_launcher_bad_input(kw, match):
   kw = {"num_processes": 2, **kw}
@@ -200,6 +204,29 @@ def test_launcher_bad_input(kw, match):
     launch.launch(["true"], kw.pop("num_processes"), **kw)
   with pytest.raises(ValueError, match="command is empty"):
     launch.launch([], 2)
+
+
+def test_launcher_refuses_a_port_in_use_and_shows_the_separator():
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    busy = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"port {busy} on 127.0.0.1 is in use"):
+      launch.launch(["true"], 2, port=busy)
+  r = subprocess.run([sys.executable, "-m", "jaxcomp.launch", "--help"],
+                     capture_output=True, text=True, timeout=60,
+                     env=_clean_env())
+  assert "-- command" in r.stdout.splitlines()[0], r.stdout
+
+
+@pytest.mark.parametrize("address", ["nohost", "host:", ":1234",
+                                     "host:70000", "host:port"])
+def test_malformed_coordinator_address_is_refused(address, monkeypatch):
+  from jaxcomp import distributed
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, address)
+  with pytest.raises(ValueError, match="host:port"):
+    distributed.initialize_from_env(num_processes=2, process_id=0)
 
 
 def test_launcher_missing_program_fails_before_starting_any_process():
