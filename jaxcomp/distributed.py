@@ -51,6 +51,12 @@ class ConsistencyError(RuntimeError):
   identical everywhere (parameters, shared compressor state)."""
 
 
+class AgreementError(ConsistencyError):
+  """The processes of a job were started with different configurations (a
+  transform hyperparameter, a state shape, the mesh): found before the first
+  exchange, instead of a collective that aborts or silently diverges."""
+
+
 # ---------------------------------------------------------------------------
 # Start-up
 
@@ -251,7 +257,64 @@ def global_array(tree, mesh: Mesh, spec: P = P(), *,
 
 
 # ---------------------------------------------------------------------------
-# Consistency check
+# Agreement and consistency checks
+
+_AGREEMENT_SLOTS = 256  # items compared one by one; the rest as one digest
+
+
+def check_agreement(items, *, what: str = "configuration") -> int:
+  """Checks that every process has the same ``items``, with one small
+  all-gather (``(_AGREEMENT_SLOTS + 1) x 16`` bytes per process).
+
+  Every process must call it with a list of the same length and order
+  (``(name, value)`` pairs, value a string); a process with another length
+  is a difference too.
+
+  Returns:
+    The number of items compared.
+
+  Raises:
+    AgreementError: on every process, naming the first item whose value
+      differs, this process's value, and which processes differ from it.
+  """
+  items = [(str(k), str(v)) for k, v in items]
+  slots = np.zeros((_AGREEMENT_SLOTS + 1, 4), np.uint32)
+  slots[0, 0] = len(items)
+  rest = hashlib.blake2b(digest_size=16)
+  for i, (k, v) in enumerate(items):
+    h = np.frombuffer(hashlib.blake2b(f"{k}={v}".encode(), digest_size=16)
+                      .digest(), np.uint32)
+    if i < _AGREEMENT_SLOTS:
+      slots[1 + i] = h
+    else:
+      rest.update(h.tobytes())
+  if len(items) > _AGREEMENT_SLOTS:
+    slots[_AGREEMENT_SLOTS] = np.frombuffer(rest.digest(), np.uint32)
+  if jax.process_count() == 1:
+    return len(items)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  every = np.asarray(multihost_utils.process_allgather(slots))
+  me = jax.process_index()
+  for row in range(slots.shape[0]):
+    differ = [p for p in range(every.shape[0])
+              if not np.array_equal(every[p, row], every[me, row])]
+    if not differ:
+      continue
+    if row == 0:
+      raise AgreementError(
+          f"process {me} has {len(items)} {what} items, processes {differ} "
+          "another number: the processes were started with different "
+          "models or transforms; start every process with the same "
+          "configuration")
+    name, value = (items[row - 1] if row <= min(len(items), _AGREEMENT_SLOTS)
+                   else ("the items after the first "
+                         f"{_AGREEMENT_SLOTS}", "..."))
+    raise AgreementError(
+        f"the processes disagree on their {what}: {name} is {value} on "
+        f"process {me} but differs on processes {differ}. Start every "
+        "process with the same configuration (a difference here would "
+        "otherwise crash a collective or let the processes diverge)")
+  return len(items)
 
 
 def _path_str(path) -> str:

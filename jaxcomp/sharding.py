@@ -185,8 +185,14 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
     ``P(axes)``, and the pytree of partition specs to pass to
     :func:`shard_train_step` (or to ``jax.shard_map`` yourself).
 
+  In a multi-process job every process then compares its transforms'
+  configurations, parameter and state shapes and mesh with the others (one
+  small all-gather): a process started with another hyperparameter, model
+  or mesh fails here, naming the difference, before any exchange.
+
   Raises:
     ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
+    jaxcomp.distributed.AgreementError: processes disagree (see above).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -216,7 +222,28 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
 
   state = jax.jit(jax.shard_map(init_global, mesh=mesh, in_specs=P(),
                                 out_specs=specs))(params)
+  if jax.process_count() > 1:
+    _check_processes_agree(state, params, mesh, axis_name)
   return state, specs
+
+
+def _check_processes_agree(state, params, mesh, axis_name) -> None:
+  """Every process of a multi-process job compares its transforms'
+  configurations, its parameter and state shapes and its mesh with the
+  others before the first exchange (one small all-gather), so that a
+  process started differently fails with a message at once instead of
+  aborting a collective or diverging."""
+  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
+  from jaxcomp.transform import transform_configs  # pylint: disable=g-import-not-at-top
+  items = [("mesh", dict(mesh.shape)), ("axis_name", axis_name)]
+  for path, config in transform_configs(state).items():
+    items += [(f"the transform at state{path}: {k}", v)
+              for k, v in sorted(config.items())]
+  for name, tree in (("params", params), ("state", state)):
+    items += [(f"{name}{jax.tree_util.keystr(p)}",
+               f"{jnp.result_type(x)}{list(jnp.shape(x))}")
+              for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  distributed.check_agreement(items, what="configuration")
 
 
 def shard_train_step(step_fn: Callable, *, mesh, state_specs,

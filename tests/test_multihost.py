@@ -385,3 +385,49 @@ def test_children_die_when_the_launcher_is_killed(tmp_path):
     for pid in children:
       if not _dead(pid):
         os.kill(pid, signal.SIGKILL)
+
+
+_AGREE = r"""
+import os, sys
+from jaxcomp import distributed
+distributed.initialize_from_env()
+import jax, jax.numpy as jnp, optax
+import jaxcomp
+pid = int(os.environ["JAXCOMP_PROCESS_ID"])
+case = sys.argv[1]
+ratio = 0.2 if case == "ratio" and pid == 1 else 0.1
+hidden = 16 if case == "hidden" and pid == 1 else 8
+mesh = distributed.global_mesh(("hosts", "devices"))
+params = distributed.global_array({"w": jnp.zeros((6, hidden))}, mesh)
+tx = optax.chain(jaxcomp.compressed_mean("topk", ("hosts", "devices"),
+                                         ratio=ratio), optax.sgd(0.1))
+try:
+  jaxcomp.init_sharded(tx, params, mesh, ("hosts", "devices"))
+except distributed.AgreementError as e:
+  print("AGREEMENT", e, flush=True)
+  sys.exit(3)
+print("agreed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case,names", [
+    ("same", None),
+    ("ratio", r"compressor.*'ratio': 0\.[12]"),
+    ("hidden", r"params\['w'\] is float32\[6, (8|16)\]"),
+])
+def test_processes_started_differently_fail_at_init_naming_it(case, names):
+  """Processes started with another hyperparameter or model shape fail in
+  init_sharded, on every process, within seconds and naming the difference,
+  instead of aborting a collective or diverging."""
+  import re
+  out = _Out()
+  res = launch.launch([sys.executable, "-c", _AGREE, case], 2,
+                      devices_per_process=2, env=_clean_env(), stdout=out,
+                      timeout=120)
+  if names is None:
+    assert res.returncode == 0 and out.text.count("agreed") == 2, out.text
+    return
+  lines = [l for l in out.text.splitlines() if "AGREEMENT" in l]
+  assert len(lines) == 2, out.text  # both processes say it
+  assert all(re.search(names, l) for l in lines), lines
+  assert set(res.returncodes) == {3} and res.seconds < 60, res
