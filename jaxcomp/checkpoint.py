@@ -18,8 +18,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcomp.distributed import _path_str
+from jaxcomp.combinators import MultiStepsState
+from jaxcomp.transform import CompressedMeanState
 from jaxcomp.transform import CompressionStats
 from jaxcomp.transform import transform_configs
+
+# How the exchange state of each collective moves to another mesh (see
+# topology_rules); collectives not named here have no sound rule.
+_EXCHANGE_RULES = {"two_phase": "rechunk", "auto": "rechunk", "zen": "average"}
 
 # 2: leaves carry a "stats" flag (statistics are found by type).
 CHECKPOINT_FORMAT = 2
@@ -80,6 +86,50 @@ def compression_config(tree) -> dict[str, Any]:
   for path, config in transform_configs(tree).items():
     out.update({f"{path}: {k}": v for k, v in _flat("", config).items()})
   return out
+
+
+def topology_rules(tree) -> dict[str, str]:
+  """How each per-device leaf jaxcomp knows is restored onto another mesh,
+  by its path in ``tree``.
+
+  * ``"average"``: every new device gets the mean over the saved devices.
+    Error-feedback state (residuals, EF21's estimates, DGC's momentum and
+    accumulation), Zen's overflow, the gradient accumulator of
+    :func:`jaxcomp.multi_steps` and the statistics: what the mean update will
+    still receive from them, ``mean_i(e_i)``, is preserved, not how it was
+    split between devices.
+  * ``"rechunk"``: the two-phase all-reduce's second-phase residuals, where
+    device ``j`` holds the correction of chunk ``j`` of the bucket: the saved
+    rows are joined into the bucket's whole correction and cut into the new
+    device count's chunks, so the total pending correction is preserved
+    exactly.
+  * ``"refuse: <why>"``: no sound rule (the hierarchical collective's
+    per-group state); a restore onto another mesh is refused naming it.
+
+  Per-device leaves not listed have no rule either.
+  """
+  rules = {}
+
+  def visit(path, x):
+    base = _path_str(path) if path else ""
+    if isinstance(x, CompressedMeanState):
+      (config,) = transform_configs(x).values()
+      coll = config["collective"]["name"]
+      exchange = _EXCHANGE_RULES.get(
+          coll, f"refuse: the {coll!r} collective's per-device state has no "
+          "sound rule for another mesh")
+      for sub, _ in jax.tree_util.tree_flatten_with_path(x)[0]:
+        field = sub[0].name
+        rules[base + jax.tree_util.keystr(sub)] = (
+            exchange if field == "exchange_state" else "average")
+    elif isinstance(x, MultiStepsState):
+      for sub, _ in jax.tree_util.tree_flatten_with_path(x.acc_grads)[0]:
+        rules[base + ".acc_grads" + jax.tree_util.keystr(sub)] = "average"
+
+  jax.tree_util.tree_map_with_path(
+      visit, tree,
+      is_leaf=lambda x: isinstance(x, (CompressedMeanState, MultiStepsState)))
+  return rules
 
 
 def describe(tree, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -151,9 +201,10 @@ def validate(saved: Mapping[str, Any], current: Mapping[str, Any],
         f"{current['device_count']} devices (mesh {current['mesh']}). "
         "Error-feedback residuals belong to the device that accumulated "
         "them and are not resharded silently: restore onto the same "
-        "topology, or pass on_topology_change='average' to give every new "
-        "device the mean residual (the pending update is preserved, the "
-        "per-device split is not)")
+        "topology, or pass on_topology_change='redistribute' to move each "
+        "per-device leaf by its rule (residuals averaged: the pending update "
+        "is preserved, the per-device split is not; two-phase residuals "
+        "re-chunked exactly)")
   sp = [l["path"] for l in saved["leaves"]]
   cp = [l["path"] for l in current["leaves"]]
   if sp != cp:
@@ -299,14 +350,15 @@ class Checkpointer:
         shardings say where each restored leaf goes.
       step: the step to restore; default the newest.
       on_topology_change: what to do when the checkpoint holds per-device
-        state (error-feedback residuals) for another number of devices or
-        another mesh shape: ``"refuse"`` (default) raises
-        :class:`CheckpointMismatchError`; ``"average"`` gives every device of
-        this run the mean of the saved residuals (float32), which preserves
-        the pending averaged update ``mean_i(e_i)`` that error feedback will
-        still send, but not how it was split between devices, so the run
-        does not continue bit-exactly. Replicated leaves are restored
-        exactly in both cases.
+        state for another number of devices or another mesh shape:
+        ``"refuse"`` (default) raises :class:`CheckpointMismatchError`;
+        ``"redistribute"`` (``"average"``, its former name, is the same)
+        moves every per-device leaf by its rule (:func:`topology_rules`):
+        error-feedback residuals averaged (the pending mean update kept, its
+        split between devices not, so the run does not continue
+        bit-exactly), two-phase residuals re-chunked (the total pending
+        correction kept exactly), and a leaf with no sound rule refused by
+        name. Replicated leaves are restored exactly in every case.
 
     Returns:
       ``(step, state)``: bit-exact copies of the saved arrays, placed with
@@ -319,9 +371,9 @@ class Checkpointer:
         message names what differs.
       ValueError: an unknown ``on_topology_change``.
     """
-    if on_topology_change not in ("refuse", "average"):
-      raise ValueError("on_topology_change must be 'refuse' or 'average', "
-                       f"got {on_topology_change=}")
+    if on_topology_change not in ("refuse", "redistribute", "average"):
+      raise ValueError("on_topology_change must be 'refuse' or "
+                       f"'redistribute', got {on_topology_change=}")
     step = self._resolve(step)
     saved = self.metadata(step)
     current = describe(target, self.config)
@@ -330,11 +382,23 @@ class Checkpointer:
     topology_changed = bool(per_device) and (
         saved.get("device_count") != current["device_count"] or
         saved.get("mesh") != current["mesh"])
+    rules = {}
     if topology_changed:
-      # Per-device rows may differ in number; everything else must match.
+      if on_topology_change != "refuse":
+        rules = topology_rules(target)
+        for path in sorted(per_device):
+          rule = rules.get(path, "refuse: jaxcomp knows no rule for it")
+          if rule.startswith("refuse"):
+            raise CheckpointMismatchError(
+                f"{where} holds per-device state {path} for mesh "
+                f"{saved['mesh']}, and it cannot move to mesh "
+                f"{current['mesh']} ({rule.split(': ', 1)[1]}); restore "
+                "onto the saved topology or start a fresh run")
+      # Per-device rows may differ in number (and two-phase chunks in
+      # length); everything else must match.
       checked = {**current, "leaves": _with_shapes(
-          current["leaves"], saved["leaves"], per_device)}
-      if on_topology_change == "average":
+          current["leaves"], saved["leaves"], per_device, rules)}
+      if on_topology_change != "refuse":
         checked.update(device_count=saved["device_count"], mesh=saved["mesh"])
       validate(saved, checked, where)
     else:
@@ -357,7 +421,9 @@ class Checkpointer:
     for i, x in enumerate(leaves):
       value = out[f"{i:05d}"]
       if topology_changed and paths[i] in per_device:
-        value = _average_rows(value, x)
+        move = (_rechunk_rows if rules.get(paths[i]) == "rechunk"
+                else _average_rows)  # statistics: rewritten next step
+        value = move(value, x)
       restored.append(value)
     return step, jax.tree.unflatten(treedef, restored)
 
@@ -371,22 +437,41 @@ class Checkpointer:
     self.close()
 
 
-def _with_shapes(current_leaves, saved_leaves, per_device):
+def _with_shapes(current_leaves, saved_leaves, per_device, rules):
   """``current_leaves`` with the saved shapes of the per-device leaves (whose
-  leading device axis may differ), for validating everything else."""
+  leading device axis may differ, and a re-chunked leaf's chunk length),
+  for validating everything else."""
   out = []
   for c, s in zip(current_leaves, saved_leaves):
+    rechunk = rules.get(c["path"]) == "rechunk" and len(c["shape"]) == 2
     if c["path"] in per_device and c["path"] == s["path"] and (
-        c["shape"][1:] == s["shape"][1:]):
+        rechunk or c["shape"][1:] == s["shape"][1:]):
       c = {**c, "shape": s["shape"]}
     out.append(c)
   return out
+
+
+def _place(full: np.ndarray, like) -> jax.Array:
+  return jax.make_array_from_callback(like.shape, like.sharding,
+                                      lambda i: np.ascontiguousarray(full[i]))
 
 
 def _average_rows(value: jax.Array, like) -> jax.Array:
   """Mean over the saved leading device axis, repeated for ``like``'s."""
   host = np.asarray(value.addressable_shards[0].data)
   mean = np.mean(host.astype(np.float64), axis=0).astype(host.dtype)
-  full = np.broadcast_to(mean, like.shape)
-  return jax.make_array_from_callback(like.shape, like.sharding,
-                                      lambda i: np.ascontiguousarray(full[i]))
+  return _place(np.broadcast_to(mean, like.shape), like)
+
+
+def _rechunk_rows(value: jax.Array, like) -> jax.Array:
+  """The saved chunks (row ``j`` = chunk ``j``) joined into one buffer and
+  cut into ``like``'s rows: the whole correction moves, entry for entry."""
+  whole = np.asarray(value.addressable_shards[0].data).reshape(-1)
+  size = int(np.prod(like.shape))
+  if np.any(whole[size:]):
+    raise CheckpointMismatchError(
+        f"two-phase residual of {whole.size} entries does not fit "
+        f"{like.shape} without losing its nonzero tail")
+  full = np.zeros(size, whole.dtype)
+  full[:min(size, whole.size)] = whole[:size]
+  return _place(full.reshape(like.shape), like)

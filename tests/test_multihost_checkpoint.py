@@ -374,3 +374,92 @@ def test_initialize_resolution_order(recorded_initialize, monkeypatch):
   assert distributed.initialize_from_env(auto_detect=False,
                                          cpu_collectives=None) is False
   assert len(calls) == n
+
+
+def _grid_run(shape, compressor, collective=None, steps=2, **kw):
+  """compressed_mean on a ("hosts", "devices") mesh of ``shape``: the state
+  after ``steps`` steps (or the fresh one), and its specs."""
+  h, d = shape
+  if jax.device_count() < h * d:
+    pytest.skip(f"needs {h * d} devices")
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = Mesh(np.asarray(jax.devices()[:h * d], dtype=object).reshape(h, d),
+              AXES, axis_types=(explicit, explicit))
+  rng = np.random.default_rng(0)
+  params = distributed.global_array(
+      {"w1": rng.standard_normal((6, 40)).astype(np.float32),
+       "w2": rng.standard_normal((40, 1)).astype(np.float32)}, mesh)
+  tx = optax.chain(jaxcomp.compressed_mean(compressor, AXES,
+                                           collective=collective, **kw),
+                   optax.sgd(1e-2))
+  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, AXES)
+  step = jaxcomp.make_train_step(lambda p, b: _loss(p, *b), tx, mesh=mesh,
+                                 state_specs=specs, axis_name=AXES,
+                                 donate=False)
+  for t in range(steps):
+    r = np.random.default_rng(t)
+    batch = (r.standard_normal((8 * h * d, 6)).astype(np.float32),
+             r.standard_normal((8 * h * d, 1)).astype(np.float32))
+    params, opt_state, _ = step(params, opt_state,
+                                distributed.global_array(batch, mesh, P(AXES)))
+  return {"params": params, "opt_state": opt_state}
+
+
+def _pending(state):
+  """What every per-device leaf still owes the mean update, by its rule:
+  the mean over the devices of an averaged leaf (residuals, Zen's
+  overflow), the correction joined over the devices of a re-chunked one."""
+  rules = checkpoint.topology_rules(state)
+  mean, joined = [], []
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    rule = rules.get(jax.tree_util.keystr(path))
+    if rule is None or ".stats" in jax.tree_util.keystr(path) or np.ndim(x) < 2:
+      continue
+    if rule == "rechunk":
+      joined.append(np.asarray(x).reshape(-1))
+    else:
+      mean.append(np.asarray(x).mean(0))
+  return mean, joined
+
+
+@pytest.mark.parametrize("compressor,collective,kw", [
+    ("topk", None, {"ratio": 0.25}),  # residuals: averaged
+    ("qsgd", "two_phase", {}),  # second-phase residuals: re-chunked
+    ("int8_block", "two_phase", {"block_size": 32}),
+    ("fp8_block", "two_phase", {"block_size": 32}),
+    ("topk", "zen", {"ratio": 0.25}),  # overflow: averaged
+    ("powersgd", None, {"rank": 1, "min_compression_rate": 0.1}),
+])
+@pytest.mark.parametrize("new_shape", [(1, 4), (1, 2), (2, 4)])
+def test_topology_change_keeps_the_pending_correction(
+    tmp_path, compressor, collective, kw, new_shape):
+  """From a 2x2 mesh onto 1x4, 1x2 and 2x4: every per-device leaf moves by
+  its rule; the mean pending residual and the two-phase correction are
+  kept; replicated leaves exactly."""
+  saved = _grid_run((2, 2), compressor, collective, **kw)
+  checkpoint.Checkpointer(tmp_path).save(2, saved)
+  target = _grid_run(new_shape, compressor, collective, steps=0, **kw)
+  _, got = checkpoint.Checkpointer(tmp_path).restore(
+      target, on_topology_change="redistribute")
+  (m_old, j_old), (m_new, j_new) = _pending(saved), _pending(got)
+  assert len(m_old) == len(m_new) and len(j_old) == len(j_new)
+  for a, b in zip(m_old, m_new):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  for a, b in zip(j_old, j_new):  # the same correction, cut differently
+    n = min(a.size, b.size)
+    np.testing.assert_array_equal(b[:n], a[:n])
+    assert not a[n:].any() and not b[n:].any()
+  assert any(np.abs(x).sum() > 0 for x in m_old + j_old)
+  _leaves_equal(got["params"], saved["params"])
+
+
+def test_topology_change_refuses_state_without_a_rule(tmp_path):
+  coll = jaxcomp.collectives.Hierarchical(fast="reduce_scatter",
+                                          inner="two_phase")
+  saved = _grid_run((2, 2), "qsgd", coll)
+  checkpoint.Checkpointer(tmp_path).save(2, saved)
+  target = _grid_run((1, 4), "qsgd", coll, steps=0)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"exchange_state.*cannot move to mesh.*hierarchical"):
+    checkpoint.Checkpointer(tmp_path).restore(
+        target, on_topology_change="redistribute")
