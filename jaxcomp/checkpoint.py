@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Mapping
 
 import jax
@@ -33,6 +34,35 @@ CHECKPOINT_FORMAT = 2
 
 class CheckpointMismatchError(ValueError):
   """A checkpoint does not fit this run (compressor, tree, shapes, devices)."""
+
+
+class CheckpointDamagedError(RuntimeError):
+  """A checkpoint's files are missing or not as they were written (a
+  process's shard deleted or truncated)."""
+
+
+_INTEGRITY = "jaxcomp_integrity"  # per step: process_<i>.json, file sizes
+
+
+def _owner(rel: str) -> int:
+  """The process whose data a file of Orbax's layout is (``..process_<i>``
+  in its path); shared files are process 0's."""
+  for part in rel.split(os.sep):
+    head, sep, index = part.rpartition("process_")
+    if sep and index.isdigit():
+      return int(index)
+  return 0
+
+
+def _listing(step_dir: str, process: int) -> dict[str, int]:
+  """``{path: bytes}`` of the files of ``process``'s data in a step."""
+  out = {}
+  for root, _, files in os.walk(step_dir):
+    for f in files:
+      rel = os.path.relpath(os.path.join(root, f), step_dir)
+      if not rel.startswith(_INTEGRITY) and _owner(rel) == process:
+        out[rel] = os.path.getsize(os.path.join(step_dir, rel))
+  return out
 
 
 def _stats_paths(tree) -> set[str]:
@@ -314,6 +344,40 @@ class Checkpointer:
                                      enumerate(leaves)}),
         jaxcomp=ocp.args.JsonSave(meta)))
     self._manager.wait_until_finished()
+    # Each process records what it wrote (file sizes), last: a step whose
+    # records are not all there, or whose files differ, is not complete.
+    step_dir = os.path.join(self.directory, str(step))
+    me = jax.process_index()
+    record = os.path.join(step_dir, _INTEGRITY, f"process_{me}.json")
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    with open(record + ".tmp", "w") as f:
+      json.dump(_listing(step_dir, me), f)
+    os.replace(record + ".tmp", record)
+
+  def damage(self, step: int) -> str | None:
+    """What is wrong with ``step``'s files, or None when every process's
+    files are there as written (checked against the sizes each process
+    recorded when it saved)."""
+    step_dir = os.path.join(self.directory, str(int(step)))
+    try:
+      processes = int(self.metadata(step).get("process_count", 1))
+    except Exception as e:  # pylint: disable=broad-except
+      return f"its metadata cannot be read ({type(e).__name__}: {e})"
+    for i in range(processes):
+      record = os.path.join(step_dir, _INTEGRITY, f"process_{i}.json")
+      if not os.path.exists(record):
+        return (f"process {i} did not finish saving it (no record of its "
+                "files)")
+      with open(record) as f:
+        written = json.load(f)
+      now = _listing(step_dir, i)
+      for rel, size in sorted(written.items()):
+        if rel not in now:
+          return f"process {i}'s file {rel} is missing"
+        if now[rel] != size:
+          return (f"process {i}'s file {rel} has {now[rel]} bytes, "
+                  f"{size} were written")
+    return None
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
     """The metadata saved with ``step`` (default: the newest).
@@ -339,6 +403,37 @@ class Checkpointer:
           f"{sorted(steps)}")
     return int(step)
 
+  def _complete(self, step):
+    """``step`` (default: the newest complete one), checked whole before any
+    array is read: a damaged default falls back, with a warning, to the
+    newest complete step; a damaged named step is refused."""
+    if step is not None:
+      step = self._resolve(step)
+      problem = self.damage(step)
+      if problem:
+        good = [s for s in sorted(self._manager.all_steps(), reverse=True)
+                if s != step and self.damage(s) is None]
+        raise CheckpointDamagedError(
+            f"checkpoint {self.directory} step {step} is damaged: {problem}"
+            + (f"; the newest complete step is {good[0]}" if good else
+               "; no complete step is left"))
+      return step
+    newest = self._resolve(None)
+    problems = []
+    for s in sorted(self._manager.all_steps(), reverse=True):
+      problem = self.damage(s)
+      if problem is None:
+        if problems:
+          warnings.warn(
+              f"checkpoint {self.directory}: " + "; ".join(problems)
+              + f"; restoring step {s}, the newest complete one",
+              RuntimeWarning, stacklevel=3)
+        return int(s)
+      problems.append(f"step {s} is damaged: {problem}")
+    raise CheckpointDamagedError(
+        f"no complete checkpoint in {self.directory} (newest {newest}): "
+        + "; ".join(problems))
+
   def restore(self, target, step: int | None = None, *,
               on_topology_change: str = "refuse"):
     """Restores a checkpoint into arrays shaped and sharded like ``target``.
@@ -348,7 +443,10 @@ class Checkpointer:
         with shardings) with the structure of the saved state, e.g. the
         freshly initialised ``{"params": ..., "opt_state": ...}``; its
         shardings say where each restored leaf goes.
-      step: the step to restore; default the newest.
+      step: the step to restore; default the newest complete one (a newer
+        step whose files are missing or truncated is skipped with a
+        ``RuntimeWarning`` that names it and the process whose data is
+        damaged).
       on_topology_change: what to do when the checkpoint holds per-device
         state for another number of devices or another mesh shape:
         ``"refuse"`` (default) raises :class:`CheckpointMismatchError`;
@@ -366,6 +464,8 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: no checkpoint (at that step).
+      CheckpointDamagedError: the named step is damaged, or no complete
+        step is left; the message names the step, the process and the file.
       CheckpointMismatchError: another compression config, tree structure,
         leaf shape or dtype, or (with ``"refuse"``) device topology; the
         message names what differs.
@@ -374,7 +474,7 @@ class Checkpointer:
     if on_topology_change not in ("refuse", "redistribute", "average"):
       raise ValueError("on_topology_change must be 'refuse' or "
                        f"'redistribute', got {on_topology_change=}")
-    step = self._resolve(step)
+    step = self._complete(step)
     saved = self.metadata(step)
     current = describe(target, self.config)
     where = f"checkpoint {self.directory} step {step}"

@@ -431,3 +431,18 @@ def test_processes_started_differently_fail_at_init_naming_it(case, names):
   assert len(lines) == 2, out.text  # both processes say it
   assert all(re.search(names, l) for l in lines), lines
   assert set(res.returncodes) == {3} and res.seconds < 60, res
+
+
+def test_resume_past_the_requested_steps_is_refused(tmp_path):
+  """A checkpoint at step 4 resumed with --steps 2 is refused (it used to
+  print 'done step 2' while holding step 4's parameters)."""
+  base = [a for a in BASE]
+  i = base.index("--steps")
+  ckpt = str(tmp_path / "ckpt")
+  res, log = _job([*base[:i], "--steps", "4", *base[i + 2:],
+                   "--checkpoint-dir", ckpt, "--save-every", "4"])
+  assert res.returncode == 0, log
+  res, log = _job([*base[:i], "--steps", "2", *base[i + 2:],
+                   "--checkpoint-dir", ckpt, "--resume"])
+  assert set(res.returncodes) == {2}, (res, log)
+  assert "at step 4, past --steps 2" in log, log

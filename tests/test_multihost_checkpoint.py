@@ -463,3 +463,30 @@ def test_topology_change_refuses_state_without_a_rule(tmp_path):
                      match=r"exchange_state.*cannot move to mesh.*hierarchical"):
     checkpoint.Checkpointer(tmp_path).restore(
         target, on_topology_change="redistribute")
+
+
+def test_damaged_checkpoint_names_step_process_and_falls_back(tmp_path):
+  """A truncated or missing shard is found before any array is read: the
+  named step is refused with its process and file, and the default restore
+  falls back to the newest complete step with a warning."""
+  import glob
+  import os
+  run = Run(4, ratio=0.25).steps(1)
+  ckpt = checkpoint.Checkpointer(tmp_path)
+  ckpt.save(1, run.state)
+  run.steps(1)
+  ckpt.save(2, run.state)
+  assert ckpt.damage(1) is None and ckpt.damage(2) is None
+  (data,) = [f for f in glob.glob(str(tmp_path / "2" / "state" / "ocdbt.process_0"
+                                      / "d" / "*"))][:1]
+  with open(data, "r+b") as f:
+    f.truncate(os.path.getsize(data) // 2)
+  with pytest.raises(checkpoint.CheckpointDamagedError,
+                     match=r"step 2 is damaged: process 0's file .* bytes, "
+                     r"\d+ were written; the newest complete step is 1"):
+    ckpt.restore(run.fresh, step=2)
+  with pytest.warns(RuntimeWarning, match=r"step 2 is damaged.*restoring step 1"):
+    step, _ = ckpt.restore(run.fresh)
+  assert step == 1
+  os.remove(data)
+  assert "is missing" in ckpt.damage(2)

@@ -169,6 +169,12 @@ def main(argv=None) -> int:
                                    max_to_keep=args.max_to_keep)
     if args.resume and ckpt.latest_step() is not None:
       start, state = ckpt.restore({"params": params, "opt_state": opt_state})
+      if start > args.steps:
+        print(f"process {pid}: the checkpoint in {ckpt.directory} is at step "
+              f"{start}, past --steps {args.steps}: it would report step "
+              f"{args.steps} while holding step {start}'s parameters; pass "
+              f"--steps {start} or more", file=sys.stderr, flush=True)
+        return 2
       params, opt_state = state["params"], state["opt_state"]
       print(f"resumed from step {start} of {ckpt.directory}", flush=True)
     elif args.resume:
