@@ -36,6 +36,9 @@ ENV_COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"  # "host:port" of process 0
 ENV_NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"  # total number of processes
 ENV_PROCESS_ID = "JAXCOMP_PROCESS_ID"  # this process, 0 .. n - 1
 ENV_HEARTBEAT = "JAXCOMP_HEARTBEAT_TIMEOUT"  # seconds, optional
+# Seconds of silence after which JAX declares a process dead and stops the
+# others (JAX's own default is 100).
+DEFAULT_HEARTBEAT_TIMEOUT = 10
 
 # Environment markers of the clusters whose parameters JAX's
 # jax.distributed.initialize() detects itself (JAX 0.10: SLURM, Open MPI,
@@ -130,7 +133,9 @@ def initialize_from_env(
     initialization_timeout: seconds to wait for all processes to join.
     heartbeat_timeout_seconds: a process that has sent no heartbeat for this
       long is declared dead and the job is stopped on every surviving process
-      (no hang). Default: ``JAXCOMP_HEARTBEAT_TIMEOUT`` if set, else JAX's 100.
+      (no hang). Default: ``JAXCOMP_HEARTBEAT_TIMEOUT`` if set, else
+      ``DEFAULT_HEARTBEAT_TIMEOUT`` (10 s, against JAX's 100 s: a survivor
+      stuck in a collective with a dead peer then stops within about 10 s).
     shutdown_timeout_seconds: seconds a finishing process waits for the others
       at exit (JAX's default is 300; 30 here so that a job whose peer died
       ends sooner).
@@ -154,7 +159,7 @@ def initialize_from_env(
   if heartbeat_timeout_seconds is None:
     heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT)
     if heartbeat_timeout_seconds is None:
-      heartbeat_timeout_seconds = 100
+      heartbeat_timeout_seconds = DEFAULT_HEARTBEAT_TIMEOUT
   if heartbeat_timeout_seconds < 1:
     raise ValueError("heartbeat_timeout_seconds must be >= 1, got "
                      f"{heartbeat_timeout_seconds=}")
@@ -183,6 +188,49 @@ def initialize_from_env(
       heartbeat_timeout_seconds=heartbeat_timeout_seconds,
       shutdown_timeout_seconds=shutdown_timeout_seconds)
   return True
+
+
+# ---------------------------------------------------------------------------
+# Preemption
+
+_TERM_SIGNALS: list[int] = []
+
+
+def _note_sigterm(signum, frame):
+  del frame
+  _TERM_SIGNALS.append(signum)
+
+
+def preemption_requested(step: int) -> bool:
+  """Whether to checkpoint and stop now, the same answer on every process.
+
+  A scheduler preempts a job with SIGTERM (to one process, or to the
+  launcher, which forwards it). In a multi-process job JAX catches SIGTERM
+  in every process and agrees, in the background, on the step at which all
+  of them stop (``jax.experimental.multihost_utils.
+  reached_preemption_sync_point``): this returns True on every process at
+  that same step. In a single-process run it returns True once the process
+  got SIGTERM (the first call installs the handler).
+
+  Call it at every step, with the step about to run (every process from the
+  same step), save a checkpoint when it returns True and exit 0; resuming
+  from that checkpoint is bit-exact (``examples/multihost/train_mlp.py``).
+
+  Args:
+    step: the step number, increasing by one per call.
+
+  Returns:
+    True when the job must stop at this step.
+  """
+  if jax.distributed.is_initialized():
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  if (signal.getsignal(signal.SIGTERM) is not _note_sigterm
+      and threading.current_thread() is threading.main_thread()):
+    signal.signal(signal.SIGTERM, _note_sigterm)
+  return bool(_TERM_SIGNALS)
 
 
 # ---------------------------------------------------------------------------

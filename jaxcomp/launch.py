@@ -152,6 +152,7 @@ def launch(command: Sequence[str], num_processes: int, *,
            grace: float = 0.0,
            timeout: float | None = None,
            heartbeat_timeout: int | None = None,
+           preemption_grace: float = 60.0,
            env: dict[str, str] | None = None,
            stdout=None) -> JobResult:
   """Runs ``command`` as ``num_processes`` processes of one JAX job.
@@ -170,7 +171,13 @@ def launch(command: Sequence[str], num_processes: int, *,
     timeout: seconds for the whole job; then every process is killed and
       the status is 124.
     heartbeat_timeout: seconds after which JAX declares a silent process
-      dead (``JAXCOMP_HEARTBEAT_TIMEOUT``); default JAX's.
+      dead (``JAXCOMP_HEARTBEAT_TIMEOUT``); default
+      :func:`jaxcomp.distributed.initialize_from_env`'s.
+    preemption_grace: when the launcher gets SIGTERM (a scheduler's
+      preemption), it forwards SIGTERM to every process and gives them this
+      many seconds to checkpoint and exit (see
+      :func:`jaxcomp.distributed.preemption_requested`) before SIGKILL; if
+      they all exit 0 the job's status is 0. SIGINT stops the job at once.
     env: extra environment variables for every process.
     stdout: where the prefixed output goes (default ``sys.stdout``).
 
@@ -282,10 +289,17 @@ def launch(command: Sequence[str], num_processes: int, *,
       if all(c is not None for c in codes):
         break
       if interrupted and deadline_kill is None:
-        say(f"interrupted by {signal.Signals(interrupted[0]).name}; stopping "
-            "the job")
-        status, message = 128 + interrupted[0], "interrupted"
-        deadline_kill = now
+        if interrupted[0] == signal.SIGTERM:
+          say(f"SIGTERM: forwarding it (preemption); the processes have "
+              f"{preemption_grace:g} s to checkpoint and exit")
+          signal_all(signal.SIGTERM, procs)
+          status, message = 128 + interrupted[0], "preempted"
+          deadline_kill = now + preemption_grace
+        else:
+          say(f"interrupted by {signal.Signals(interrupted[0]).name}; "
+              "stopping the job")
+          status, message = 128 + interrupted[0], "interrupted"
+          deadline_kill = now
       if timeout is not None and now - t0 > timeout and deadline_kill is None:
         say(f"the job ran past --timeout {timeout:g} s; stopping it")
         status, message = 124, f"timed out after {timeout:g} s"
@@ -317,6 +331,11 @@ def launch(command: Sequence[str], num_processes: int, *,
         for i, c in enumerate(codes) if i != failed)
     message += f"; {others}" if others else ""
     say(f"job failed in {seconds:.1f} s: {message}")
+  elif message == "preempted" and all(c == 0 for c in codes):
+    status = 0
+    message = (f"preempted: all {num_processes} processes exited 0 in "
+               f"{seconds:.1f} s")
+    say(message)
   elif status == 0:
     message = f"all {num_processes} processes exited 0 in {seconds:.1f} s"
   return JobResult(status, codes, failed, exit_times, terminated, seconds,
@@ -347,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="seconds for the whole job (exit status 124)")
   p.add_argument("--heartbeat-timeout", type=int, default=None,
                  help="seconds of silence before JAX declares a process dead")
+  p.add_argument("--preemption-grace", type=float, default=60.0,
+                 help="after SIGTERM, seconds the processes get to checkpoint "
+                 "and exit before SIGKILL (default 60)")
   args = p.parse_args(own)
   if not command:
     p.error("no command: put it after '--', e.g. python -m jaxcomp.launch "
@@ -355,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = launch(command, args.num_processes,
                     devices_per_process=args.devices_per_process,
                     port=args.port, grace=args.grace, timeout=args.timeout,
-                    heartbeat_timeout=args.heartbeat_timeout)
+                    heartbeat_timeout=args.heartbeat_timeout,
+                    preemption_grace=args.preemption_grace)
   except (ValueError, FileNotFoundError) as e:
     p.error(str(e))
   return result.returncode

@@ -68,6 +68,8 @@ def parse(argv=None):
   g = p.add_argument_group("fault injection (tests)")
   g.add_argument("--crash-at-step", type=int, default=None,
                  help="SIGKILL itself before this step")
+  g.add_argument("--step-delay", type=float, default=0.0,
+                 help="seconds to sleep per step (to send signals mid-run)")
   g.add_argument("--crash-process", default="all",
                  help="which process crashes: an index or 'all'")
   return p.parse_args(argv)
@@ -186,12 +188,23 @@ def main(argv=None) -> int:
   loss = None
   t0 = time.perf_counter()
   for t in range(start, args.steps):
+    if distributed.preemption_requested(t):
+      # Preempted (SIGTERM to a process or to the launcher): every process
+      # stops at this same step, saves and exits 0.
+      if ckpt is not None and t not in ckpt.all_steps():
+        ckpt.save(t, {"params": params, "opt_state": opt_state})
+      print(f"process {pid}: preempted before step {t}; "
+            + ("saved a checkpoint, " if ckpt is not None else "")
+            + "exiting", flush=True)
+      return 0
     if args.crash_at_step == t and pid in crashers:
       print(f"process {pid}: crashing (SIGKILL) before step {t}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
     batch = distributed.global_array(batch_at(args.seed, t, args.batch_size),
                                      mesh, P(axes))
     params, opt_state, loss = step(params, opt_state, batch)
+    if args.step_delay:
+      time.sleep(args.step_delay)
     done = t + 1
     if args.check_every and done % args.check_every == 0:
       n = distributed.check_consistency(
