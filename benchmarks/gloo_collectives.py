@@ -101,8 +101,10 @@ def main(argv=None) -> int:
   ap.add_argument("--elements", type=int, default=1863690)
   ap.add_argument("--reps", type=int, default=9, help="timed calls per collective")
   ap.add_argument("--port", type=int, default=13111)
-  ap.add_argument("--netns-prefix", default="jcgl")
-  ap.add_argument("--subnet", default="10.231.11")
+  ap.add_argument("--netns-prefix", default=None,
+                  help="namespace name prefix (default: j<pid>, unique)")
+  ap.add_argument("--subnet", default=None,
+                  help="the namespaces' /24 (default derived from the pid)")
   ap.add_argument("--timeout", type=float, default=600.0, help="seconds per link")
   ap.add_argument("--json", help="also write the raw results here")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

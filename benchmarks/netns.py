@@ -13,10 +13,16 @@ mechanism of ``ip netns exec``: it bind-mounts ``/etc/netns/NAME/hosts`` over
 ``/etc/hosts`` inside the namespace, and that file maps the hostname to the
 namespace's own address.
 
-Everything created is removed on exit from :class:`RateLimitedCluster`, also
-when a run fails or the process gets SIGTERM/SIGINT (the benchmark turns those
-into exceptions), and leftovers of an earlier crashed run with the same prefix
-are removed on entry.
+Nothing leaks. Everything created is removed on exit from
+:class:`RateLimitedCluster`, also when a run fails or the driver gets SIGTERM
+or SIGINT (the cluster turns SIGTERM into ``SystemExit`` while it is open);
+the workers die with the driver (a parent-death signal, also when the driver
+is SIGKILLed); and leftovers of a driver that was SIGKILLed (namespaces, their
+``/etc/netns`` files and any process still inside them) are removed on the
+next start. By default each cluster's names carry its driver's process id
+(prefix ``j<pid>``, and a subnet derived from it), so two clusters never
+remove each other's namespaces, and leftovers are recognised by their dead
+owner.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from typing import Sequence
 
@@ -79,6 +87,17 @@ class Namespace:
   peer: str  # the bridge end (inside the hub namespace)
 
 
+def _default_prefix() -> str:
+  return f"j{os.getpid()}"
+
+
+def _default_subnet() -> str:
+  return f"10.231.{os.getpid() % 250 + 1}"
+
+
+_OWNED = re.compile(r"j(\d+)(hub|w\d+)")  # names of the default prefixes
+
+
 class RateLimitedCluster:
   """``n`` namespaces on one bridge, every link limited by ``tc tbf``.
 
@@ -91,16 +110,23 @@ class RateLimitedCluster:
 
   Args:
     n: number of worker namespaces (>= 1).
-    prefix: names of everything created start with it (also used to remove
-      leftovers of a crashed run).
-    subnet: first three octets of the private /24 to use.
+    prefix: names of everything created start with it; default ``j<pid>``
+      of this driver (unique while it runs, and recognisable as stale once it
+      is gone). An explicit prefix also removes leftovers with that prefix.
+    subnet: first three octets of the private /24 to use; default derived
+      from the driver's pid.
   """
 
-  def __init__(self, n: int, *, prefix: str = "jcmp", subnet: str = "10.231.7"):
+  def __init__(self, n: int, *, prefix: str | None = None,
+               subnet: str | None = None):
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if not re.fullmatch(r"[a-z][a-z0-9]{0,5}", prefix):
-      raise ValueError(f"prefix must be 1-6 lowercase letters/digits, got {prefix!r}")
+    prefix = prefix or _default_prefix()
+    subnet = subnet or _default_subnet()
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,8}", prefix):
+      raise ValueError(f"prefix must be 1-9 lowercase letters/digits, got {prefix!r}")
+    if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", subnet):
+      raise ValueError(f"subnet must be three octets like '10.231.7', got {subnet!r}")
     self.n, self.prefix, self.subnet = n, prefix, subnet
     self.hub = f"{prefix}hub"
     self.bridge = f"{prefix}br"
@@ -114,6 +140,10 @@ class RateLimitedCluster:
   def __enter__(self) -> "RateLimitedCluster":
     check_prerequisites()
     self.cleanup_stale(self.prefix)
+    self.cleanup_orphans()
+    self._old_sigterm = None
+    if threading.current_thread() is threading.main_thread():
+      self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
       self._create()
     except BaseException:
@@ -155,9 +185,15 @@ class RateLimitedCluster:
     self.rate = rate
 
   def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-    """Starts ``argv`` in namespace ``i`` in its own process group (tracked)."""
-    p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[i].name, *argv],
-                         start_new_session=True, **kwargs)
+    """Starts ``argv`` in namespace ``i`` in its own process group (tracked),
+    through a stub that sets a parent-death signal first: the worker dies
+    with this driver, however the driver ends."""
+    from jaxcomp import launch  # pylint: disable=g-import-not-at-top
+    ip = shutil.which("ip") or "ip"
+    stub = [sys.executable, "-I", "-S", "-c", launch.DIE_WITH_PARENT,
+            str(os.getpid()), ip, "ip", "netns", "exec",
+            self.namespaces[i].name, *argv]
+    p = subprocess.Popen(stub, start_new_session=True, **kwargs)
     self._procs.append(p)
     return p
 
@@ -178,25 +214,69 @@ class RateLimitedCluster:
 
   def close(self) -> None:
     self.kill_all()
-    for ns in self.namespaces:
-      _run("ip", "netns", "del", ns.name, check=False)
-      shutil.rmtree(os.path.join("/etc/netns", ns.name), ignore_errors=True)
-    _run("ip", "netns", "del", self.hub, check=False)
+    for name in [ns.name for ns in self.namespaces] + [self.hub]:
+      _delete(name)
+    if getattr(self, "_old_sigterm", None) is not None:
+      signal.signal(signal.SIGTERM, self._old_sigterm)
+      self._old_sigterm = None
 
   @staticmethod
   def cleanup_stale(prefix: str) -> list[str]:
-    """Deletes namespaces named ``{prefix}hub`` / ``{prefix}w<i>`` left by a crash."""
-    r = _run("ip", "netns", "list", check=False)
-    gone = []
-    for line in r.stdout.splitlines():
-      name = line.split()[0] if line.split() else ""
-      if re.fullmatch(rf"{re.escape(prefix)}(hub|w\d+)", name):
-        _run("ip", "netns", "del", name, check=False)
-        shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
-        gone.append(name)
-    if gone:
-      time.sleep(0.2)
-    return gone
+    """Deletes namespaces named ``{prefix}hub`` / ``{prefix}w<i>`` left by a
+    crash, with any process still inside them."""
+    return _delete_matching(
+        lambda name: re.fullmatch(rf"{re.escape(prefix)}(hub|w\d+)", name))
+
+  @staticmethod
+  def cleanup_orphans() -> list[str]:
+    """Deletes the namespaces of default-prefixed clusters (``j<pid>...``)
+    whose driver is gone (SIGKILLed before it could clean up), with any
+    process still inside them."""
+    def orphan(name):
+      m = _OWNED.fullmatch(name)
+      return m is not None and not _alive(int(m.group(1)))
+    return _delete_matching(orphan)
+
+
+def _exit_on_sigterm(signum, frame):
+  del frame
+  raise SystemExit(128 + signum)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _delete(name: str) -> None:
+  """Kills every process inside namespace ``name``, deletes it and its
+  ``/etc/netns`` folder."""
+  pids = _run("ip", "netns", "pids", name, check=False).stdout.split()
+  for pid in pids:
+    try:
+      os.kill(int(pid), signal.SIGKILL)
+    except (ProcessLookupError, ValueError):
+      pass
+  _run("ip", "netns", "del", name, check=False)
+  shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+
+
+def _delete_matching(match) -> list[str]:
+  r = _run("ip", "netns", "list", check=False)
+  gone = []
+  for line in r.stdout.splitlines():
+    name = line.split()[0] if line.split() else ""
+    if name and match(name):
+      _delete(name)
+      gone.append(name)
+  if gone:
+    time.sleep(0.2)
+  return gone
 
 
 def _default_burst(rate: str) -> str:

@@ -668,6 +668,12 @@ def main(argv=None) -> int:
                   "their median kept: steady state, as in a training loop")
   ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
   ap.add_argument("--port", type=int, default=12731)
+  ap.add_argument("--netns-prefix", default=None,
+                  help="name prefix of the network namespaces (default: "
+                  "j<pid>, unique to this run)")
+  ap.add_argument("--subnet", default=None,
+                  help="first three octets of the namespaces' /24 (default "
+                  "derived from the pid)")
   ap.add_argument("--out", default=None, help="write OUT.txt, OUT.json and OUT.png")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -725,7 +731,8 @@ def main(argv=None) -> int:
   t_start = time.time()
   with tempfile.TemporaryDirectory(prefix="jcmp_validate_") as tmpdir:
     for p in args.workers:
-      with netns.RateLimitedCluster(p) as cluster:
+      with netns.RateLimitedCluster(p, prefix=args.netns_prefix,
+                                    subnet=args.subnet) as cluster:
         for rate in args.rates:
           t0 = time.time()
           runs[(p, rate)] = run_one(cluster, p, rate, args, tmpdir)

@@ -502,8 +502,10 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=4)
   ap.add_argument("--timeout", type=float, default=1800.0, help="seconds in all")
   ap.add_argument("--port", type=int, default=12931)
-  ap.add_argument("--netns-prefix", default="jcvt")
-  ap.add_argument("--subnet", default="10.231.9")
+  ap.add_argument("--netns-prefix", default=None,
+                  help="namespace name prefix (default: j<pid>, unique)")
+  ap.add_argument("--subnet", default=None,
+                  help="the namespaces' /24 (default derived from the pid)")
   ap.add_argument("--out", default=os.path.join(REPO, "docs", "vs_pytorch.md"))
   ap.add_argument("--json", help="also write the raw results here")
   ap.add_argument("--logs", help="keep the workers' logs in this folder")

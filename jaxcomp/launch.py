@@ -120,7 +120,7 @@ def _pump(stream, prefix: str, out) -> None:
 # fresh process rather than in a ``preexec_fn`` keeps Python code out of the
 # window between fork and exec, which is not safe in a launcher with threads
 # (JAX's, or an earlier job's output threads).
-_DIE_WITH_LAUNCHER = """\
+DIE_WITH_PARENT = """\
 import ctypes, os, signal, sys
 try:
   ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
@@ -223,7 +223,7 @@ def launch(command: Sequence[str], num_processes: int, *,
 
   program = _resolve(command[0], base.get("PATH"))
   if sys.executable:
-    argv = [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER,
+    argv = [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT,
             str(os.getpid()), program, *command]
     executable = sys.executable
   else:  # an embedded interpreter has no python to run the stub with
