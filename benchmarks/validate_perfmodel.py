@@ -296,15 +296,14 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
   than one message; otherwise it is 0 and alpha absorbs it.
   """
   import numpy as np
+  from jaxcomp import wire
   rows, ts = [], []
   for c in collectives:
     if c["kind"] not in kinds:
       continue
     m, k = c["bytes"], c.get("count", 1)
-    if c["kind"] == "allreduce":
-      rows.append((k * 2 * (p - 1), k * 2 * (p - 1) / p * m, 1.0))
-    else:
-      rows.append((k * (p - 1), k * (p - 1) * m, 1.0))
+    kind = "all-reduce" if c["kind"] == "allreduce" else "all-gather"
+    rows.append((k * wire.ring_messages(kind, p), k * wire.ring_bytes(kind, m, p), 1.0))
     ts.append(c["seconds"])
   A, t = np.array(rows), np.maximum(np.array(ts), 1e-5)  # a noisy difference may be <= 0
   multi = any(c.get("count", 1) > 1 for c in collectives if c["kind"] in kinds)
@@ -425,8 +424,11 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     else:
       per_bucket = 2 if coll else 1  # two-phase: two collectives per array
       buckets, msgs = "layer", max(1, round(n_msgs / leaves / per_bucket))
+    # from_hlo: the compiled step's bytes and messages (OnWire); otherwise
+    # the library's own collective and transfers, as compressed_mean runs.
+    how = dict(messages_per_bucket=msgs, collective=coll) if from_hlo else {}
     preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
-                          overlap="serial", messages_per_bucket=msgs, collective=coll)
+                          overlap="serial", **how)
     extra = sync
     if compute == "local" and not comps[s].linear:
       # The one-device step encodes each bucket once and decodes it once
@@ -438,7 +440,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       # pay per bucket or per chunk (two-phase encodes its chunks vmapped).
       dec = pm.CodecCost.from_dict(dict(res["codecs"][s], encode_fixed=0.0, decode_fixed=0.0))
       full = pm.predict(prof_s, comps[s], net, codec=dec, buckets=buckets, overlap="serial",
-                        messages_per_bucket=msgs, collective=coll)
+                        **how)
       ef = 2 if getattr(comps[s], "biased", False) else 1
       one = sum(dec.encode(n) + ef * dec.decode(n) for n in res["leaf_sizes"])
       extra += max(0.0, full.codec_time - one)

@@ -85,7 +85,19 @@ def check_config(strategy: str, *, bucket_elements: int | None = None,
         "per-layer backward times and the network's alpha and beta")
 
 
-def _fill(big: Sequence[int], sizes: Sequence[int], limit: int):
+def fill(order: Sequence[int], sizes: Sequence[int], limit: float
+         ) -> tuple[tuple[int, ...], ...]:
+  """Fixed-size buckets: walks ``order`` (indices into ``sizes``), closing a
+  bucket as soon as it holds at least ``limit`` (a single larger item is a
+  bucket alone); the last one may be smaller. The rule of PyTorch DDP's and
+  Horovod's fusion buffers, used by :func:`plan_buckets` (elements) and the
+  performance model's fixed-size plans (bytes).
+
+  Example:
+    >>> fill([2, 1, 0], [5, 1, 3], 4)
+    ((2, 1), (0,))
+  """
+  big = order
   buckets, cur, total = [], [], 0
   for i in big:
     cur.append(i)
@@ -145,8 +157,8 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
   if strategy == "whole":
     return BucketPlan(exact, (tuple(big),) if big else ())
   if strategy == "fixed":
-    return BucketPlan(exact, _fill(big, sizes, bucket_elements))
-  return BucketPlan(exact, _fill(big, sizes, -(-bucket_bytes // BUFFER_ITEMSIZE)))
+    return BucketPlan(exact, fill(big, sizes, bucket_elements))
+  return BucketPlan(exact, fill(big, sizes, -(-bucket_bytes // BUFFER_ITEMSIZE)))
 
 
 def _leaf_values(tree_or_seq, params, what: str) -> list[float]:

@@ -93,13 +93,15 @@ class Transfer:
 
   Attributes:
     kind: one of :data:`KINDS`.
-    operand_bytes: bytes this device hands in (one payload array).
+    operand_bytes: bytes this device hands in (one payload array; an int
+      for everything the library sends, a float only for the performance
+      model's hypothetical compressors).
     axis_name: the mesh axes it runs over.
     group_size: devices in its group (the product of those axes' sizes).
   """
 
   kind: str
-  operand_bytes: int
+  operand_bytes: int | float
   axis_name: AxisName
   group_size: int
 
@@ -140,7 +142,8 @@ def transfers(kind: str, array_bytes, axis_name: AxisName,
   of ``array_bytes`` bytes (XLA runs one collective per array of a payload
   on CPU, each paying the start-up cost)."""
   g = group_size(axis_name, sizes)
-  return tuple(Transfer(kind, int(b), axis_name, g) for b in array_bytes)
+  return tuple(Transfer(kind, b if isinstance(b, float) else int(b), axis_name, g)
+               for b in array_bytes)
 
 
 def operand_bytes(ts) -> int:

@@ -528,13 +528,21 @@ def test_default_collective_follows_the_library():
   assert kinds == {"bf16": "allreduce", "random_block": "allreduce", "topk": "allgather",
                    "sign": "allgather", "qsgd": "auto", "int8_block": "auto",
                    "powersgd": "allreduce", "terngrad": "allgather"}
-  # PowerSGD is priced as the all-reduce it runs, not an all-gather.
+  # PowerSGD is priced as the two all-reduces it runs (the P's, then the
+  # Q's), not an all-gather: the library's own transfers, in the flat view.
   n, p = 1_000_000, 8
   prof = _profile([n], [0.0], fwd=0.0)
   net = pm.Network(p, LINK)
   psgd = compressors.get("powersgd", rank=4)
+  ts = pm.bucket_transfers(psgd, n, p)
+  assert [t.kind for t in ts] == ["all-reduce", "all-reduce"]
+  assert sum(t.operand_bytes for t in ts) == psgd.payload_bytes(n)
   pr = pm.predict(prof, psgd, net, buckets="single")
-  assert pr.comm_time == pytest.approx(pm.allreduce_time(psgd.payload_bytes(n), p, LINK))
+  assert pr.comm_time == pytest.approx(
+      sum(pm.allreduce_time(t.operand_bytes, p, LINK) for t in ts))
+  assert pr.comm_time == pytest.approx(
+      pm.allreduce_time(psgd.payload_bytes(n), p, LINK) + 2 * (p - 1) * ALPHA)
+  assert pr.bytes_per_worker == psgd.payload_bytes(n)
   with pytest.raises(ValueError, match="own"):
     pm.predict(prof, psgd, net, collective="two_phase")
   # QSGD goes through Auto, which takes two-phase at 8 workers.
@@ -582,3 +590,53 @@ def test_readme_validation_table_is_the_saved_measurements_report():
     want = (f"{r['measured_ms']:.0f} / {r['predicted_ms']:.0f} "
             f"({100 * r['rel_error']:+.0f}%)")
     assert cells[(r["workers"], r["rate"], r["compressor"])] == want, r
+
+
+def test_model_prices_the_library_transfers():
+  from jaxcomp import collectives, compressors, wire
+  p, n = 4, 100_000
+  prof = _profile([n], [0.0], fwd=0.0)
+  net = pm.Network(p, LINK)
+  # Top-k: one all-gather per payload array (values, indices), as the
+  # collective lists them; the model's comm is their alpha-beta sum.
+  topk = compressors.get("topk", ratio=0.01)
+  ts = pm.bucket_transfers(topk, n, p)
+  lib = collectives.get(None, topk).flat_transfers(topk, n, {"data": p})
+  assert ts == lib and [t.kind for t in ts] == ["all-gather"] * len(topk.payload_arrays(n))
+  pr = pm.predict(prof, topk, net, buckets="single")
+  assert pr.comm_time == pytest.approx(
+      sum(pm.ring_time(t.kind, t.operand_bytes, p, LINK) for t in ts))
+  assert pr.comm_time == pytest.approx(sum(pm.transfer_time(t, net) for t in ts))
+  assert pr.bytes_per_worker == wire.operand_bytes(ts)
+  # QSGD through Auto: the model takes the collective Auto.pick takes, at
+  # each size (all-gather for a tiny bucket, two-phase for a large one).
+  qsgd = compressors.get("qsgd")
+  for size in (10, n):
+    picked = collectives.Auto().pick(qsgd, size, p)
+    assert pm.bucket_transfers(qsgd, size, p) == picked.flat_transfers(
+        qsgd, size, {"data": p})
+  assert {t.kind for t in pm.bucket_transfers(qsgd, 10, p)} == {"all-gather"}
+  assert {t.kind for t in pm.bucket_transfers(qsgd, n, p)} == {"all-to-all", "all-gather"}
+  # The library's arrays are its own: messages_per_bucket is refused.
+  with pytest.raises(ValueError, match="messages_per_bucket.*declares its payload arrays"):
+    pm.predict(prof, topk, net, messages_per_bucket=2)
+  with pytest.raises(ValueError, match="workers=8"):
+    pm.transfer_time(ts[0], pm.Network(8, LINK))
+
+
+def test_ring_time_is_the_wire_table():
+  from jaxcomp import wire
+  for kind in wire.KINDS:
+    for g in (1, 2, 5):
+      assert pm.ring_time(kind, 1000.0, g, LINK) == pytest.approx(
+          wire.ring_messages(kind, g) * ALPHA + wire.ring_bytes(kind, 1000.0, g) * BETA)
+  assert pm.allreduce_time(1000.0, 4, LINK) == pytest.approx(6 * ALPHA + 1500 * BETA)
+  assert pm.allgather_time(1000.0, 4, LINK) == pytest.approx(3 * ALPHA + 3000 * BETA)
+
+
+def test_fixed_size_plan_is_the_library_fill():
+  from jaxcomp import bucketing
+  prof = _profile([100, 50, 300, 20, 10], [1e-3] * 5, fwd=0.0)
+  plan = pm.bucket_plan(1000, prof)
+  fill = bucketing.fill(range(4, -1, -1), [4 * n for n in prof.layer_sizes], 1000)
+  assert plan == [sorted(b) for b in fill] == [[2, 3, 4], [0, 1]]

@@ -245,6 +245,9 @@ class OwnExchange(Collective):
   def transfers(self, compressor, shapes, sizes, dtype=jnp.float32):
     return compressor.transfers(shapes, sizes, dtype)
 
+  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+    return compressor.flat_transfers(n, sizes, dtype)
+
 
 def chunk_size(n: int, num_devices: int) -> int:
   """Elements per chunk when ``n`` is split into ``num_devices`` chunks

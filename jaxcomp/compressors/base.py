@@ -159,6 +159,13 @@ class Compressor:
     over the axes of ``sizes`` (``{axis: devices}``)."""
     raise NotImplementedError(f"{self.name} has no exchange of its own")
 
+  def flat_transfers(self, n: int, sizes: dict[str, int], dtype=jnp.float32):
+    """``own_exchange`` compressors: :meth:`transfers` for one flat
+    ``n``-element buffer, where no tensor shapes are known (what the
+    performance model prices); by default the transfers of one tensor of
+    shape ``(n,)``."""
+    return self.transfers(((n,),), sizes, dtype)
+
 
 _UNROLL_DECODES = 16  # beyond this many devices, decode in a loop
 

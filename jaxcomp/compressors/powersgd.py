@@ -304,6 +304,13 @@ class PowerSGD(Compressor):
                           [4 * first] + ([4 * second] if second else []),
                           axis, sizes)
 
+  def flat_transfers(self, n, sizes, dtype=jnp.float32):
+    """:meth:`transfers` of the flat view of an ``n``-element buffer (one
+    near-square matrix), whatever ``view`` is: the performance model knows
+    no tensor shapes."""
+    return dataclasses.replace(self, view="flat").transfers(((n,),), sizes,
+                                                            dtype)
+
   def payload_bytes(self, n: int) -> int:
     """Bytes one device sends per step for one flat ``n``-element buffer in
     the flat view (what the performance model prices where it knows no

@@ -14,10 +14,13 @@ from jaxcomp.perfmodel.costs import allreduce_time
 from jaxcomp.perfmodel.costs import alltoall_time
 from jaxcomp.perfmodel.costs import collective_time
 from jaxcomp.perfmodel.costs import reduce_scatter_time
+from jaxcomp.perfmodel.costs import ring_time
+from jaxcomp.perfmodel.costs import transfer_time
 from jaxcomp.perfmodel.mgwfbp import mgwfbp_plan
 from jaxcomp.perfmodel.mgwfbp import wfbp_finish_time
 from jaxcomp.perfmodel.model import CodecCost
-from jaxcomp.perfmodel.model import Compressor
+from jaxcomp.perfmodel.model import PricedCompressor
+from jaxcomp.perfmodel.model import bucket_transfers
 from jaxcomp.perfmodel.model import DenseCompressor
 from jaxcomp.perfmodel.model import IdealCompressor
 from jaxcomp.perfmodel.model import ModelProfile

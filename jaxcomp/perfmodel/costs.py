@@ -14,6 +14,7 @@ Shi et al. (MG-WFBP) 2019:
 * all-to-all, ``m`` bytes held by each worker, ``m/p`` to every peer:
   ``(p-1)·alpha + (p-1)/p·m·beta``
 
+The counts are :mod:`jaxcomp.wire`'s table, read by :func:`ring_time`.
 The hierarchical variants model ``p = nodes × workers_per_node`` with a fast
 link inside a node and the slow link between nodes (exact all-reduce inside a
 host, then across hosts, as in Horovod / NCCL's tree-of-rings).
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxcomp import wire
+
 __all__ = [
     "Link",
     "Network",
@@ -32,6 +35,8 @@ __all__ = [
     "reduce_scatter_time",
     "alltoall_time",
     "collective_time",
+    "ring_time",
+    "transfer_time",
     "COLLECTIVES",
 ]
 
@@ -128,36 +133,38 @@ def _check(nbytes: float, p: int) -> None:
     raise ValueError(f"workers must be an integer >= 1, got {p=}")
 
 
+def ring_time(kind: str, nbytes: float, p: int, link: Link) -> float:
+  """One ring collective of :data:`jaxcomp.wire.KINDS` over ``p`` workers,
+  seconds: ``messages * alpha + bytes * beta`` with the messages and bytes
+  of :mod:`jaxcomp.wire`'s table (the one the collectives' statistics and
+  the HLO traffic count read).
+
+  Raises:
+    ValueError: an unknown ``kind``, ``nbytes < 0`` or ``p < 1``.
+  """
+  _check(nbytes, p)
+  return (wire.ring_messages(kind, p) * link.alpha
+          + wire.ring_bytes(kind, nbytes, p) * link.beta)
+
+
 def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
   """Ring reduce-scatter of an ``nbytes`` buffer over ``p`` workers, seconds."""
-  _check(nbytes, p)
-  if p == 1:
-    return 0.0
-  return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
+  return ring_time("reduce-scatter", nbytes, p, link)
 
 
 def allgather_time(nbytes: float, p: int, link: Link) -> float:
   """Ring all-gather where each of ``p`` workers contributes ``nbytes``, seconds."""
-  _check(nbytes, p)
-  if p == 1:
-    return 0.0
-  return (p - 1) * link.alpha + (p - 1) * nbytes * link.beta
+  return ring_time("all-gather", nbytes, p, link)
 
 
 def allreduce_time(nbytes: float, p: int, link: Link) -> float:
   """Ring all-reduce of an ``nbytes`` buffer over ``p`` workers, seconds."""
-  _check(nbytes, p)
-  if p == 1:
-    return 0.0
-  return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
+  return ring_time("all-reduce", nbytes, p, link)
 
 
 def alltoall_time(nbytes: float, p: int, link: Link) -> float:
   """All-to-all where each worker holds ``nbytes`` and sends ``nbytes/p`` to each peer."""
-  _check(nbytes, p)
-  if p == 1:
-    return 0.0
-  return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
+  return ring_time("all-to-all", nbytes, p, link)
 
 
 _FLAT = {
@@ -207,3 +214,29 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   # all-to-all: the (n-1)/n share of all g workers' buffers leaves the node.
   return (alltoall_time(nbytes, g, intra)
           + (alltoall_time(g * nbytes, n, inter) if n > 1 else 0.0))
+
+
+# jaxcomp.wire's kinds -> this module's names.
+_WIRE_KINDS = {"all-reduce": "allreduce", "all-gather": "allgather",
+               "reduce-scatter": "reduce_scatter", "all-to-all": "alltoall"}
+
+
+def transfer_time(transfer: wire.Transfer, network: Network) -> float:
+  """Time of one collective the library issues (a
+  :class:`jaxcomp.wire.Transfer`, as ``Collective.transfers`` lists them) on
+  ``network``, seconds.
+
+  Raises:
+    ValueError: the transfer's group is not ``network.workers`` devices, or
+      a collective-permute on a hierarchical network (not modelled).
+  """
+  if transfer.group_size != network.workers:
+    raise ValueError(
+        f"the transfer runs over {transfer.group_size} devices but the "
+        f"network has workers={network.workers}")
+  kind = _WIRE_KINDS.get(transfer.kind)
+  if kind is None:
+    if network.algorithm == "hierarchical" and network.workers_per_node > 1:
+      raise ValueError(f"{transfer.kind} is not modelled on a hierarchical network")
+    return ring_time(transfer.kind, transfer.operand_bytes, network.workers, network.link)
+  return collective_time(kind, transfer.operand_bytes, network)

@@ -40,7 +40,7 @@ from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel import mgwfbp as _mgwfbp
 
 __all__ = [
-    "Compressor",
+    "PricedCompressor",
     "ModelProfile",
     "CodecCost",
     "Prediction",
@@ -56,13 +56,15 @@ __all__ = [
 
 
 @runtime_checkable
-class Compressor(Protocol):
-  """What the model needs from a compressor (``jaxcomp.compressors`` provide it).
+class PricedCompressor(Protocol):
+  """What the model needs from a compressor that is not one of
+  ``jaxcomp.compressors`` (:class:`DenseCompressor`, :class:`IdealCompressor`,
+  a hypothetical one).
 
   ``payload_bytes(n)``: bytes one worker puts on the wire for an ``n``-element
-  float32 buffer. ``linear``: True when payloads can be summed by an all-reduce.
-  Optional: ``exchange_collective``, the collective kind of a compressor that
-  runs its own exchange (see :func:`default_collective`).
+  float32 buffer. ``linear``: True when payloads can be summed by an
+  all-reduce. The library's compressors are priced through their own
+  collectives' transfers instead (:func:`bucket_transfers`).
   """
 
   linear: bool
@@ -255,9 +257,10 @@ class Prediction:
 
 _COLLECTIVE_CHOICES = ("allreduce", "allgather", "two_phase", "auto")
 _OVERLAP_MODES = ("wfbp", "after_backward", "serial")
-# jaxcomp.collectives names -> the kinds this model prices.
-_LIBRARY_KINDS = {"psum": "allreduce", "allgather": "allgather", "two_phase": "two_phase",
+# The kinds this model names -> jaxcomp.collectives' names, and back.
+_LIBRARY_NAMES = {"allreduce": "psum", "allgather": "allgather", "two_phase": "two_phase",
                   "auto": "auto"}
+_KINDS = {v: k for k, v in _LIBRARY_NAMES.items()}
 
 
 def _overlap_mode(overlap) -> str:
@@ -270,44 +273,109 @@ def _overlap_mode(overlap) -> str:
   raise ValueError(f"overlap must be True, False or one of {_OVERLAP_MODES}, got {overlap!r}")
 
 
+def _is_library(compressor) -> bool:
+  from jaxcomp.compressors import base as _compressors
+  return isinstance(compressor, _compressors.Compressor)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arrays:
+  """A :class:`PricedCompressor` seen through the library compressor's
+  ``payload_arrays``, which the collectives' transfers read: its payload as
+  one array, plus empty ones up to ``arrays`` (each a message of its own)."""
+
+  priced: Any
+  arrays: int = 1
+  own_exchange = False
+
+  def payload_arrays(self, n: int, dtype=None) -> tuple[int, ...]:
+    del dtype  # a PricedCompressor states float32 buffers
+    return (self.priced.payload_bytes(n),) + (0,) * (self.arrays - 1)
+
+
 def default_collective(compressor) -> str:
   """The collective kind :func:`jaxcomp.compressed_mean` uses by default for
   ``compressor``: ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
   ``"auto"``.
 
-  A jaxcomp compressor that runs its own exchange is priced by the largest
-  collective its exchange issues (PowerSGD: all-reduces; TernGrad: the
-  all-gather of its codes); the others follow their ``default_collective``;
-  anything else that is not linear is all-gathered.
+  A jaxcomp compressor names its own (``Compressor.default_collective``);
+  one that runs its own exchange is named by the largest collective it
+  issues (PowerSGD: all-reduces; TernGrad: the all-gather of its codes). A
+  :class:`PricedCompressor` is all-reduced when linear, else all-gathered.
   """
-  from jaxcomp.compressors import base as _compressors
-  if isinstance(compressor, _compressors.Compressor):
+  if _is_library(compressor):
     if compressor.own_exchange:
-      ts = compressor.transfers(((1 << 16,),), {"data": 2})
+      ts = compressor.flat_transfers(1 << 16, {"data": 2})
       kind = max(ts, key=lambda t: t.operand_bytes).kind
       return "allgather" if kind == "all-gather" else "allreduce"
-    return _LIBRARY_KINDS.get(compressor.default_collective, "allgather")
+    return _KINDS.get(compressor.default_collective, "allgather")
   return "allreduce" if compressor.linear else "allgather"
 
 
 def _comm_kind(compressor, collective: str | None) -> str:
-  if collective is not None:
-    if collective not in _COLLECTIVE_CHOICES:
-      raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
-    if collective in ("two_phase", "auto") and (
-        compressor.linear or getattr(compressor, "own_exchange", False)):
-      raise ValueError(f"collective={collective!r} is for compressors that are not linear "
-                       "and have no exchange of their own (linear ones are summed by an "
-                       "all-reduce)")
-    return collective
-  return default_collective(compressor)
+  if collective is None:
+    return default_collective(compressor)
+  if collective not in _COLLECTIVE_CHOICES:
+    raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
+  if getattr(compressor, "own_exchange", False):
+    raise ValueError(f"compressor {compressor.name!r} runs its own exchange; leave "
+                     f"collective=None, not {collective!r}")
+  if collective in ("two_phase", "auto") and compressor.linear:
+    raise ValueError(f"collective={collective!r} is for compressors that are not linear "
+                     "(linear ones are summed by an all-reduce)")
+  return collective
 
 
-def _two_phase_pays(compressor, n: int, p: int) -> bool:
-  """``jaxcomp.collectives.Auto``'s rule: two-phase where its ring bytes,
-  ``2 (p - 1) payload(ceil(n / p))``, are below the all-gather's
-  ``(p - 1) payload(n)`` (ties go to the all-gather)."""
-  return 2 * compressor.payload_bytes(-(-n // p)) < compressor.payload_bytes(n)
+def _library_collective(compressor, kind: str):
+  """jaxcomp.collectives' collective for ``kind`` (unchecked: the model may
+  price an all-reduce of payloads that the library would refuse to sum)."""
+  from jaxcomp.collectives import base
+  if getattr(compressor, "own_exchange", False):
+    return base.OwnExchange()
+  return base.REGISTRY.lookup(_LIBRARY_NAMES[kind])()
+
+
+def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None = None,
+                     messages_per_bucket: int | None = None) -> tuple:
+  """The collectives one ``n``-element float32 bucket's exchange issues per
+  worker, as the library's collective lists them
+  (:meth:`jaxcomp.collectives.Collective.flat_transfers`; for ``"auto"``, the
+  one :meth:`jaxcomp.collectives.Auto.pick` takes). :func:`predict` prices
+  exactly these.
+
+  Args:
+    compressor: a ``jaxcomp.compressors`` compressor (its payload arrays,
+      each a collective of its own) or a :class:`PricedCompressor` (one
+      array of ``payload_bytes(n)`` bytes, plus ``messages_per_bucket - 1``
+      empty ones).
+    n: elements of the bucket.
+    workers: devices in the collectives' group.
+    collective: as for :func:`predict`.
+    messages_per_bucket: for a :class:`PricedCompressor` only.
+
+  Returns:
+    A tuple of :class:`jaxcomp.wire.Transfer`.
+
+  Raises:
+    ValueError: ``messages_per_bucket`` is not an integer >= 1 or is given
+      with a library compressor; ``collective`` does not fit the compressor.
+  """
+  kind = _comm_kind(compressor, collective)
+  c = _payload_view(compressor, messages_per_bucket)
+  return _library_collective(compressor, kind).flat_transfers(c, n, {"data": workers})
+
+
+def _payload_view(compressor, messages_per_bucket):
+  if _is_library(compressor):
+    if messages_per_bucket is not None:
+      raise ValueError(
+          "messages_per_bucket is for compressors outside jaxcomp.compressors: a "
+          f"library compressor ({compressor.name!r}) declares its payload arrays")
+    return compressor
+  m = 1 if messages_per_bucket is None else messages_per_bucket
+  if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    raise ValueError(f"messages_per_bucket must be an integer >= 1, got {messages_per_bucket!r}")
+  return _Arrays(compressor, m)
 
 
 def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], float] | None = None,
@@ -340,16 +408,9 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
   if isinstance(plan, (int, float)) and not isinstance(plan, bool):
     if not plan > 0:
       raise ValueError(f"bucket size must be > 0 bytes, got {plan!r}")
-    buckets, cur, size = [], [], 0
-    for i in reversed(range(L)):
-      cur.append(i)
-      size += 4 * profile.layer_sizes[i]
-      if size >= plan:
-        buckets.append(sorted(cur))
-        cur, size = [], 0
-    if cur:
-      buckets.append(sorted(cur))
-    return buckets
+    from jaxcomp import bucketing
+    return [sorted(b) for b in bucketing.fill(
+        reversed(range(L)), [4 * n for n in profile.layer_sizes], plan)]
   buckets = [sorted(int(i) for i in b) for b in plan]
   order = [i for b in buckets for i in sorted(b, reverse=True)]
   if order != list(reversed(range(L))) or any(not b for b in buckets):
@@ -359,16 +420,17 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
   return buckets
 
 
-def predict(profile: ModelProfile, compressor: Compressor, network: costs.Network, *,
+def predict(profile: ModelProfile, compressor, network: costs.Network, *,
             codec: CodecCost | None = None, buckets="layer", overlap: bool | str = True,
             collective: str | None = None, error_feedback: bool | None = None,
-            messages_per_bucket: int = 1) -> Prediction:
+            messages_per_bucket: int | None = None) -> Prediction:
   """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
 
   Args:
     profile: gradient sizes and compute times.
-    compressor: anything with ``payload_bytes(n)`` and ``linear``
-      (``jaxcomp.compressors.get(...)``, :class:`DenseCompressor`, ...).
+    compressor: a ``jaxcomp.compressors`` compressor (priced by the
+      transfers its collective lists, :func:`bucket_transfers`) or a
+      :class:`PricedCompressor` (:class:`DenseCompressor`, ...).
     network: workers, links, ring or hierarchical.
     codec: encode/decode cost on this device; ``None`` means free.
     buckets: bucket plan, see :func:`bucket_plan` (``"mgwfbp"`` plans with this
@@ -392,10 +454,12 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
     error_feedback: whether the worker also decodes its own payload to keep
       the residual (one more decode per bucket); default ``compressor.biased``
       (jaxcomp.compressed_mean's default), False where it has no such attribute.
-    messages_per_bucket: arrays per payload (a payload of several arrays,
-      e.g. top-k's values and indices, travels as one collective each, per
-      phase for two-phase); each extra array adds the collectives' start-up
-      cost.
+    messages_per_bucket: for a :class:`PricedCompressor` only: arrays per
+      payload (a payload of several arrays, e.g. top-k's values and indices,
+      travels as one collective each, per phase for two-phase); each extra
+      array adds the collectives' start-up cost. A library compressor's
+      buckets are priced by the transfers its collective lists
+      (:func:`bucket_transfers`), one per payload array.
 
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
@@ -408,38 +472,34 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
   p = network.workers
   sizes = profile.layer_sizes
 
-  if isinstance(messages_per_bucket, bool) or not isinstance(messages_per_bucket, int) \
-      or messages_per_bucket < 1:
-    raise ValueError(f"messages_per_bucket must be an integer >= 1, got {messages_per_bucket!r}")
-  def uses_two_phase(n: int) -> bool:
-    return kind == "two_phase" or (kind == "auto" and p > 1 and _two_phase_pays(compressor, n, p))
+  from jaxcomp import collectives
+  from jaxcomp import wire
+  payload = _payload_view(compressor, messages_per_bucket)
+  library = _library_collective(compressor, kind)
+  group = {"data": p}
+
+  def resolved(n: int):
+    """The collective that carries an ``n``-element bucket."""
+    if isinstance(library, collectives.Auto):
+      return library.pick(payload, n, p)
+    return library
+
+  def transfers(n: int):
+    return resolved(n).flat_transfers(payload, n, group)
 
   def bucket_comm(n: int) -> float:
-    extra = messages_per_bucket - 1
-    if uses_two_phase(n):
-      chunk = compressor.payload_bytes(-(-n // p))
-      return (costs.collective_time("alltoall", p * chunk, network)
-              + costs.collective_time("allgather", chunk, network)
-              + extra * (costs.collective_time("alltoall", 0, network)
-                         + costs.collective_time("allgather", 0, network)))
-    k = "allreduce" if kind == "allreduce" else "allgather"
-    return (costs.collective_time(k, compressor.payload_bytes(n), network)
-            + extra * costs.collective_time(k, 0, network))
-
-  def bucket_bytes(n: int) -> float:
-    if uses_two_phase(n):
-      return (p + 1) * compressor.payload_bytes(-(-n // p))
-    return compressor.payload_bytes(n)
+    return sum(costs.transfer_time(t, network) for t in transfers(n))
 
   def bucket_codec(n: int) -> tuple[float, float]:
     """(encode before the exchange, decode work after it), seconds."""
-    if uses_two_phase(n):
-      c = -(-n // p)
+    if isinstance(resolved(n), collectives.TwoPhase):
+      c = collectives.chunk_size(n, p)
       # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
       # the gathered chunks, and (error feedback) the p own chunk payloads.
       dec = (2 * p + (p if error_feedback else 0)) * codec.decode(c) + codec.encode(c)
       return p * codec.encode(c), dec
-    decodes = (p if kind != "allreduce" else 1) + (1 if error_feedback else 0)
+    summed = all(t.kind == "all-reduce" for t in transfers(n))
+    decodes = (1 if summed else p) + (1 if error_feedback else 0)
     return codec.encode(n), decodes * codec.decode(n)
 
   plan = bucket_plan(buckets, profile,
@@ -459,7 +519,7 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       t += enc
       codec_total += enc
       c = bucket_comm(n)
-      sent += bucket_bytes(n)
+      sent += wire.operand_bytes(transfers(n))
       comm_total += c
       start = max(t if mode == "wfbp" else -1.0, net_free)
       net_free = start + c
@@ -494,7 +554,7 @@ def predict(profile: ModelProfile, compressor: Compressor, network: costs.Networ
       collective=kind)
 
 
-def compare(profile: ModelProfile, compressors: Mapping[str, Compressor], network: costs.Network,
+def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: costs.Network,
             *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
             overlap: bool | str = True,
             collective: str | Mapping[str, str | None] | None = None) -> dict[str, Prediction]:
@@ -523,8 +583,7 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Compressor], networ
     if collective not in (None, "allgather", "two_phase", "auto"):
       raise ValueError("collective must be None, 'allgather', 'two_phase', 'auto' or a "
                        f"mapping of compressor names, got {collective!r}")
-    chosen = {name: None if c.linear or getattr(c, "own_exchange", False)
-              or getattr(c, "exchange_collective", None) else collective
+    chosen = {name: None if c.linear or getattr(c, "own_exchange", False) else collective
               for name, c in compressors.items()}
   dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap)
   out = {"dense": dataclasses.replace(dense, speedup=1.0)}

@@ -10,7 +10,7 @@ over an ideal (linear, free) compressor.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel import model as _model
@@ -21,7 +21,7 @@ __all__ = ["DEFAULT_WORKERS", "sweep_workers", "sweep_bandwidth", "stops_paying"
 DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, _model.Compressor],
+def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                   network: costs.Network, workers: Sequence[int] = DEFAULT_WORKERS, *,
                   codecs=None, buckets="layer", overlap: bool | str = True,
                   collective=None) -> dict[int, dict[str, _model.Prediction]]:
@@ -36,7 +36,7 @@ def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, _model
   return out
 
 
-def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, _model.Compressor],
+def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                     network: costs.Network, gbps: Sequence[float], *, codecs=None,
                     buckets="layer", overlap: bool | str = True, collective=None
                     ) -> dict[float, dict[str, _model.Prediction]]:
