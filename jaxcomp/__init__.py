@@ -13,6 +13,7 @@ from jaxcomp import combinators
 from jaxcomp import compressors
 from jaxcomp import distributed
 from jaxcomp import feedback
+from jaxcomp import fsdp
 from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps

@@ -44,3 +44,21 @@ def add(a: Parts, b: Parts) -> Parts:
 
 def sub(a: Parts, b: Parts) -> Parts:
   return tuple(x - y for x, y in zip(a, b))
+
+
+def chunk_major(parts: Parts, p: int) -> jax.Array:
+  """Parts of ``p * c_i`` elements each, laid out for a reduce-scatter over
+  ``p`` devices: chunk ``j`` of the result (``sum c_i`` elements) is the
+  concatenation of every part's ``j``-th ``c_i`` elements, so that device
+  ``j`` receives each tensor's shard ``j``. Flat ``(p * sum c_i,)``."""
+  return concat(tuple(x.reshape(p, -1) for x in parts)).reshape(-1)
+
+
+def from_chunk_major(flat: jax.Array, part_sizes: Sequence[int],
+                     p: int) -> Parts:
+  """The inverse of :func:`chunk_major`: parts of ``part_sizes`` elements
+  (each a multiple of ``p``)."""
+  rows = flat.reshape(p, -1)
+  widths = list(itertools.accumulate(n // p for n in part_sizes))
+  return tuple(rows[:, a:b].reshape(-1)
+               for a, b in zip([0] + widths[:-1], widths))

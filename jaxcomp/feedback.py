@@ -44,6 +44,10 @@ class Feedback:
     shard_map/pmap)."""
     raise NotImplementedError
 
+  # Whether the state holds the whole mean (EF21's shared estimate): such
+  # feedback cannot run where each device gets only its shard of the mean.
+  keeps_mean: ClassVar[bool] = False
+
   def prepare(self, x: Parts, state: Any) -> tuple[Parts, Any]:
     """``(v, ctx)``: the parts to exchange for gradient ``x``, and what
     :meth:`finish` needs of this step."""
@@ -152,6 +156,7 @@ class EF21(Feedback):
   """
 
   name: ClassVar[str] = "ef21"
+  keeps_mean: ClassVar[bool] = True
 
   def init(self, sizes, axis_name):
     return EF21State(local=varying_zero_parts(sizes, axis_name),

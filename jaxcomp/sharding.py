@@ -87,13 +87,16 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def _state_axes(tx, params, mesh, axis_name: AxisName):
+def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
+                grads=None):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
   ``init`` makes it, and as it must be declared so that ``update`` keeps its
   type (``init``'s axes plus those an update gives it, to a fixed point).
 
   ``tx`` is a GradientTransformation, or an ``init`` function alone (then
-  both are ``init``'s)."""
+  both are ``init``'s). ``params`` are placed by ``params_spec``;
+  ``grads``: one device's gradient where it is not shaped like one device's
+  parameters (FSDP's whole-parameter gradient)."""
   init_fn = getattr(tx, "init", tx)
   found = []
 
@@ -101,24 +104,30 @@ def _state_axes(tx, params, mesh, axis_name: AxisName):
     found.append(jax.tree.map(varying_axes, init_fn(p)))
     return jnp.zeros((), jnp.float32)
 
-  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(), out_specs=P()),
-                 params)
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=params_spec,
+                               out_specs=P()), params)
   init_axes = found[0]
   update = getattr(tx, "update", None)
   if update is None:
     return init_axes, init_axes
   is_axes = lambda x: isinstance(x, frozenset)
   cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
-  local_state = jax.eval_shape(jax.shard_map(
-      init_fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
-      params)
+  # One device's view (out_specs=P() keeps the local shapes).
+  local_state, local = jax.eval_shape(jax.shard_map(
+      lambda p: (init_fn(p), p), mesh=mesh, in_specs=params_spec,
+      out_specs=P(), check_vma=False), params)
+  params_axes = frozenset(x for a in params_spec if a is not None
+                          for x in ((a,) if isinstance(a, str) else a))
+  params = local
   n_params = len(jax.tree.leaves(params))
+  grads = params if grads is None else grads
+  n_grads = len(jax.tree.leaves(grads))
   data = frozenset(check_axis_name(axis_name))
   for _ in range(8):  # each round can only add axes: a fixed point soon
     try:
       out = varying_after(
-          lambda g, s, p: update(g, s, p)[1], (params, local_state, params),
-          [data] * n_params + cur + [frozenset()] * n_params, mesh)
+          lambda g, s, p: update(g, s, p)[1], (grads, local_state, params),
+          [data] * n_grads + cur + [params_axes] * n_params, mesh)
     except Exception:  # pylint: disable=broad-except
       # An update that cannot be traced here (it needs extra arguments, say)
       # fails the same way in the train step, where its error is clearer;
@@ -170,14 +179,21 @@ def to_global(tree, specs):
                       is_leaf=_is_spec)
 
 
-def init_sharded(tx, params, mesh, axis_name: AxisName):
+def init_sharded(tx, params, mesh, axis_name: AxisName, *,
+                 params_spec: P = P(), grads=None):
   """Initialises ``tx``'s state under ``shard_map`` and places it on ``mesh``.
 
   Args:
     tx: an optax GradientTransformation containing jaxcomp transforms.
-    params: the (replicated) parameters.
+    params: the parameters (replicated, or placed by ``params_spec``).
     mesh: a ``jax.sharding.Mesh`` with ``axis_name``.
     axis_name: the data-parallel axis (or tuple of axes).
+    params_spec: the partition spec of every parameter leaf: ``P()``
+      (replicated, the default) or, for sharded parameters
+      (:mod:`jaxcomp.fsdp`), ``P(axis_name)``.
+    grads: ``jax.ShapeDtypeStruct`` s of one device's gradient, where it is
+      not shaped like one device's parameters (FSDP's gradient of the whole
+      parameters, :func:`jaxcomp.fsdp.init`).
 
   Returns:
     ``(opt_state, specs)``: the state, whose per-device leaves have a leading
@@ -207,8 +223,9 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
     True
   """
   _check_mesh_axes(mesh, axis_name)
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  init_axes, state_axes = _state_axes(tx, params, mesh, axis_name)
+  params = jax.device_put(params, NamedSharding(mesh, params_spec))
+  init_axes, state_axes = _state_axes(tx, params, mesh, axis_name,
+                                      params_spec=params_spec, grads=grads)
   is_axes = lambda x: isinstance(x, frozenset)
   specs = jax.tree.map(lambda a: _spec_for(a, mesh), state_axes,
                        is_leaf=is_axes)
@@ -220,8 +237,8 @@ def init_sharded(tx, params, mesh, axis_name: AxisName):
         tx.init(p), init_axes, state_axes)
     return to_global(st, specs)
 
-  state = jax.jit(jax.shard_map(init_global, mesh=mesh, in_specs=P(),
-                                out_specs=specs))(params)
+  state = jax.jit(jax.shard_map(init_global, mesh=mesh,
+                                in_specs=params_spec, out_specs=specs))(params)
   if jax.process_count() > 1:
     _check_processes_agree(state, params, mesh, axis_name)
   return state, specs
@@ -279,7 +296,8 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     axis_name: AxisName = "data", batch_spec: Any = None,
                     has_aux: bool = False, donate: bool = True,
-                    per_device_loss: bool = False) -> Callable:
+                    per_device_loss: bool = False, params_spec: Any = P(),
+                    value_and_grad: Callable | None = None) -> Callable:
   """The data-parallel train step, compiled: per-device gradient, ``tx``'s
   compressed update, parameters updated, loss averaged.
 
@@ -306,6 +324,12 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     per_device_loss: return each device's own loss (and aux), stacked on a
       leading device axis, instead of their mean: the step then runs no
       collective besides the transform's (benchmarks that time it).
+    params_spec: partition spec(s) of the parameters (replicated by
+      default; :func:`jaxcomp.fsdp.make_train_step` passes sharded ones).
+    value_and_grad: builds the per-device gradient function,
+      ``value_and_grad(loss_fn, axis_name, has_aux=...)``; default
+      :func:`per_device_value_and_grad` (:mod:`jaxcomp.fsdp` passes one that
+      gathers sharded parameters first).
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (or
@@ -340,7 +364,8 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   import optax  # pylint: disable=g-import-not-at-top
 
   _check_mesh_axes(mesh, axis_name)
-  grad_fn = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+  grad_fn = (value_and_grad or per_device_value_and_grad)(
+      loss_fn, axis_name, has_aux=has_aux)
 
   def step_fn(params, opt_state, batch):
     out, grads = grad_fn(params, batch)
@@ -353,6 +378,7 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   step = shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,
       batch_spec=P(axis_name) if batch_spec is None else batch_spec,
+      params_spec=params_spec,
       out_aux_spec=P(axis_name) if per_device_loss else P())
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 

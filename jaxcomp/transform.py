@@ -72,6 +72,8 @@ class CompressionStats(NamedTuple):
   wire_compression_factor: jax.Array  # shape=(), float32, dense_wire / wire
   residual_norm: jax.Array  # shape=(), float32, this device's L2 residual
   skipped_steps: jax.Array  # shape=(), int32, steps skipped for non-finite
+  state_bytes: jax.Array  # shape=(), float32, bytes of per-device state
+  #                         (error feedback, the collective's) on each device
 
 
 class CompressedMeanState(NamedTuple):
@@ -226,6 +228,44 @@ def _check_state(state, expected) -> None:
           "of the same structure and shapes as the gradients.")
 
 
+OUTPUTS = ("mean", "shard")
+
+
+def _check_output(output, comp, coll, fb) -> None:
+  """Construction-time checks of ``compressed_mean(output=...)``."""
+  if output not in OUTPUTS:
+    raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+  if output == "mean":
+    return
+  if comp.own_exchange:
+    raise ValueError(
+        f"output='shard' cannot use compressor {comp.name!r}: it runs its own "
+        "exchange of whole tensors; use a quantizer or a sparsifier (e.g. "
+        "'int8_block', 'qsgd', 'topk')")
+  if not coll.reduce_scatter:
+    raise ValueError(
+        f"output='shard' needs a collective with a reduce-scatter; "
+        f"collective={coll.name!r} has none: leave collective=None")
+  if fb.keeps_mean:
+    raise ValueError(
+        f"output='shard' cannot use error_feedback={fb.name!r}: it keeps the "
+        "whole mean on every device; use 'residual', 'dgc' or False")
+
+
+def _check_flat_shards(tree, what: str) -> None:
+  bad = [jax.tree_util.keystr(path) for path, x in
+         jax.tree_util.tree_flatten_with_path(tree)[0] if jnp.ndim(x) != 1]
+  if bad:
+    raise ValueError(
+        f"compressed_mean(output='shard').init takes flat parameter shards "
+        f"(one 1-D array per leaf, as jaxcomp.fsdp.shard_params makes them); "
+        f"the {what} leaves {', '.join(bad[:3])} are not 1-D")
+
+
+def _pad_to(x: jax.Array, n: int) -> jax.Array:
+  return x if x.shape[0] == n else jnp.pad(x, (0, n - x.shape[0]))
+
+
 class _Layout(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
@@ -256,6 +296,7 @@ def compressed_mean(
     mask=None,
     nonfinite: str = "skip",
     seed: int = 0,
+    output: str = "mean",
     **compressor_kwargs,
 ) -> optax.GradientTransformation:
   """Averages per-device gradients over ``axis_name``, compressed.
@@ -314,6 +355,24 @@ def compressed_mean(
       state is left unchanged. No policy lets NaN into the residual.
     seed: seed of the key shared by all devices (random-block placement,
       QSGD rounding, ...).
+    output: ``"mean"`` (default): every device gets the whole mean, as
+      above. ``"shard"``: a compressed *reduce-scatter* for sharded data
+      parallelism (FSDP / ZeRO-3, :mod:`jaxcomp.fsdp`): the parameters are
+      flat shards (leaf ``i`` of ``n_i`` elements is held as ``c_i =
+      ceil(n_i / p)`` elements per device, zero-padded, device ``j``
+      holding elements ``[j c_i, (j + 1) c_i)``), ``init`` takes those
+      shards, ``update`` takes the per-device gradient of the *whole*
+      parameters (their shapes) and returns this device's shard of the
+      mean, float ``(c_i,)`` per leaf (varying over the axis), for the
+      optimizer after it to update the shards. Linear compressors are
+      summed in flight by ``lax.psum_scatter`` of per-chunk payloads
+      (``identity`` gives exactly ``psum_scatter(g) / p``); the others go
+      through phase 1 of the two-phase exchange (an all-to-all of chunk
+      payloads, decoded and summed by each chunk's owner; ZeRO++'s qgZ).
+      Error feedback, where used, keeps one gradient-sized float32 residual
+      per device (``stats.state_bytes``), memory that FSDP otherwise does
+      not spend: unbiased quantizers without it (``error_feedback=False``)
+      are the sharded default to reach for.
     **compressor_kwargs: hyperparameters of a compressor given by name.
 
   Returns:
@@ -322,8 +381,13 @@ def compressed_mean(
 
   Raises:
     ValueError: at construction, for an unknown compressor, collective,
-      feedback, bucketing or nonfinite policy, a bad hyperparameter, an empty
-      ``axis_name``, or a collective that cannot carry the compressor.
+      feedback, bucketing, nonfinite policy or ``output``, a bad
+      hyperparameter, an empty ``axis_name``, a collective that cannot
+      carry the compressor, or, with ``output="shard"``, a compressor with
+      an exchange of its own (PowerSGD, TernGrad, majority vote), a
+      collective with no reduce-scatter (``"hierarchical"``, ``"zen"``) or
+      feedback that keeps the whole mean (``"ef21"``); in ``init``, with
+      ``output="shard"``, for parameters that are not flat shards.
     TypeError: in ``init``/``update``, for integer or boolean leaves that
       ``mask`` does not leave out, or for a gradient JAX already summed over
       the devices (plain ``jax.grad`` inside ``shard_map``).
@@ -356,6 +420,8 @@ def compressed_mean(
         f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite=}")
   if min_compress_size < 0:
     raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
+  _check_output(output, comp, coll, fb)
+  shard = output == "shard"
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
                              bucket_bytes=bucket_bytes, plan=plan)
   config = {k: _describe(v) for k, v in {
@@ -364,15 +430,25 @@ def compressed_mean(
       "min_compress_size": min_compress_size,
       "bucket_elements": bucket_elements, "bucket_bytes": bucket_bytes,
       "plan": plan, "mask": None if mask is None else "given",
-      "nonfinite": nonfinite, "seed": seed}.items()}
+      "nonfinite": nonfinite, "seed": seed, "output": output}.items()}
   digest = _config_digest(config)
   _CONFIGS[digest] = config
 
-  def layout(tree, what: str) -> _Layout:
+  def layout(tree, what: str, shards: bool = False) -> _Layout:
+    """``shards``: ``tree`` holds flat parameter shards (``output="shard"``'s
+    ``init``), not tensors of the whole shapes."""
     leaves = jax.tree.leaves(tree)
     flags = _leaf_flags(tree, mask)
     _check_floating(leaves, flags, what)
     sizes = [math.prod(jnp.shape(x)) for x in leaves]
+    if shard:
+      # Every leaf as p chunks of c = ceil(n / p) elements (zero-padded).
+      p = wire.devices(_mesh.axis_sizes(axis_name))
+      if shards:
+        _check_flat_shards(tree, what)
+        sizes = [p * n for n in sizes]
+      else:
+        sizes = [p * -(-n // p) for n in sizes]
     passthrough = tuple(
         i for i, x in enumerate(leaves)
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating))
@@ -386,7 +462,8 @@ def compressed_mean(
                                 for b in bplan.buckets) if b)
     exact = tuple(sorted(set(range(len(leaves))) - set(passthrough)
                          - {i for b in buckets for i in b}))
-    shapes = [tuple(tuple(jnp.shape(leaves[i])) for i in b) for b in buckets]
+    shapes = [tuple((sizes[i],) if shard else tuple(jnp.shape(leaves[i]))
+                    for i in b) for b in buckets]
     dtypes = [jnp.dtype(jnp.result_type(x)) for x in leaves]
     bucket_dtypes = [dtypes[b[0]] if len({dtypes[i] for i in b}) == 1
                      else jnp.dtype(jnp.float32) for b in buckets]
@@ -396,28 +473,39 @@ def compressed_mean(
   def static_stats(lay: _Layout) -> dict:
     axis_sizes = _mesh.axis_sizes(axis_name)
     p = wire.devices(axis_sizes)
-    ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
-          for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
+    if shard:
+      ts = [t for b, dtype in enumerate(lay.bucket_dtypes)
+            for t in coll.reduce_scatter_transfers(
+                comp, sum(lay.bucket_sizes(b)), axis_sizes, dtype)]
+    else:
+      ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
+            for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
+    # The dense exchange: an all-reduce, or a reduce-scatter for shards.
+    dense_kind = "reduce-scatter" if shard else "all-reduce"
     nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
     exact = sum(nbytes(i) for i in lay.plan.exact)
     sent = wire.operand_bytes(ts) + exact
     on_wire = (wire.total_ring_bytes(ts)
-               + wire.ring_bytes("all-reduce", exact, p))
+               + wire.ring_bytes(dense_kind, exact, p))
     dense = sum(nbytes(i) for i in range(len(lay.sizes))
                 if i not in lay.passthrough)
-    dense_wire = wire.ring_bytes("all-reduce", dense, p)
+    dense_wire = wire.ring_bytes(dense_kind, dense, p)
     f32 = lambda v: jnp.asarray(float(v), jnp.float32)
     return dict(bytes_sent=f32(sent), dense_bytes=f32(dense),
                 compression_factor=f32(dense / max(sent, 1)),
                 wire_bytes=f32(on_wire), dense_wire_bytes=f32(dense_wire),
                 wire_compression_factor=f32(
-                    dense_wire / on_wire if on_wire else 1.0))
+                    dense_wire / on_wire if on_wire else 1.0),
+                state_bytes=f32(state_bytes(lay)))
 
-  def init_fn(params):
-    _mesh.check_bound(axis_name, "compressed_mean.init")
-    lay = layout(params, "params")
-    for b in range(len(lay.shapes)):
-      comp.check_size(sum(lay.bucket_sizes(b)))
+  def state_bytes(lay: _Layout) -> int:
+    """Bytes of per-device state this transform keeps (error feedback, the
+    collectives' state), from the state's types."""
+    st = jax.eval_shape(lambda: make_state(lay, stats=False))
+    return sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves((st.feedback, st.exchange_state)))
+
+  def make_state(lay: _Layout, stats: bool = True):
     key = jax.random.key(seed)
     init_key = jax.random.fold_in(key, _INIT_STREAM)
     return CompressedMeanState(
@@ -426,14 +514,22 @@ def compressed_mean(
         key=jax.random.key_data(key),
         feedback=tuple(fb.init(lay.bucket_sizes(b), axis_name)
                        for b in range(len(lay.shapes))),
+        # A reduce-scatter keeps no exchange state (no second phase).
         exchange_state=tuple(
-            coll.init_state(comp, shapes, jax.random.fold_in(init_key, b),
-                            axis_name)
+            () if shard else coll.init_state(
+                comp, shapes, jax.random.fold_in(init_key, b), axis_name)
             for b, shapes in enumerate(lay.shapes)),
         stats=CompressionStats(
             **static_stats(lay),
             residual_norm=_mesh.varying_zeros((), axis_name),
-            skipped_steps=jnp.zeros((), jnp.int32)))
+            skipped_steps=jnp.zeros((), jnp.int32)) if stats else None)
+
+  def init_fn(params):
+    _mesh.check_bound(axis_name, "compressed_mean.init")
+    lay = layout(params, "params", shards=True)
+    for b in range(len(lay.shapes)):
+      comp.check_size(sum(lay.bucket_sizes(b)))
+    return make_state(lay)
 
   def screen(flat):
     """``(flat, any_bad)``: the gradient as the nonfinite policy sends it,
@@ -457,19 +553,27 @@ def compressed_mean(
     _mesh.check_bound(axis_name, "compressed_mean.update")
     _check_per_device([x for i, x in enumerate(leaves)
                        if i not in lay.passthrough], axis_name)
-    _check_state(state, jax.eval_shape(init_fn, updates))
+    _check_state(state, jax.eval_shape(lambda: make_state(lay)))
     flat, any_bad = screen([
-        x.reshape(-1).astype(jnp.float32) if i not in lay.passthrough
+        _pad_to(x.reshape(-1).astype(jnp.float32), lay.sizes[i])
+        if i not in lay.passthrough
         else jnp.zeros((0,), jnp.float32) for i, x in enumerate(leaves)])
+    p = wire.devices(_mesh.axis_sizes(axis_name))
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                   state.count)
     out = [None] * len(leaves)
     for dtype in dict.fromkeys(lay.dtypes[i] for i in lay.plan.exact):
       # One exact pmean per dtype, in that dtype (a bf16 leaf sends bf16).
       group = [i for i in lay.plan.exact if lay.dtypes[i] == dtype]
-      mean = lax.pmean(_parts.concat(
-          tuple(flat[i].astype(dtype) for i in group)), axis_name)
-      for i, m in zip(group, _parts.split(mean, [lay.sizes[i] for i in group])):
+      parts = tuple(flat[i].astype(dtype) for i in group)
+      if shard:
+        mean = lax.psum_scatter(_parts.chunk_major(parts, p).reshape(p, -1),
+                                axis_name, scatter_dimension=0) / p
+        mean = _parts.split(mean, [lay.sizes[i] // p for i in group])
+      else:
+        mean = _parts.split(lax.pmean(_parts.concat(parts), axis_name),
+                            [lay.sizes[i] for i in group])
+      for i, m in zip(group, mean):
         out[i] = m.astype(jnp.float32)
     new_fb, new_exchange = [], []
     sq_residual = jnp.zeros((), jnp.float32)
@@ -478,12 +582,20 @@ def compressed_mean(
       # The bucket travels in its gradient's own dtype; the feedback keeps
       # float32, and the rounding to that dtype is part of what it keeps.
       dtype = lay.bucket_dtypes[b]
-      mean, local, estate = coll.exchange(
-          comp, tuple(x.astype(dtype) for x in v), lay.shapes[b],
-          key=coll.device_key(comp, jax.random.fold_in(step_key, b),
-                              axis_name),
-          step=state.count, axis_name=axis_name,
-          state=state.exchange_state[b])
+      bucket_key = coll.device_key(comp, jax.random.fold_in(step_key, b),
+                                   axis_name)
+      if shard:
+        mean, local = coll.reduce_scatter_flat(
+            comp, _parts.chunk_major(v, p).astype(dtype), bucket_key,
+            axis_name)
+        sizes = lay.bucket_sizes(b)
+        mean = _parts.split(mean, [n // p for n in sizes])
+        local, estate = _parts.from_chunk_major(local, sizes, p), ()
+      else:
+        mean, local, estate = coll.exchange(
+            comp, tuple(x.astype(dtype) for x in v), lay.shapes[b],
+            key=bucket_key, step=state.count, axis_name=axis_name,
+            state=state.exchange_state[b])
       mean, fstate = fb.finish(ctx, mean, local)
       if nonfinite != "zero":
         # A skipped step sends nothing and leaves no trace in the state.
@@ -502,13 +614,14 @@ def compressed_mean(
 
     mean_leaves = []
     for i, (m, leaf) in enumerate(zip(out, leaves)):
+      shape = (lay.sizes[i] // p,) if shard else jnp.shape(leaf)
       if i in lay.passthrough:  # no update, typed invariant
         mean_leaves.append(leaf if jnp.result_type(leaf) == jax.dtypes.float0
-                           else jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf)))
+                           else jnp.zeros(shape, jnp.result_type(leaf)))
         continue
       if nonfinite == "propagate":
         m = jnp.where(any_bad, jnp.nan, m)
-      mean_leaves.append(m.reshape(jnp.shape(leaf)).astype(leaf.dtype))
+      mean_leaves.append(m.reshape(shape).astype(leaf.dtype))
     # The bytes are this transform's (a state may come from another
     # transform of the same structure, e.g. an earlier warm-up stage).
     stats = state.stats._replace(
@@ -566,4 +679,4 @@ def get_stats(state, *, by_path: bool = False):
       wire_compression_factor=jnp.where(
           on_wire > 0, dense_wire / jnp.maximum(on_wire, 1.0), 1.0),
       residual_norm=jnp.sqrt(sum(s.residual_norm ** 2 for _, s in found)),
-      skipped_steps=total("skipped_steps"))
+      skipped_steps=total("skipped_steps"), state_bytes=total("state_bytes"))

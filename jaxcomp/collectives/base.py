@@ -59,6 +59,8 @@ class Collective:
 
   name: ClassVar[str] = ""
   payload_kind: ClassVar[str | None] = None  # a kind of jaxcomp.wire.KINDS
+  # Whether reduce_scatter_flat is defined (compressed_mean(output="shard")).
+  reduce_scatter: ClassVar[bool] = True
 
   def check(self, compressor: Compressor) -> None:
     """Raises ValueError if this collective cannot carry ``compressor``."""
@@ -140,6 +142,34 @@ class Collective:
                           compressor.payload_arrays(n, dtype), axes_of(sizes),
                           sizes)
 
+  def reduce_scatter_flat(self, compressor: Compressor, x: jax.Array,
+                          key: jax.Array, axis_name: AxisName):
+    """Compressed reduce-scatter of one flat ``(p * c,)`` buffer (``p``
+    devices; chunk ``j`` is ``x[j * c:(j + 1) * c]``): ``(shard, local)``.
+
+    ``shard``: float32 ``(c,)``, the mean over the axis of chunk ``j`` on
+    device ``j`` (varying: each device its own chunk); ``local``: float32
+    ``(p * c,)``, what this device contributed (for error feedback).
+
+    By default phase 1 of :class:`~jaxcomp.collectives.TwoPhase`: every
+    chunk is encoded on its own (chunk ``j`` with key ``fold_in(key, j)``),
+    an all-to-all sends chunk ``j``'s payload to device ``j``, which decodes
+    the ``p`` payloads it receives and sums them in float32 (ZeRO++'s qgZ;
+    sparse payloads are each chunk's own selection, sent to its owner).
+    """
+    return phase_one(compressor, x, key, axis_name)
+
+  def reduce_scatter_transfers(self, compressor: Compressor, n: int,
+                               sizes: Sizes, dtype=jnp.float32
+                               ) -> tuple[wire.Transfer, ...]:
+    """The collectives :meth:`reduce_scatter_flat` issues for an ``n``-element
+    buffer (``n`` a multiple of the device count): by default one all-to-all
+    of the ``p`` chunk payloads per payload array."""
+    p = wire.devices(sizes)
+    chunk = compressor.payload_arrays(chunk_size(n, p), dtype)
+    return wire.transfers("all-to-all", [p * b for b in chunk], axes_of(sizes),
+                          sizes)
+
   def payload_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
                     sizes: Sizes, dtype=jnp.float32) -> int:
     """Operand bytes one device hands to collectives for one exchange."""
@@ -194,6 +224,34 @@ class PsumMean(Collective):
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
     return mean, compressor.decode(payload, n, key), state
 
+  def reduce_scatter_flat(self, compressor, x, key, axis_name):
+    """Each chunk encoded on its own (the same chunk keys on every device),
+    the ``p`` chunk payloads summed in flight by ``lax.psum_scatter``, this
+    device's sum decoded: for ``identity``, exactly ``psum_scatter(x) / p``."""
+    p = axis_size(axis_name)
+    c = x.shape[0] // p
+    chunks = x.reshape(p, c)
+    keys = chunk_keys(key, 0, p)
+    scale = 1.0 / p if compressor.prescale else 1.0
+    payloads = jax.vmap(compressor.encode)(chunks * scale if scale != 1.0
+                                           else chunks, keys)
+    me = lax.axis_index(axis_name)
+    summed = jax.tree.map(
+        lambda a: lax.psum_scatter(a, axis_name, scatter_dimension=0), payloads)
+    shard = compressor.decode(summed, c, jax.random.fold_in(key, me))
+    local = jax.vmap(lambda pl, k: compressor.decode(pl, c, k))(
+        payloads, keys).reshape(-1)
+    if compressor.prescale:
+      return shard, local * p
+    return shard / p, local
+
+  def reduce_scatter_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+    """One reduce-scatter of the ``p`` chunk payloads per payload array."""
+    p = wire.devices(sizes)
+    chunk = compressor.payload_arrays(chunk_size(n, p), dtype)
+    return wire.transfers("reduce-scatter", [p * b for b in chunk],
+                          axes_of(sizes), sizes)
+
 
 @register
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +285,7 @@ class OwnExchange(Collective):
   the compressor's."""
 
   name: ClassVar[str] = "compressor"
+  reduce_scatter: ClassVar[bool] = False
 
   def check(self, compressor):
     if not compressor.own_exchange:
@@ -253,6 +312,37 @@ def chunk_size(n: int, num_devices: int) -> int:
   """Elements per chunk when ``n`` is split into ``num_devices`` chunks
   (``ceil(n / num_devices)``; the last chunks are zero-padded)."""
   return -(-n // num_devices)
+
+
+def chunk_keys(key: jax.Array, start: int, p: int) -> jax.Array:
+  """Keys ``fold_in(key, start + j)`` for ``j < p``, stacked."""
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(
+      start + jnp.arange(p, dtype=jnp.int32))
+
+
+def phase_one(compressor: Compressor, x: jax.Array, key: jax.Array,
+              axis_name: AxisName):
+  """Phase 1 of the two-phase exchange of a flat ``(n,)`` buffer: chunks of
+  ``c = ceil(n / p)`` (zero-padded to ``p * c``) encoded with keys
+  ``fold_in(key, j)``, sent to their owners by one all-to-all, decoded and
+  summed there. Returns ``(chunk_mean, local)``: float32 ``(c,)``, the mean
+  of this device's chunk over the axis, and float32 ``(n,)``, the decodes of
+  this device's own chunk payloads."""
+  n = x.shape[0]
+  p = axis_size(axis_name)
+  c = chunk_size(n, p)
+  chunks = jnp.pad(x, (0, p * c - n)).reshape(p, c)
+  keys = chunk_keys(key, 0, p)
+  payloads = jax.vmap(compressor.encode)(chunks, keys)
+  local = jax.vmap(lambda pl, k: compressor.decode(pl, c, k))(
+      payloads, keys).reshape(-1)[:n]
+  # received[i] is device i's payload for this device's chunk.
+  received = jax.tree.map(lambda a: lax.all_to_all(a, axis_name, 0, 0),
+                          payloads)
+  me = lax.axis_index(axis_name)
+  chunk_mean = compressor.decode_sum(received, c,
+                                     jax.random.fold_in(key, me)) / p
+  return chunk_mean, local
 
 
 def default_for(compressor: Compressor) -> Collective:

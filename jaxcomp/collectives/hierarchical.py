@@ -100,6 +100,7 @@ class Hierarchical(Collective):
   """
 
   name: ClassVar[str] = "hierarchical"
+  reduce_scatter: ClassVar[bool] = False
   fast_axis: AxisName | None = None
   slow_axis: AxisName | None = None
   inner: str | Collective | None = None

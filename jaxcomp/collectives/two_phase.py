@@ -21,14 +21,9 @@ from jax import lax
 
 from jaxcomp import wire
 from jaxcomp._mesh import axis_size, varying_zeros
-from jaxcomp.collectives.base import (AllGatherMean, Collective, chunk_size,
-                                      register)
+from jaxcomp.collectives.base import (AllGatherMean, Collective, chunk_keys,
+                                      chunk_size, phase_one, register)
 from jaxcomp.wire import axes_of, devices
-
-
-def _chunk_keys(key: jax.Array, start: int, p: int) -> jax.Array:
-  return jax.vmap(lambda i: jax.random.fold_in(key, i))(
-      start + jnp.arange(p, dtype=jnp.int32))
 
 
 @register
@@ -105,17 +100,8 @@ class TwoPhase(Collective):
     n = x.shape[0]
     p = axis_size(axis_name)
     c = chunk_size(n, p)
-    chunks = jnp.pad(x, (0, p * c - n)).reshape(p, c)
-    keys1 = _chunk_keys(key, 0, p)
-    payloads = jax.vmap(compressor.encode)(chunks, keys1)
-    local = jax.vmap(lambda pl, k: compressor.decode(pl, c, k))(
-        payloads, keys1).reshape(-1)[:n]
-    # received[i] is device i's payload for this device's chunk.
-    received = jax.tree.map(
-        lambda a: lax.all_to_all(a, axis_name, 0, 0), payloads)
+    chunk_mean, local = phase_one(compressor, x, key, axis_name)
     me = lax.axis_index(axis_name)
-    chunk_mean = compressor.decode_sum(received, c,
-                                       jax.random.fold_in(key, me)) / p
     if self.residual:
       chunk_mean = chunk_mean + state
     key2 = jax.random.fold_in(key, p + me)
@@ -127,7 +113,7 @@ class TwoPhase(Collective):
     gathered = jax.tree.map(
         lambda a: lax.all_gather(a, axis_name, to="invarying"), payload2)
     mean = jax.vmap(lambda pl, k: compressor.decode(pl, c, k))(
-        gathered, _chunk_keys(key, p, p)).reshape(-1)[:n]
+        gathered, chunk_keys(key, p, p)).reshape(-1)[:n]
     return mean, local, state
 
   def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):

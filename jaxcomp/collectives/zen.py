@@ -154,6 +154,7 @@ class Zen(Collective):
   """
 
   name: ClassVar[str] = "zen"
+  reduce_scatter: ClassVar[bool] = False
   density: float = 0.01
   capacity_factor: float = 2.0
   gather_capacity_factor: float | None = None

@@ -1,0 +1,246 @@
+"""Sharded data parallelism: compressed_mean(output="shard") and jaxcomp.fsdp."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import fsdp
+
+from tests.helpers import stacked
+
+SHAPES = {"w": (13, 7), "b": (7,), "v": (300,)}  # 91, 7 and 300 elements: padded
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items())}
+
+
+def _per_device_grads(seed, p=8):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {k: jax.random.normal(key, (p, *s)) for key, (k, s) in zip(keys, SHAPES.items())}
+
+
+def _shard_update(tx, mesh, steps):
+  """Runs tx.update on per-device whole gradients ``steps`` (a list) and
+  returns (each step's global shards, final state)."""
+  shards, shapes, state, specs = fsdp.init(tx, _params(), mesh)
+
+  def body(g, s, w):
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs), w)
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs, P("data")),
+                            out_specs=(P("data"), specs)))
+  outs = []
+  for g in steps:
+    u, state = f(stacked(g, mesh), state, shards)
+    outs.append(u)
+  return outs, state, specs
+
+
+def _padded_mean_shards(g, p=8):
+  """Host reference: each leaf's per-device gradients flattened, padded to
+  p * ceil(n / p), averaged over devices: the global flat shards."""
+  def one(x):
+    flat = x.reshape(p, -1)
+    n = flat.shape[1]
+    return np.pad(np.asarray(flat), ((0, 0), (0, p * math.ceil(n / p) - n))).mean(0)
+  return jax.tree.map(one, g)
+
+
+@pytest.mark.parametrize("bucketing", ["layerwise", "whole"])
+def test_identity_is_exactly_psum_scatter(mesh8, bucketing):
+  tx = jaxcomp.compressed_mean("identity", "data", output="shard", bucketing=bucketing,
+                               min_compress_size=10)  # "b" goes the exact way
+  g = _per_device_grads(1)
+  (u,), _, _ = _shard_update(tx, mesh8, [g])
+
+  def ref(x):
+    x = x[0].reshape(-1)
+    c = -(-x.shape[0] // 8)
+    x = jnp.pad(x, (0, 8 * c - x.shape[0])).reshape(8, c)
+    return lax.psum_scatter(x, "data", scatter_dimension=0) / 8
+
+  want = jax.jit(jax.shard_map(lambda g: jax.tree.map(ref, g), mesh=mesh8,
+                               in_specs=P("data"), out_specs=P("data")))(stacked(g, mesh8))
+  for k in SHAPES:
+    assert u[k].shape == (8 * -(-math.prod(SHAPES[k]) // 8),)
+    np.testing.assert_array_equal(np.asarray(u[k]), np.asarray(want[k]))
+    np.testing.assert_allclose(np.asarray(u[k]), _padded_mean_shards(g)[k], rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_grad_of_shards_is_already_reduce_scattered(mesh8):
+  # The JAX fact: the transpose of all_gather is psum_scatter, so jax.grad
+  # with respect to the shards sums the devices' gradients, dense, before any
+  # transform sees them; fsdp.value_and_grad keeps each device's own.
+  params = _params()
+  shards, shapes = fsdp.shard_params(params, mesh8)
+  x = jax.device_put(jax.random.normal(jax.random.key(2), (8, 13)),
+                     NamedSharding(mesh8, P("data")))
+
+  def loss(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"][None])) + jnp.sum(p["v"] ** 2) * jnp.sum(x)
+
+  def body(s, x):
+    naive = jax.grad(lambda s: loss(fsdp.gather_params(s, shapes), x))(s)
+    _, own = fsdp.value_and_grad(loss, shapes)(s, x)
+    summed = jax.tree.map(lambda g: lax.psum(g, "data"), own)
+    flat = jax.tree.map(lambda g: jnp.pad(g.reshape(-1), (0, -g.size % 8)), summed)
+    mine = jax.tree.map(lambda g: g.reshape(8, -1)[lax.axis_index("data")], flat)
+    return naive, mine, jax.tree.map(lambda g: g[None], own)
+
+  naive, mine, own = jax.jit(jax.shard_map(
+      body, mesh=mesh8, in_specs=(P("data"), P("data")),
+      out_specs=(P("data"), P("data"), P("data"))))(shards, x)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(naive[k]), np.asarray(mine[k]), rtol=1e-5, atol=1e-5)
+    # Each device's own gradient differs from device 0's: not summed.
+    assert own[k].shape == (8, *SHAPES[k])
+    own_k = np.asarray(own[k])
+    assert not np.allclose(own_k[0], own_k[1])
+
+
+def _loss(p, batch):
+  x, y = batch
+  h = jnp.tanh(x @ p["w"] + p["b"][None])
+  return jnp.mean((h - y) ** 2) + 1e-3 * jnp.sum(p["v"] ** 2)
+
+
+def _batch(mesh):
+  k1, k2 = jax.random.split(jax.random.key(3))
+  x, y = jax.random.normal(k1, (64, 13)), jax.random.normal(k2, (64, 7))
+  return jax.device_put((x, y), NamedSharding(mesh, P("data")))
+
+
+def test_fsdp_identity_trains_as_replicated_data_parallelism(mesh8):
+  batch = _batch(mesh8)
+  tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
+                   optax.adam(1e-2))
+  shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
+  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
+  ref_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-2))
+  ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh8, "data")
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
+  ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  for _ in range(10):
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+      shards, st, loss = step(shards, st, batch)
+      ref, ref_st, ref_loss = ref_step(ref, ref_st, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  got = fsdp.unshard_params(shards, shapes)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+  # Adam's moments are sharded: 1/8 of the replicated state per device, up
+  # to the padding.
+  adam_bytes = fsdp.state_bytes(st[1])
+  ref_bytes = fsdp.state_bytes(ref_st[1])
+  padded = sum(8 * -(-math.prod(s) // 8) for s in SHAPES.values())
+  whole = sum(math.prod(s) for s in SHAPES.values())
+  assert adam_bytes - 4 == (ref_bytes - 4) * padded // whole // 8  # the count: 4 B
+
+
+# int8 blocks: 1 byte per element plus a float32 scale per 256, 3.94x fewer
+# bytes than float32; 4-bit codes, 7.76x.
+@pytest.mark.parametrize("name,kw,limit", [("int8_block", {}, 3.9), ("int8_block", {"bits": 4}, 7.5),
+                                           ("topk", {"ratio": 0.01}, 40)])
+def test_compressed_reduce_scatter_traffic_from_hlo(mesh8, name, kw, limit):
+  batch = _batch(mesh8)
+  big = {"w": jnp.zeros((13, 7)), "b": jnp.zeros((7,)), "v": jnp.zeros((40_000,))}
+
+  def loss(p, batch):
+    return _loss(p, batch) + jnp.sum(p["v"] ** 2)
+
+  def compiled(compressor, **kw):
+    tx = optax.chain(jaxcomp.compressed_mean(compressor, "data", output="shard",
+                                             min_compress_size=1000, **kw), optax.sgd(0.1))
+    shards, shapes, st, specs = fsdp.init(tx, big, mesh8)
+    step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs,
+                                per_device_loss=True)
+    return jaxcomp.collective_traffic(step.lower(shards, st, batch).compile()), st
+
+  dense, dense_st = compiled("identity")
+  comp, st = compiled(name, **kw)
+  exchange = lambda t: [o for o in t.ops if o.kind in ("reduce-scatter", "all-to-all")]
+  dense_rs = sum(o.ring_bytes for o in exchange(dense))
+  comp_rs = sum(o.ring_bytes for o in exchange(comp))
+  assert comp_rs * limit <= dense_rs, (comp_rs, dense_rs)
+  # The statistics are what the compiled program sends.
+  stats = jaxcomp.get_stats(st)
+  assert float(stats.bytes_sent) == sum(o.operand_bytes for o in exchange(comp))
+  assert float(stats.wire_bytes) == pytest.approx(comp_rs)
+  assert float(jaxcomp.get_stats(dense_st).dense_wire_bytes) == pytest.approx(dense_rs)
+  # No gradient-sized float32 collective is left: only the parameters'
+  # all-gathers (forward) move float32 of that size.
+  n_v = 40_000 * 4
+  assert not [o for o in comp.ops if o.kind != "all-gather" and o.operand_bytes >= n_v // 2]
+  assert [o for o in dense.ops if o.kind == "reduce-scatter" and o.operand_bytes >= n_v]
+
+
+def test_two_phase_bytes_stay_flat_in_p():
+  from jaxcomp import collectives, compressors
+  c = compressors.get("int8_block")
+  n = 1 << 20
+  per = {p: collectives.AllGatherMean().reduce_scatter_transfers(c, n, {"data": p})
+         for p in (2, 4, 8, 16)}
+  wire = {p: sum(t.ring_bytes for t in ts) for p, ts in per.items()}
+  # (p - 1) / p of the compressed buffer: within 2x of each other.
+  assert max(wire.values()) <= 2 * min(wire.values())
+  assert all(w <= c.payload_bytes(n) for w in wire.values())
+
+
+def test_error_feedback_conserves_mass_in_shards(mesh8):
+  steps = [_per_device_grads(s) for s in range(4)]
+  tx = jaxcomp.compressed_mean("topk", "data", output="shard", ratio=0.05)
+  outs, state, specs = _shard_update(tx, mesh8, steps)
+  # p * sum_t shard means (the whole buffer, concatenated) ==
+  # sum over devices and steps of the gradient - sum of the final residuals.
+  residuals = state.feedback
+  for leaf_index, k in enumerate(sorted(SHAPES)):  # jax.tree.leaves order
+    sent = 8 * sum(np.asarray(u[k], np.float64) for u in outs)
+    total = sum(np.asarray(g[k], np.float64).reshape(8, -1) for g in steps)
+    n = total.shape[1]
+    total = np.pad(total, ((0, 0), (0, sent.shape[0] - n))).sum(0)
+    res = np.asarray(residuals[leaf_index][0], np.float64).sum(0)  # over devices
+    np.testing.assert_allclose(sent + res, total, rtol=1e-4, atol=1e-4)
+  assert float(jaxcomp.get_stats(state).state_bytes) == 4 * sum(
+      8 * -(-math.prod(s) // 8) for s in SHAPES.values())
+
+
+def test_skip_nonfinite_in_shards(mesh8):
+  g = _per_device_grads(5)
+  bad = dict(g, w=g["w"].at[3, 0, 0].set(jnp.nan))
+  tx = jaxcomp.compressed_mean("int8_block", "data", output="shard")
+  outs, state, _ = _shard_update(tx, mesh8, [g, bad])
+  assert all(float(jnp.abs(outs[1][k]).max()) == 0.0 for k in SHAPES)
+  assert int(jaxcomp.get_stats(state).skipped_steps) == 1
+
+
+def test_shard_output_refuses_what_it_cannot_do(mesh8):
+  with pytest.raises(ValueError, match="output must be one of"):
+    jaxcomp.compressed_mean("identity", "data", output="shards")
+  with pytest.raises(ValueError, match="powersgd.*own exchange"):
+    jaxcomp.compressed_mean("powersgd", "data", output="shard")
+  with pytest.raises(ValueError, match="collective='hierarchical' has none"):
+    jaxcomp.compressed_mean("int8_block", ("hosts", "data"), output="shard",
+                            collective="hierarchical")
+  with pytest.raises(ValueError, match="error_feedback='ef21'"):
+    jaxcomp.compressed_mean("topk", "data", output="shard", error_feedback="ef21")
+  # fsdp.init wants every jaxcomp transform to output shards, and one at all.
+  with pytest.raises(ValueError, match="output='shard'"):
+    fsdp.init(optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1)),
+              _params(), mesh8)
+  with pytest.raises(ValueError, match="has no jaxcomp.compressed_mean"):
+    fsdp.init(optax.sgd(0.1), _params(), mesh8)
+  # init of a shard transform on parameters that are not flat shards.
+  tx = jaxcomp.compressed_mean("identity", "data", output="shard")
+  with pytest.raises(ValueError, match=r"\['w'\] are not 1-D"):
+    jaxcomp.init_sharded(tx, _params(), mesh8, "data")
