@@ -16,7 +16,7 @@ from typing import Any
 _HYPERPARAMETER_FIELDS = {
     "ratio": "ratio", "levels": "levels", "rank": "rank", "bits": "bits",
     "format": "format", "threshold": "threshold", "block_size": "block_size",
-    "capacity_ratio": "ratio",
+    "capacity_ratio": "ratio", "rounding": "rounding",
 }
 _ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
@@ -34,6 +34,7 @@ class CompressionConfig:
   format: str = "e4m3"  # fp8_block format
   threshold: float = 1e-3  # threshold compressor's magnitude threshold
   block_size: int = 256  # int8_block / fp8_block elements per scale
+  rounding: str = "nearest"  # int8_block / fp8_block: or "stochastic" (unbiased)
   error_feedback: bool | str | None = None  # None: on for biased ones
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
   ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
@@ -64,6 +65,10 @@ def add_compression_flags(p: argparse.ArgumentParser, defaults) -> None:
                  help="threshold compressor's magnitude threshold")
   p.add_argument("--block-size", type=int, default=d.block_size,
                  help="int8_block / fp8_block elements per scale")
+  p.add_argument("--rounding", choices=("nearest", "stochastic"),
+                 default=d.rounding,
+                 help="int8_block / fp8_block rounding (stochastic: unbiased, "
+                 "no error feedback by default)")
   p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
                  default=ef, help="auto: on for biased compressors")
   p.add_argument("--ratio-warmup-steps", type=int,
@@ -121,7 +126,7 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       compressor=args.compressor, ratio=args.ratio, levels=args.levels,
       rank=args.rank, bits=args.bits, format=args.format,
       threshold=args.threshold, block_size=args.block_size,
-      error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
+      rounding=args.rounding, error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
       min_compress_size=args.min_compress_size,
       ratio_warmup_steps=args.ratio_warmup_steps,
@@ -159,13 +164,17 @@ def stages(config, learning_rate):
   import optax
   kwargs = compressor_kwargs(config)
 
+  # FSDP runs (char_lm's --sharding fsdp) reduce-scatter into shards.
+  output = "shard" if getattr(config, "sharding", "replicated") == "fsdp" \
+      else "mean"
+
   def make_tx(ratio=None):
     kw = kwargs if ratio is None else dict(kwargs, ratio=ratio)
     return optax.chain(
         jaxcomp.compressed_mean(config.compressor, "data",
                                 min_compress_size=config.min_compress_size,
                                 error_feedback=config.error_feedback,
-                                seed=config.seed, **kw),
+                                seed=config.seed, output=output, **kw),
         optimizer(config.optimizer, learning_rate))
 
   if config.ratio_warmup_steps < 0:
@@ -182,12 +191,14 @@ def stages(config, learning_rate):
                                  config.ratio_warmup_steps)
 
 
-def stage_bytes(stages, params, mesh):
+def stage_bytes(stages, params, mesh, sharded: bool = False):
   """Bytes one device sends per step in each stage (its transformation's
-  statistics), for :func:`jaxcomp.combinators.bytes_over`."""
+  statistics), for :func:`jaxcomp.combinators.bytes_over`; ``sharded``:
+  the stages reduce-scatter into FSDP shards of ``params``."""
   import jaxcomp
-  return [float(jaxcomp.get_stats(jaxcomp.init_sharded(
-      s.tx, params, mesh, "data")[0]).bytes_sent) for s in stages]
+  init = ((lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2]) if sharded
+          else (lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0]))
+  return [float(jaxcomp.get_stats(init(s.tx)).bytes_sent) for s in stages]
 
 
 def print_traffic(result: dict[str, Any]) -> None:

@@ -22,3 +22,5 @@ class Config(CompressionConfig):
   lr_schedule: str = "constant"  # after the warm-up: "constant" or "cosine" (to 0)
   max_train_bytes: int | None = 2_000_000  # a subset of the training files
   valid_windows: int = 256  # held-out windows of `context` predictions each
+  sharding: str = "replicated"  # or "fsdp": parameters and optimizer state
+  #                               sharded over the devices (jaxcomp.fsdp)

@@ -2,6 +2,7 @@
 source over simulated devices with jaxcomp.
 
   python -m examples.char_lm.main --compressor=topk --ratio=0.01
+  python -m examples.char_lm.main --sharding=fsdp --compressor=int8_block
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def parse(argv=None):
                  default=defaults.optimizer,
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
+  p.add_argument("--sharding", choices=("replicated", "fsdp"),
+                 default=defaults.sharding,
+                 help="fsdp: parameters and optimizer state sharded over the "
+                 "devices, the gradient reduce-scattered (compressed)")
   p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES,
                  default=defaults.lr_schedule,
                  help="after the warm-up: constant, or cosine decay to 0 at the last step")
@@ -46,7 +51,8 @@ def main(argv=None) -> int:
       batch_size=args.batch_size, context=args.context, d_model=args.d_model,
       num_layers=args.layers, num_heads=args.heads,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
-      lr_schedule=args.lr_schedule, **common.compression_config(args))
+      lr_schedule=args.lr_schedule, sharding=args.sharding,
+      **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)
   result = train.train_and_evaluate(config)
@@ -57,6 +63,9 @@ def main(argv=None) -> int:
           f"{e['valid_loss']:.4f}  bits per character "
           f"{e['bits_per_char']:.3f}  ({e['seconds']:.1f} s)")
   common.print_traffic(result)
+  print(f"memory per device: parameters {result['param_bytes_per_device']} B, "
+        f"optimizer state {result['opt_state_bytes_per_device']} B "
+        f"({args.sharding})")
   return 0
 
 

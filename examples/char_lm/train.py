@@ -18,7 +18,10 @@ from examples.char_lm import data as data_lib
 from examples.char_lm import model as model_lib
 from examples.char_lm.config import Config
 
-__all__ = ["Config", "learning_rate_schedule", "train_and_evaluate"]
+__all__ = ["Config", "SHARDINGS", "learning_rate_schedule",
+           "train_and_evaluate"]
+
+SHARDINGS = ("replicated", "fsdp")
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -51,16 +54,22 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     "bits_per_char", "seconds"}], "steps", "bytes_per_step",
     "total_bytes", "dense_bytes_per_step", "compression",
     "wire_bytes_per_step", "wire_compression", "hlo_operand_bytes",
-    "num_params", "params"}`` (a compression factor is dense over
+    "num_params", "param_bytes_per_device", "opt_state_bytes_per_device",
+    "params"}`` (a compression factor is dense over
     compressed). Losses are mean cross-entropy in nats per
     character; bits per character is ``valid_loss / ln 2``.
     ``bytes_per_step`` is what one device sends per step after the ratio
     warm-up (``config.ratio_warmup_steps``), ``total_bytes`` the sum over
     all steps run, warm-up included.
 
+  With ``config.sharding == "fsdp"`` the parameters and the optimizer
+  state are flat shards over the devices (:mod:`jaxcomp.fsdp`) and the
+  compressed exchange is a reduce-scatter (``output="shard"``); the
+  returned ``params`` are whole.
+
   Raises:
     ValueError: ``batch_size`` is not a multiple of the device count, an
-      unknown ``lr_schedule``, a bad compressor name or hyperparameter, or
+      unknown ``lr_schedule`` or ``sharding``, a bad compressor name or hyperparameter, or
       a ``ratio_warmup_steps`` the compressor cannot take.
   """
   n_dev = jax.device_count()
@@ -89,11 +98,28 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   # One compiled step per warm-up stage (one without warm-up), all carrying
   # the same optimizer state.
-  stage_bytes = common.stage_bytes(stages, params, mesh)
-  opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
-  steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh, state_specs=specs)
-           for st in stages]
-  params = jax.device_put(params, NamedSharding(mesh, P()))
+  if config.sharding not in SHARDINGS:
+    raise ValueError(f"sharding must be one of {SHARDINGS}, got "
+                     f"{config.sharding!r}")
+  fsdp = config.sharding == "fsdp"
+  stage_bytes = common.stage_bytes(stages, params, mesh, sharded=fsdp)
+  if fsdp:
+    # Parameters and optimizer state as flat shards over the devices; the
+    # gradient of the gathered parameters is reduce-scattered, compressed.
+    params, shapes, opt_state, specs = jaxcomp.fsdp.init(stages[0].tx, params,
+                                                         mesh)
+    steps = [jaxcomp.fsdp.make_train_step(loss_fn, st.tx, shapes, mesh=mesh,
+                                          state_specs=specs)
+             for st in stages]
+    whole = lambda p: jaxcomp.fsdp.unshard_params(p, shapes)
+  else:
+    opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
+    steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh,
+                                     state_specs=specs) for st in stages]
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    whole = lambda p: p
+  memory = {"param_bytes_per_device": jaxcomp.fsdp.state_bytes(params),
+            "opt_state_bytes_per_device": jaxcomp.fsdp.state_bytes(opt_state)}
   batch_sharding = NamedSharding(mesh, P("data"))
 
   rng = np.random.default_rng(config.seed)
@@ -134,7 +160,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       losses.append(float(loss))
       done += 1
     train_loss = float(np.mean(losses)) if losses else float("nan")
-    valid_loss = evaluate(params)
+    valid_loss = evaluate(whole(params))
     history.append({"epoch": epoch + 1, "loss": train_loss,
                     "valid_loss": valid_loss,
                     "bits_per_char": valid_loss / math.log(2),
@@ -158,5 +184,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "wire_bytes_per_step": float(stats.wire_bytes),
       "wire_compression": float(stats.wire_compression_factor),
       "hlo_operand_bytes": traffic.operand_bytes,
-      "params": params,
+      **memory,
+      "params": whole(params),
   }
