@@ -132,6 +132,7 @@ def gather_params(shards, shapes, axis_name: AxisName = "data"):
 
 
 def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
+                   shard_axis: AxisName | None = None,
                    has_aux: bool = False) -> Callable:
   """Inside ``shard_map``: ``f(shards, *args) -> (value, grads)``, the loss of
   the gathered parameters and this device's gradient with respect to them
@@ -142,26 +143,41 @@ def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
     loss_fn: ``loss_fn(params, *args) -> loss`` on the whole parameters
       (or ``(loss, aux)`` with ``has_aux``).
     shapes: the leaves' shapes, from :func:`shard_params`.
-    axis_name: the data axis.
+    axis_name: the data axes (the batch is split over them; the gradient
+      varies over them).
+    shard_axis: the axis the parameters are sharded over (default
+      ``axis_name``; HSDP: the fast axis inside a host).
     has_aux: as in ``jax.value_and_grad``.
   """
   vg = sharding.per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+  shard_axis = axis_name if shard_axis is None else shard_axis
 
   def wrapped(shards, *args, **kwargs):
-    return vg(gather_params(shards, shapes, axis_name), *args, **kwargs)
+    return vg(gather_params(shards, shapes, shard_axis), *args, **kwargs)
 
   return wrapped
 
 
-def init(tx, params, mesh, axis_name: AxisName = "data"):
+def init(tx, params, mesh, axis_name: AxisName = "data", *,
+         shard_axis: AxisName | None = None):
   """Shards ``params`` and initialises ``tx``'s state on the shards.
 
+  HSDP (hybrid sharding): parameters sharded over the fast axis inside a
+  host and replicated across hosts, ``axis_name=("hosts", "devices"),
+  shard_axis="devices"``, with ``tx`` reducing-scattering over ``devices``
+  and then averaging the shards over ``hosts``::
+
+    optax.chain(compressed_mean("identity", "devices", output="shard"),
+                compressed_mean("int8_block", "hosts"), optax.adam(1e-3))
+
   Args:
-    tx: an optax GradientTransformation whose jaxcomp transforms use
-      ``output="shard"``.
+    tx: an optax GradientTransformation with a jaxcomp transform that uses
+      ``output="shard"`` over ``shard_axis``.
     params: the whole parameters.
     mesh: the device mesh.
-    axis_name: the data axis.
+    axis_name: the data axes (the gradients vary over them).
+    shard_axis: the axis to shard the parameters over (default
+      ``axis_name``).
 
   Returns:
     ``(shards, shapes, opt_state, specs)``: as :func:`shard_params`, and the
@@ -169,35 +185,42 @@ def init(tx, params, mesh, axis_name: AxisName = "data"):
     them (the optimizer's moments are per-device shards, ``P(axis_name)``).
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``; a jaxcomp
-      transform in ``tx`` without ``output="shard"`` (it would average
-      whole gradients into shard-shaped updates).
+    ValueError: ``axis_name`` is not an axis of ``mesh``; no jaxcomp
+      transform in ``tx`` with ``output="shard"`` over ``shard_axis`` (the
+      optimizer would get whole gradients for shard-shaped parameters).
   """
-  shards, shapes = shard_params(params, mesh, axis_name)
+  shard_axis = axis_name if shard_axis is None else shard_axis
+  shards, shapes = shard_params(params, mesh, shard_axis)
   opt_state, specs = sharding.init_sharded(
-      tx, shards, mesh, axis_name, params_spec=P(axis_name), grads=shapes)
-  _check_shard_outputs(opt_state)
+      tx, shards, mesh, axis_name, params_spec=P(shard_axis), grads=shapes)
+  _check_shard_outputs(opt_state, shard_axis)
   return shards, shapes, opt_state, specs
 
 
-def _check_shard_outputs(opt_state) -> None:
+def _check_shard_outputs(opt_state, shard_axis) -> None:
   from jaxcomp import transform  # pylint: disable=g-import-not-at-top
   configs = transform.transform_configs(opt_state)
-  if not configs:
+  shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
+  if not shard:
+    where = (f"; the compressed_mean at state{next(iter(configs))} averages "
+             "whole gradients (output='mean')" if configs else "")
     raise ValueError(
         "tx has no jaxcomp.compressed_mean(..., output='shard'): the "
         "gradient of the whole parameters must be reduce-scattered into "
-        "shards before the optimizer; for a dense FSDP exchange chain "
-        "compressed_mean('identity', axis_name, output='shard')")
-  wrong = [path for path, c in configs.items() if c.get("output") != "shard"]
-  if wrong:
-    raise ValueError(
-        f"the compressed_mean at state{wrong[0]} averages whole gradients "
-        "(output='mean'); with sharded parameters pass output='shard'")
+        "shards before the optimizer (for a dense exchange, "
+        f"compressed_mean('identity', {shard_axis!r}, output='shard')){where}")
+  want = _mesh.axes(shard_axis)
+  for path, c in shard.items():
+    axes = c["axis_name"]
+    if tuple([axes] if isinstance(axes, str) else axes) != want:
+      raise ValueError(
+          f"the compressed_mean at state{path} reduce-scatters over {axes!r} "
+          f"but the parameters are sharded over {shard_axis!r}")
 
 
 def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
-                    axis_name: AxisName = "data", **kwargs) -> Callable:
+                    axis_name: AxisName = "data",
+                    shard_axis: AxisName | None = None, **kwargs) -> Callable:
   """The FSDP train step, compiled: gather, per-device gradient, ``tx``'s
   compressed reduce-scatter and update of the shards, loss averaged.
 
@@ -206,17 +229,20 @@ def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
     tx: the optimizer (its jaxcomp transforms with ``output="shard"``).
     shapes: from :func:`shard_params` / :func:`init`.
     mesh, state_specs, axis_name: as :func:`jaxcomp.make_train_step`.
+    shard_axis: the axis the parameters are sharded over (default
+      ``axis_name``), as for :func:`init`.
     **kwargs: :func:`jaxcomp.make_train_step`'s other options
       (``batch_spec``, ``has_aux``, ``donate``, ``per_device_loss``).
 
   Returns:
     ``step(shards, opt_state, batch) -> (shards, opt_state, loss)``, jitted.
   """
+  shard_axis = axis_name if shard_axis is None else shard_axis
   return sharding.make_train_step(
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
-      params_spec=P(axis_name),
+      params_spec=P(shard_axis),
       value_and_grad=lambda f, a, has_aux=False: value_and_grad(
-          f, shapes, a, has_aux=has_aux), **kwargs)
+          f, shapes, a, shard_axis=shard_axis, has_aux=has_aux), **kwargs)
 
 
 def state_bytes(tree: Any) -> int:

@@ -87,6 +87,22 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
+def _spec_axes(spec: P) -> frozenset:
+  """The mesh axes a partition spec shards over."""
+  return frozenset(x for a in spec if a is not None
+                   for x in ((a,) if isinstance(a, str) else a))
+
+
+def _leaf_specs(spec, tree) -> list:
+  """One partition spec per leaf of ``tree``: ``spec`` itself, or the leaves
+  of a pytree of specs (a prefix of ``tree``'s structure)."""
+  if _is_spec(spec):
+    return [spec] * len(jax.tree.leaves(tree))
+  return jax.tree.leaves(jax.tree.map(
+      lambda s, sub: jax.tree.map(lambda _: s, sub), spec, tree,
+      is_leaf=_is_spec), is_leaf=_is_spec)
+
+
 def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
                 grads=None):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
@@ -104,7 +120,7 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
     found.append(jax.tree.map(varying_axes, init_fn(p)))
     return jnp.zeros((), jnp.float32)
 
-  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=params_spec,
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(params_spec,),
                                out_specs=P()), params)
   init_axes = found[0]
   update = getattr(tx, "update", None)
@@ -114,20 +130,21 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
   # One device's view (out_specs=P() keeps the local shapes).
   local_state, local = jax.eval_shape(jax.shard_map(
-      lambda p: (init_fn(p), p), mesh=mesh, in_specs=params_spec,
+      lambda p: (init_fn(p), p), mesh=mesh, in_specs=(params_spec,),
       out_specs=P(), check_vma=False), params)
-  params_axes = frozenset(x for a in params_spec if a is not None
-                          for x in ((a,) if isinstance(a, str) else a))
   params = local
-  n_params = len(jax.tree.leaves(params))
-  grads = params if grads is None else grads
-  n_grads = len(jax.tree.leaves(grads))
+  params_axes = [_spec_axes(s) for s in _leaf_specs(params_spec, params)]
   data = frozenset(check_axis_name(axis_name))
+  # A gradient shaped like the parameters varies where they do too (a
+  # tensor-parallel shard's gradient differs over the model axis).
+  grads_axes = ([data | a for a in params_axes] if grads is None
+                else [data] * len(jax.tree.leaves(grads)))
+  grads = params if grads is None else grads
   for _ in range(8):  # each round can only add axes: a fixed point soon
     try:
       out = varying_after(
           lambda g, s, p: update(g, s, p)[1], (grads, local_state, params),
-          [data] * n_grads + cur + [params_axes] * n_params, mesh)
+          grads_axes + cur + params_axes, mesh)
     except Exception:  # pylint: disable=broad-except
       # An update that cannot be traced here (it needs extra arguments, say)
       # fails the same way in the train step, where its error is clearer;
@@ -188,9 +205,11 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     params: the parameters (replicated, or placed by ``params_spec``).
     mesh: a ``jax.sharding.Mesh`` with ``axis_name``.
     axis_name: the data-parallel axis (or tuple of axes).
-    params_spec: the partition spec of every parameter leaf: ``P()``
-      (replicated, the default) or, for sharded parameters
-      (:mod:`jaxcomp.fsdp`), ``P(axis_name)``.
+    params_spec: the parameters' partition spec: ``P()`` (replicated, the
+      default), one spec for every leaf (FSDP's ``P("data")``,
+      :mod:`jaxcomp.fsdp`), or a pytree of specs (tensor-parallel leaves
+      sharded over a ``model`` axis, say); gradients vary over
+      ``axis_name`` whatever the parameters' placement.
     grads: ``jax.ShapeDtypeStruct`` s of one device's gradient, where it is
       not shaped like one device's parameters (FSDP's gradient of the whole
       parameters, :func:`jaxcomp.fsdp.init`).
@@ -223,7 +242,8 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     True
   """
   _check_mesh_axes(mesh, axis_name)
-  params = jax.device_put(params, NamedSharding(mesh, params_spec))
+  params = jax.device_put(params, jax.tree.map(
+      lambda s: NamedSharding(mesh, s), params_spec, is_leaf=_is_spec))
   init_axes, state_axes = _state_axes(tx, params, mesh, axis_name,
                                       params_spec=params_spec, grads=grads)
   is_axes = lambda x: isinstance(x, frozenset)
@@ -238,7 +258,7 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     return to_global(st, specs)
 
   state = jax.jit(jax.shard_map(init_global, mesh=mesh,
-                                in_specs=params_spec, out_specs=specs))(params)
+                                in_specs=(params_spec,), out_specs=specs))(params)
   if jax.process_count() > 1:
     _check_processes_agree(state, params, mesh, axis_name)
   return state, specs

@@ -540,7 +540,11 @@ def compressed_mean(
     if nonfinite == "zero":
       return ([jnp.where(jnp.isfinite(x), x, 0.0) for x in flat],
               jnp.zeros((), jnp.bool_))
-    any_bad = lax.psum(local_bad.astype(jnp.int32), axis_name) > 0
+    # Every device of the mesh decides together, also over axes beyond this
+    # transform's (HSDP's devices before its hosts, a model axis): a step
+    # skipped on some replicas only would let them drift apart.
+    any_bad = lax.psum(local_bad.astype(jnp.int32),
+                       _mesh.manual_axes(axis_name)) > 0
     if nonfinite == "skip":
       # Compress zeros instead, so no NaN travels or reaches any state.
       return [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat], any_bad
