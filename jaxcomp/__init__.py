@@ -14,6 +14,7 @@ from jaxcomp import compressors
 from jaxcomp import distributed
 from jaxcomp import feedback
 from jaxcomp import fsdp
+from jaxcomp import lowcomm
 from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps
@@ -21,6 +22,7 @@ from jaxcomp.combinators import sparsity_warmup
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic
+from jaxcomp.lowcomm import diloco
 from jaxcomp.sharding import CompressedValueAndGrad
 from jaxcomp.sharding import compressed_value_and_grad
 from jaxcomp.sharding import init_sharded

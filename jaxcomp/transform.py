@@ -543,8 +543,9 @@ def compressed_mean(
     # Every device of the mesh decides together, also over axes beyond this
     # transform's (HSDP's devices before its hosts, a model axis): a step
     # skipped on some replicas only would let them drift apart.
-    any_bad = lax.psum(local_bad.astype(jnp.int32),
-                       _mesh.manual_axes(axis_name)) > 0
+    everywhere = _mesh.manual_axes(axis_name)
+    any_bad = lax.psum(_mesh.to_varying(local_bad.astype(jnp.int32),
+                                        everywhere), everywhere) > 0
     if nonfinite == "skip":
       # Compress zeros instead, so no NaN travels or reaches any state.
       return [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat], any_bad
