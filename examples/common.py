@@ -168,8 +168,18 @@ def stages(config, learning_rate):
   output = "shard" if getattr(config, "sharding", "replicated") == "fsdp" \
       else "mean"
 
+  diloco_every = getattr(config, "diloco_every", 0)
+
   def make_tx(ratio=None):
     kw = kwargs if ratio is None else dict(kwargs, ratio=ratio)
+    if diloco_every:
+      # DiLoCo (char_lm's --diloco-every): the optimizer runs per device,
+      # the compressed mean carries the pseudo-gradient every H steps.
+      return jaxcomp.diloco(
+          optimizer(config.optimizer, learning_rate), sync_every=diloco_every,
+          compressor=config.compressor,
+          min_compress_size=config.min_compress_size,
+          error_feedback=config.error_feedback, seed=config.seed, **kw)
     return optax.chain(
         jaxcomp.compressed_mean(config.compressor, "data",
                                 min_compress_size=config.min_compress_size,

@@ -24,3 +24,5 @@ class Config(CompressionConfig):
   valid_windows: int = 256  # held-out windows of `context` predictions each
   sharding: str = "replicated"  # or "fsdp": parameters and optimizer state
   #                               sharded over the devices (jaxcomp.fsdp)
+  diloco_every: int = 0  # > 0: DiLoCo, a compressed pseudo-gradient
+  #                        exchange every this many steps (jaxcomp.diloco)

@@ -32,6 +32,9 @@ def parse(argv=None):
                  default=defaults.sharding,
                  help="fsdp: parameters and optimizer state sharded over the "
                  "devices, the gradient reduce-scattered (compressed)")
+  p.add_argument("--diloco-every", type=int, default=defaults.diloco_every,
+                 help="> 0: DiLoCo, the optimizer per device and a compressed "
+                 "pseudo-gradient exchange every this many steps")
   p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES,
                  default=defaults.lr_schedule,
                  help="after the warm-up: constant, or cosine decay to 0 at the last step")
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
       num_layers=args.layers, num_heads=args.heads,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
       lr_schedule=args.lr_schedule, sharding=args.sharding,
+      diloco_every=args.diloco_every,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {args.compressor}", flush=True)

@@ -102,8 +102,19 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     raise ValueError(f"sharding must be one of {SHARDINGS}, got "
                      f"{config.sharding!r}")
   fsdp = config.sharding == "fsdp"
+  if config.diloco_every and (fsdp or config.ratio_warmup_steps):
+    raise ValueError("diloco_every runs with sharding='replicated' and no "
+                     "ratio warm-up")
   stage_bytes = common.stage_bytes(stages, params, mesh, sharded=fsdp)
-  if fsdp:
+  if config.diloco_every:
+    # Per-device parameters between syncs; evaluated at the synchronized
+    # ones. An exchange happens every diloco_every steps.
+    params, opt_state, specs = jaxcomp.lowcomm.init(stages[0].tx, params, mesh)
+    steps = [jaxcomp.lowcomm.make_train_step(loss_fn, stages[0].tx, mesh=mesh,
+                                             state_specs=specs)]
+    stage_bytes = [b / config.diloco_every for b in stage_bytes]
+    whole = lambda p: jaxcomp.lowcomm.synced_params(opt_state)
+  elif fsdp:
     # Parameters and optimizer state as flat shards over the devices; the
     # gradient of the gathered parameters is reduce-scattered, compressed.
     params, shapes, opt_state, specs = jaxcomp.fsdp.init(stages[0].tx, params,
@@ -168,6 +179,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     if config.max_steps is not None and done >= config.max_steps:
       break
   stats = jaxcomp.get_stats(opt_state)
+  per_sync = max(config.diloco_every, 1)  # DiLoCo: one exchange per sync
   return {
       "dataset": (f"CPython {corpus.python_version} stdlib: "
                   f"{len(corpus.train_files)} train files "
@@ -177,12 +189,12 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "epochs": history,
       "steps": done,
       "num_params": num_params,
-      "bytes_per_step": float(stats.bytes_sent),
+      "bytes_per_step": float(stats.bytes_sent) / per_sync,
       "total_bytes": jaxcomp.combinators.bytes_over(stages, stage_bytes, done),
       "dense_bytes_per_step": float(stats.dense_bytes),
-      "compression": float(stats.compression_factor),
-      "wire_bytes_per_step": float(stats.wire_bytes),
-      "wire_compression": float(stats.wire_compression_factor),
+      "compression": float(stats.compression_factor) * per_sync,
+      "wire_bytes_per_step": float(stats.wire_bytes) / per_sync,
+      "wire_compression": float(stats.wire_compression_factor) * per_sync,
       "hlo_operand_bytes": traffic.operand_bytes,
       **memory,
       "params": whole(params),
