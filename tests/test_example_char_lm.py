@@ -195,3 +195,21 @@ def test_convergence_benchmark_configs():
         assert common.compressor_kwargs(config)[k] == v
   with pytest.raises(ValueError, match="takes"):
     conv._config(train, {}, "topk", {"rank": 4}, None)
+
+
+def test_fsdp_and_diloco_runs_train_and_report_their_bytes_and_memory():
+  # FSDP: the same training as replicated (identity), 1/8 of the memory.
+  kw = dict(TINY, epochs=1, steps_per_epoch=6, compressor="identity")
+  rep = train.train_and_evaluate(train.Config(**kw))
+  fsdp = train.train_and_evaluate(train.Config(sharding="fsdp", **kw))
+  np.testing.assert_allclose(fsdp["epochs"][0]["valid_loss"],
+                             rep["epochs"][0]["valid_loss"], rtol=1e-5)
+  assert fsdp["param_bytes_per_device"] * 8 >= rep["param_bytes_per_device"]
+  assert fsdp["param_bytes_per_device"] * 8 < rep["param_bytes_per_device"] + 8 * 4 * 8 * 20
+  # DiLoCo every 3 steps: a third of dense's bytes per step, and it learns.
+  dl = train.train_and_evaluate(train.Config(diloco_every=3, **kw))
+  assert dl["bytes_per_step"] == pytest.approx(rep["bytes_per_step"] / 3)
+  untrained = train.train_and_evaluate(train.Config(max_steps=0, **kw))
+  assert dl["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
+  with pytest.raises(ValueError, match="diloco_every"):
+    train.train_and_evaluate(train.Config(diloco_every=3, sharding="fsdp", **kw))

@@ -640,3 +640,28 @@ def test_fixed_size_plan_is_the_library_fill():
   plan = pm.bucket_plan(1000, prof)
   fill = bucketing.fill(range(4, -1, -1), [4 * n for n in prof.layer_sizes], 1000)
   assert plan == [sorted(b) for b in fill] == [[2, 3, 4], [0, 1]]
+
+
+def test_sharded_steps_price_the_reduce_scatter_and_the_parameter_gathers():
+  from jaxcomp import collectives, compressors
+  p, sizes = 8, [1000, 40_000]
+  prof = _profile(sizes, [0.0, 0.0], fwd=0.0)
+  net = pm.Network(p, LINK)
+  gathers = sum(pm.allgather_time(4 * -(-n // p), p, LINK) for n in sizes)
+  dense = pm.predict(prof, pm.DenseCompressor(), net, buckets="layer", output="shard")
+  rs = sum(pm.ring_time("reduce-scatter", 4 * p * -(-n // p), p, LINK) for n in sizes)
+  assert dense.comm_time == pytest.approx(gathers + rs)
+  assert dense.step_time == pytest.approx(gathers + rs)  # nothing else to do
+  # int8 blocks: one all-to-all of the chunk payloads per array, as the
+  # library's collective lists them.
+  c = compressors.get("int8_block")
+  pr = pm.predict(prof, c, net, buckets="layer", output="shard")
+  ts = [t for n in sizes for t in collectives.Auto().reduce_scatter_transfers(
+      c, p * -(-n // p), {"data": p})]
+  assert {t.kind for t in ts} == {"all-to-all"}
+  assert pr.comm_time == pytest.approx(gathers + sum(pm.transfer_time(t, net) for t in ts))
+  assert pr.bytes_per_worker == sum(t.operand_bytes for t in ts)
+  out = pm.compare(prof, {"int8": c}, net, output="shard")
+  assert out["int8"].speedup == pytest.approx(dense.step_time / pr.step_time)
+  with pytest.raises(ValueError, match="own exchange"):
+    pm.predict(prof, compressors.get("powersgd"), net, output="shard")

@@ -423,7 +423,7 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
 def predict(profile: ModelProfile, compressor, network: costs.Network, *,
             codec: CodecCost | None = None, buckets="layer", overlap: bool | str = True,
             collective: str | None = None, error_feedback: bool | None = None,
-            messages_per_bucket: int | None = None) -> Prediction:
+            messages_per_bucket: int | None = None, output: str = "mean") -> Prediction:
   """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
 
   Args:
@@ -460,6 +460,12 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       array adds the collectives' start-up cost. A library compressor's
       buckets are priced by the transfers its collective lists
       (:func:`bucket_transfers`), one per payload array.
+    output: ``"mean"`` (replicated data parallelism: every bucket
+      all-reduced or exchanged whole) or ``"shard"`` (FSDP,
+      ``compressed_mean(output="shard")``: each bucket reduce-scattered as
+      ``Collective.reduce_scatter_transfers`` lists, and the parameters
+      all-gathered in float32 before the forward pass, not overlapped; each
+      device decodes the ``p`` payloads of its chunk).
 
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
@@ -484,7 +490,17 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       return library.pick(payload, n, p)
     return library
 
+  shard = output == "shard"
+  if output not in ("mean", "shard"):
+    raise ValueError(f"output must be 'mean' or 'shard', got {output!r}")
+  if shard and getattr(compressor, "own_exchange", False):
+    raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
+                     "own exchange of whole tensors")
+
   def transfers(n: int):
+    if shard:
+      n = p * collectives.chunk_size(n, p)
+      return library.reduce_scatter_transfers(payload, n, group)
     return resolved(n).flat_transfers(payload, n, group)
 
   def bucket_comm(n: int) -> float:
@@ -492,6 +508,13 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
 
   def bucket_codec(n: int) -> tuple[float, float]:
     """(encode before the exchange, decode work after it), seconds."""
+    if shard:
+      c = collectives.chunk_size(n, p)
+      summed = all(t.kind == "reduce-scatter" for t in transfers(n))
+      # p chunk encodes; the owner decodes its chunk's p payloads (one sum
+      # for a reduce-scatter), and error feedback the p own chunk payloads.
+      dec = (1 if summed else p) + (p if error_feedback else 0)
+      return p * codec.encode(c), dec * codec.decode(c)
     if isinstance(resolved(n), collectives.TwoPhase):
       c = collectives.chunk_size(n, p)
       # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
@@ -507,9 +530,15 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
 
   if error_feedback is None:
     error_feedback = bool(getattr(compressor, "biased", False))
-  t = profile.forward_time
-  net_free = 0.0
   comm_total = codec_total = sent = 0.0
+  t = 0.0
+  if shard and p > 1:
+    # The forward pass waits for the parameters' all-gathers (float32).
+    gathers = [t for n in sizes if n > 0 for t in wire.transfers(
+        "all-gather", [4 * collectives.chunk_size(n, p)], "data", group)]
+    t = comm_total = sum(costs.transfer_time(g, network) for g in gathers)
+  t += profile.forward_time
+  net_free = t
   arrivals = []  # per exchanged bucket: (collective done, its comm, its decode), s
   for b in plan:
     n = sum(sizes[i] for i in b)
@@ -557,7 +586,8 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
 def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: costs.Network,
             *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
             overlap: bool | str = True,
-            collective: str | Mapping[str, str | None] | None = None) -> dict[str, Prediction]:
+            collective: str | Mapping[str, str | None] | None = None,
+            output: str = "mean") -> dict[str, Prediction]:
   """Predicts every compressor and the dense baseline; fills ``speedup``.
 
   ``collective``: None (each compressor's :func:`default_collective`), one
@@ -585,10 +615,11 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
                        f"mapping of compressor names, got {collective!r}")
     chosen = {name: None if c.linear or getattr(c, "own_exchange", False) else collective
               for name, c in compressors.items()}
-  dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap)
+  dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap,
+                  output=output)
   out = {"dense": dataclasses.replace(dense, speedup=1.0)}
   for name, c in compressors.items():
     pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap,
-                 collective=chosen.get(name))
+                 collective=chosen.get(name), output=output)
     out[name] = dataclasses.replace(pr, speedup=dense.step_time / pr.step_time)
   return out
