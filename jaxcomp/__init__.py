@@ -22,6 +22,7 @@ from jaxcomp.combinators import sparsity_warmup
 from jaxcomp.hlo import CollectiveOp
 from jaxcomp.hlo import Traffic
 from jaxcomp.hlo import collective_traffic
+from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
 from jaxcomp.sharding import CompressedValueAndGrad
 from jaxcomp.sharding import compressed_value_and_grad

@@ -140,3 +140,107 @@ def test_diloco_refuses_bad_input():
     jaxcomp.diloco(optax.sgd(0.1), sync_every=0)
   with pytest.raises(ValueError, match="ratio"):
     jaxcomp.diloco(optax.sgd(0.1), sync_every=2, compressor="topk", ratio=float("nan"))
+
+
+# -- DeMo ---------------------------------------------------------------------
+
+
+def _dct_np(n):
+  """Orthonormal DCT-II matrix, x @ m = DCT of x's rows (independent of jax)."""
+  i, k = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+  m = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * k / (2 * n))
+  m[:, 0] /= np.sqrt(2.0)
+  return m
+
+
+def _demo_reference(g, lr, topk, chunk, decay=0.999, delta=None):
+  """bloc97/DeMo's step for one 2-D tensor on p devices, in NumPy."""
+  p, rows, cols = g.shape
+  h = max(d for d in range(1, min(rows, chunk) + 1) if rows % d == 0)
+  w = max(d for d in range(1, min(cols, chunk) + 1) if cols % d == 0)
+  mh, mw = _dct_np(h), _dct_np(w)
+  delta = np.zeros_like(g, dtype=np.float64) if delta is None else delta
+  delta = decay * delta + lr * g
+  sums = np.zeros((rows // h, cols // w, h * w))
+  counts = np.zeros_like(sums)
+  new_delta = delta.copy()
+  for d in range(p):
+    for a in range(rows // h):
+      for b in range(cols // w):
+        x = delta[d, a * h:(a + 1) * h, b * w:(b + 1) * w]
+        coef = (mh.T @ x @ mw).reshape(-1)
+        keep = np.argsort(-np.abs(coef), kind="stable")[:topk]
+        sent = np.zeros_like(coef)
+        sent[keep] = coef[keep]
+        new_delta[d, a * h:(a + 1) * h, b * w:(b + 1) * w] -= mh @ sent.reshape(h, w) @ mw.T
+        sums[a, b, keep] += coef[keep]
+        counts[a, b, keep] += 1
+  mean = sums / np.maximum(counts, 1)
+  out = np.zeros((rows, cols))
+  for a in range(rows // h):
+    for b in range(cols // w):
+      out[a * h:(a + 1) * h, b * w:(b + 1) * w] = mh @ mean[a, b].reshape(h, w) @ mw.T
+  return -lr * np.sign(out), new_delta
+
+
+def _demo_update(tx, g, mesh, steps=1):
+  params = {"w": jnp.zeros(g.shape[1:])}
+  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+
+  def body(g, s):
+    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  g = jax.device_put(g, NamedSharding(mesh, P("data")))
+  for _ in range(steps):
+    u, state = f(g, state)
+  return u, state, f, g
+
+
+def test_demo_matches_the_reference_step(mesh8):
+  g = np.asarray(jax.random.normal(jax.random.key(11), (8, 12, 10)), np.float32)
+  tx = jaxcomp.demo(0.1, compression_topk=3, compression_chunk=4)  # chunks 4 x 5
+  u, state, _, _ = _demo_update(tx, jnp.asarray(g), mesh8)
+  want_u, want_delta = _demo_reference(g.astype(np.float64), 0.1, 3, 4)
+  np.testing.assert_array_equal(np.asarray(u["w"]), want_u.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(state.delta["w"]), want_delta, rtol=1e-4, atol=1e-6)
+
+
+def test_demo_keeping_every_coefficient_sends_the_whole_momentum(mesh8):
+  g = jax.random.normal(jax.random.key(12), (8, 16))
+  tx = jaxcomp.demo(0.5, compression_topk=16, compression_chunk=16)
+  u, state, _, _ = _demo_update(tx, g, mesh8)
+  np.testing.assert_allclose(np.asarray(state.delta["w"]), 0.0, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(u["w"]),
+                                -0.5 * np.sign(np.asarray(g).mean(0)).astype(np.float32))
+
+
+def test_demo_traffic_from_hlo(mesh8):
+  g = jax.random.normal(jax.random.key(13), (8, 256, 192))
+  tx = jaxcomp.demo(0.1)
+  _, state, f, gg = _demo_update(tx, g, mesh8)
+  traffic = jaxcomp.collective_traffic(f.lower(gg, state).compile())
+  sent = sum(o.operand_bytes for o in traffic.ops if o.kind == "all-gather")
+  assert sent == lowcomm.demo_bytes({"w": g[0]}) == 8 * 32 * (256 // 64) * (192 // 64)
+  assert sent * 64 == 256 * 192 * 4  # 64x fewer than float32 at the defaults
+
+
+def test_demo_trains_and_refuses_bad_input(mesh8):
+  batches = _batches(mesh8, 30)
+  tx = jaxcomp.demo(0.01, compression_topk=4, compression_chunk=8)
+  st, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
+  params = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  losses = []
+  for b in batches:
+    params, st, loss = step(params, st, b)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  for kw, name in [({"compression_decay": 1.0}, "compression_decay"),
+                   ({"compression_topk": 0}, "compression_topk"),
+                   ({"compression_chunk": 2.5}, "compression_chunk"),
+                   ({"weight_decay": -1.0}, "weight_decay")]:
+    with pytest.raises(ValueError, match=name):
+      jaxcomp.demo(0.1, **kw)
