@@ -96,7 +96,7 @@ def add_run_flags(p: argparse.ArgumentParser, defaults, names) -> None:
     p.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
 
 
-OPTIMIZERS = ("adam", "momentum", "sgd")
+OPTIMIZERS = ("adam", "momentum", "sgd", "demo")
 LR_SCHEDULES = ("constant", "cosine")  # char_lm's, after its warm-up
 
 
@@ -105,7 +105,8 @@ def optimizer(name: str, learning_rate):
   ``"momentum"`` (SGD with Nesterov momentum 0.9, the optimizer of the
   PowerSGD and DGC papers) or ``"sgd"`` (plain SGD: for
   ``error_feedback="dgc"``, whose momentum correction keeps the momentum
-  before the exchange).
+  before the exchange). ``"demo"`` (:func:`jaxcomp.demo`) is handled by
+  :func:`stages`, as it replaces the compressed mean too.
 
   Raises:
     ValueError: another name.
@@ -117,6 +118,10 @@ def optimizer(name: str, learning_rate):
     return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
   if name == "sgd":
     return optax.sgd(learning_rate)
+  if name == "demo":
+    raise ValueError("optimizer 'demo' (jaxcomp.demo) exchanges its own "
+                     "momentum components: it replaces the compressed mean, "
+                     "not the optimizer after it (see stages())")
   raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
@@ -172,6 +177,10 @@ def stages(config, learning_rate):
 
   def make_tx(ratio=None):
     kw = kwargs if ratio is None else dict(kwargs, ratio=ratio)
+    if config.optimizer == "demo":
+      # DeMo: a whole optimizer that sends its own DCT top-k components
+      # (the compressor flags do not apply).
+      return jaxcomp.demo(learning_rate)
     if diloco_every:
       # DiLoCo (char_lm's --diloco-every): the optimizer runs per device,
       # the compressed mean carries the pseudo-gradient every H steps.

@@ -40,6 +40,7 @@ import optax
 from jaxcomp import _mesh
 from jaxcomp import sharding
 from jaxcomp import transform
+from jaxcomp import wire
 from jaxcomp._mesh import AxisName
 
 
@@ -295,6 +296,7 @@ class DeMoState(NamedTuple):
 
   count: jax.Array  # shape=(), int32, steps taken
   delta: Any  # like the parameters, float32, per device: the momentum not yet sent
+  stats: transform.CompressionStats  # read by jaxcomp.get_stats
 
 
 def demo(learning_rate, *, compression_decay: float = 0.999,
@@ -361,11 +363,29 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
   _mesh.check_axis_name(axis_name)
   lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
 
+  def stats(params, residual_norm):
+    p = wire.devices(_mesh.axis_sizes(axis_name))
+    sent = demo_bytes(params, compression_topk=compression_topk,
+                      compression_chunk=compression_chunk)
+    dense = sum(x.size * jnp.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(params))
+    on_wire = wire.ring_bytes("all-gather", sent, p)
+    dense_wire = wire.ring_bytes("all-reduce", dense, p)
+    f32 = lambda v: jnp.asarray(float(v), jnp.float32)
+    return transform.CompressionStats(
+        bytes_sent=f32(sent), dense_bytes=f32(dense),
+        compression_factor=f32(dense / sent), wire_bytes=f32(on_wire),
+        dense_wire_bytes=f32(dense_wire),
+        wire_compression_factor=f32(dense_wire / on_wire if on_wire else 1.0),
+        residual_norm=residual_norm, skipped_steps=jnp.zeros((), jnp.int32),
+        state_bytes=f32(4 * sum(x.size for x in jax.tree.leaves(params))))
+
   def init_fn(params):
+    _mesh.check_bound(axis_name, "demo.init")
     delta = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    if _mesh.bound_axes():
-      delta = _mesh.to_varying(delta, axis_name)
-    return DeMoState(count=jnp.zeros((), jnp.int32), delta=delta)
+    delta = _mesh.to_varying(delta, axis_name)
+    return DeMoState(count=jnp.zeros((), jnp.int32), delta=delta,
+                     stats=stats(params, _mesh.varying_zeros((), axis_name)))
 
   def one(g, delta, p, lr):
     shape = jnp.shape(g)
@@ -397,7 +417,9 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
     out = jax.tree.map(lambda g, d, p: one(g, d, p, lr), grads, state.delta, ps)
     updates = jax.tree.map(lambda _, o: o[0], grads, out)
     delta = jax.tree.map(lambda _, o: o[1], grads, out)
-    return updates, DeMoState(count=state.count + 1, delta=delta)
+    norm = jnp.sqrt(sum(jnp.sum(d * d) for d in jax.tree.leaves(delta)))
+    return updates, DeMoState(count=state.count + 1, delta=delta,
+                              stats=stats(grads, norm))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -643,8 +643,8 @@ def compressed_mean(
 
 
 def get_stats(state, *, by_path: bool = False):
-  """The statistics of the :func:`compressed_mean` transforms in an
-  optimizer state (e.g. the state of an ``optax.chain``, a
+  """The statistics of the :func:`compressed_mean` transforms (and
+  :func:`jaxcomp.demo`) in an optimizer state (e.g. the state of an ``optax.chain``, a
   ``multi_transform`` or a :func:`jaxcomp.multi_steps`).
 
   Args:
@@ -660,14 +660,17 @@ def get_stats(state, *, by_path: bool = False):
     ``by_path=True``: ``{path string: CompressionStats}``, in tree order.
   """
   found = []
+  # compressed_mean's states, and any other transform's that carries
+  # CompressionStats (jaxcomp.demo's).
+  has_stats = lambda x: isinstance(x, tuple) and isinstance(
+      getattr(x, "stats", None), CompressionStats)
 
   def visit(path, x):
-    if isinstance(x, CompressedMeanState):
+    if has_stats(x):
       found.append((jax.tree_util.keystr(path), x.stats))
     return None
 
-  jax.tree_util.tree_map_with_path(
-      visit, state, is_leaf=lambda x: isinstance(x, CompressedMeanState))
+  jax.tree_util.tree_map_with_path(visit, state, is_leaf=has_stats)
   if by_path:
     return dict(found)
   if not found:

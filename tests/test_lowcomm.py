@@ -244,3 +244,13 @@ def test_demo_trains_and_refuses_bad_input(mesh8):
                    ({"weight_decay": -1.0}, "weight_decay")]:
     with pytest.raises(ValueError, match=name):
       jaxcomp.demo(0.1, **kw)
+
+
+def test_demo_statistics(mesh8):
+  g = jax.random.normal(jax.random.key(14), (8, 256, 192))
+  _, state, _, _ = _demo_update(jaxcomp.demo(0.1), g, mesh8)
+  stats = jaxcomp.get_stats(state)
+  assert float(stats.bytes_sent) == lowcomm.demo_bytes({"w": g[0]})
+  assert float(stats.compression_factor) == 64.0
+  assert float(stats.wire_bytes) == 7 * float(stats.bytes_sent)  # all-gather ring
+  assert float(stats.state_bytes) == 4 * 256 * 192
