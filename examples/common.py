@@ -125,6 +125,13 @@ def optimizer(name: str, learning_rate):
   raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
+def exchange_name(args: argparse.Namespace) -> str:
+  """What the run's exchange is called in its first output line."""
+  if getattr(args, "optimizer", None) == "demo":
+    return "none (DeMo sends its own DCT top-k momentum components)"
+  return args.compressor
+
+
 def compression_config(args: argparse.Namespace) -> dict[str, Any]:
   """The Config fields that :func:`add_compression_flags` sets."""
   return dict(

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
       diloco_every=args.diloco_every,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
-        f"compressor: {args.compressor}", flush=True)
+        f"compressor: {common.exchange_name(args)}", flush=True)
   result = train.train_and_evaluate(config)
   print(f"dataset: {result['dataset']}")
   print(f"model: {result['num_params']} parameters")

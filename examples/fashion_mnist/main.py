@@ -41,7 +41,7 @@ def main(argv=None) -> int:
       learning_rate=args.learning_rate, optimizer=args.optimizer,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
-        f"compressor: {args.compressor}", flush=True)
+        f"compressor: {common.exchange_name(args)}", flush=True)
   result = train.train_and_evaluate(config)
   print(f"dataset: {result['dataset']}")
   for e in result["epochs"]:
