@@ -50,15 +50,16 @@ class DiLoCoState(NamedTuple):
   step: jax.Array  # shape=(), int32, inner steps taken
   inner_state: Any  # the inner optimizer's, per device
   anchor: Any  # like the parameters: the synchronized parameters (invariant)
-  outer_state: Any  # the outer optimizer's (invariant)
-  exchange_state: Any  # the compressed mean's (error feedback per device)
-  synced: jax.Array  # shape=(), bool: the last step was a sync
+  outer_state: tuple  # per fragment: the outer optimizer's (invariant)
+  exchange_state: tuple  # per fragment: the compressed mean's (error
+  #                        feedback per device)
+  synced: Any  # like the parameters, bool scalars: the leaf synced last step
 
 
 def diloco(inner: optax.GradientTransformation,
            outer: optax.GradientTransformation | None = None, *,
            sync_every: int, compressor: str = "identity",
-           axis_name: AxisName = "data",
+           axis_name: AxisName = "data", fragments: int = 1,
            **compressed_mean_kwargs) -> optax.GradientTransformation:
   """DiLoCo: ``sync_every`` local steps of ``inner``, then an ``outer``
   step on the compressed mean of the pseudo-gradients.
@@ -93,6 +94,13 @@ def diloco(inner: optax.GradientTransformation,
     compressor: the pseudo-gradient's compressor (a name or instance, as
       :func:`jaxcomp.compressed_mean` takes).
     axis_name: the data-parallel axis (or axes).
+    fragments: Streaming DiLoCo (Douillard et al. 2025): the parameter
+      leaves are cut into this many contiguous fragments of about equal
+      size, fragment ``j`` synchronized ``j * sync_every // fragments``
+      steps before the others, so that each sync sends about
+      ``1 / fragments`` of the model and the peak bandwidth drops by that
+      factor (each fragment has its own outer-optimizer and exchange
+      state). Default 1: DiLoCo.
     **compressed_mean_kwargs: the rest of :func:`jaxcomp.compressed_mean`'s
       arguments (``error_feedback``, ``collective``, ``bucketing``,
       hyperparameters such as ``ratio`` or ``bits``, ...).
@@ -102,7 +110,8 @@ def diloco(inner: optax.GradientTransformation,
     ``update(grads, state, params)`` needs ``params`` (the local ones).
 
   Raises:
-    ValueError: ``sync_every`` not an integer >= 1, or what
+    ValueError: ``sync_every`` not an integer >= 1, ``fragments`` not in
+      ``[1, sync_every]`` (or, in ``init``, more than the leaves), or what
       :func:`jaxcomp.compressed_mean` raises for its arguments.
 
   Example:
@@ -123,16 +132,47 @@ def diloco(inner: optax.GradientTransformation,
   _mesh.check_axis_name(axis_name)
   if outer is None:
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  if (isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral)
+      or not 1 <= fragments <= sync_every):
+    raise ValueError(f"fragments must be an integer in [1, sync_every="
+                     f"{sync_every}], got {fragments=!r}")
   mean = transform.compressed_mean(compressor, axis_name,
                                    **compressed_mean_kwargs)
+  # Fragment j syncs offsets[j] steps before the interval's end (Streaming
+  # DiLoCo's staggered schedule).
+  offsets = [j * sync_every // fragments for j in range(fragments)]
+
+  def groups(leaves) -> list[list[int]]:
+    """Leaf indices of each fragment: contiguous in ``jax.tree.leaves``
+    order, of about equal size."""
+    if len(leaves) < fragments:
+      raise ValueError(f"fragments={fragments} needs as many parameter "
+                       f"leaves; the parameters have {len(leaves)}")
+    sizes = [int(jnp.size(x)) for x in leaves]
+    prefix = [0]
+    for n in sizes:
+      prefix.append(prefix[-1] + n)
+    starts = [0]
+    for j in range(1, fragments):
+      target = j * prefix[-1] / fragments
+      i = next(i for i, c in enumerate(prefix) if c >= target)
+      # Non-empty fragments: after the previous start, leaving one leaf
+      # for every later fragment.
+      starts.append(min(max(i, starts[-1] + 1), len(leaves) - (fragments - j)))
+    starts.append(len(leaves))
+    return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
 
   def init_fn(params):
     anchor = jax.tree.map(jnp.asarray, params)
-    return DiLoCoState(step=jnp.zeros((), jnp.int32),
-                       inner_state=inner.init(params), anchor=anchor,
-                       outer_state=outer.init(anchor),
-                       exchange_state=mean.init(params),
-                       synced=jnp.zeros((), jnp.bool_))
+    leaves = jax.tree.leaves(anchor)
+    frags = groups(leaves)
+    pick = lambda tree, g: [jax.tree.leaves(tree)[i] for i in g]
+    return DiLoCoState(
+        step=jnp.zeros((), jnp.int32), inner_state=inner.init(params),
+        anchor=anchor,
+        outer_state=tuple(outer.init(pick(anchor, g)) for g in frags),
+        exchange_state=tuple(mean.init(pick(params, g)) for g in frags),
+        synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params))
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -140,29 +180,43 @@ def diloco(inner: optax.GradientTransformation,
                        "parameters): tx.update(grads, state, params)")
     inner_updates, inner_state = inner.update(grads, state.inner_state, params)
     local = optax.apply_updates(params, inner_updates)
-    sync = (state.step + 1) % sync_every == 0
+    p_leaves, treedef = jax.tree.flatten(params)
+    l_leaves = treedef.flatten_up_to(local)
+    updates = treedef.flatten_up_to(inner_updates)
+    anchor = treedef.flatten_up_to(state.anchor)
+    synced = [None] * len(p_leaves)
+    outer_states, exchange_states = [], []
+    for j, g in enumerate(groups(p_leaves)):
+      sync = (state.step + 1 + offsets[j]) % sync_every == 0
 
-    def run(args):
-      anchor, outer_state, exchange_state = args
-      pseudo = jax.tree.map(
-          lambda a, x: (a - x).astype(jnp.result_type(x)), anchor, local)
-      avg, exchange_state = mean.update(pseudo, exchange_state, local)
-      outer_updates, outer_state = outer.update(avg, outer_state, anchor)
-      anchor = optax.apply_updates(anchor, outer_updates)
-      # Every device lands on the new anchor.
-      updates = jax.tree.map(lambda a, p: (a - p).astype(jnp.result_type(p)),
-                             anchor, params)
-      return updates, (anchor, outer_state, exchange_state)
+      def run(args, g=g):
+        anchor_g, outer_state, exchange_state = args
+        pseudo = [(a - l_leaves[i]).astype(jnp.result_type(l_leaves[i]))
+                  for a, i in zip(anchor_g, g)]
+        avg, exchange_state = mean.update(
+            pseudo, exchange_state, [l_leaves[i] for i in g])
+        outer_updates, outer_state = outer.update(avg, outer_state, anchor_g)
+        anchor_g = optax.apply_updates(anchor_g, outer_updates)
+        # Every device lands on the fragment's new anchor.
+        ups = [(a - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
+               for a, i in zip(anchor_g, g)]
+        return ups, (anchor_g, outer_state, exchange_state)
 
-    def wait(args):
-      return inner_updates, args
+      def wait(args, g=g):
+        return [updates[i] for i in g], args
 
-    updates, (anchor, outer_state, exchange_state) = lax.cond(
-        sync, run, wait,
-        (state.anchor, state.outer_state, state.exchange_state))
-    return updates, DiLoCoState(step=state.step + 1, inner_state=inner_state,
-                                anchor=anchor, outer_state=outer_state,
-                                exchange_state=exchange_state, synced=sync)
+      ups, (anchor_g, outer_state, exchange_state) = lax.cond(
+          sync, run, wait, ([anchor[i] for i in g], state.outer_state[j],
+                            state.exchange_state[j]))
+      for i, u, a in zip(g, ups, anchor_g):
+        updates[i], anchor[i], synced[i] = u, a, sync
+      outer_states.append(outer_state)
+      exchange_states.append(exchange_state)
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+    return unflat(updates), DiLoCoState(
+        step=state.step + 1, inner_state=inner_state, anchor=unflat(anchor),
+        outer_state=tuple(outer_states),
+        exchange_state=tuple(exchange_states), synced=unflat(synced))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -226,8 +280,8 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     params = optax.apply_updates(params, updates)
     # After a sync every device holds exactly the synchronized parameters.
     st = _find(opt_state)
-    params = jax.tree.map(lambda a, x: jnp.where(st.synced, a.astype(x.dtype), x),
-                          st.anchor, params)
+    params = jax.tree.map(lambda a, x, y: jnp.where(y, a.astype(x.dtype), x),
+                          st.anchor, params, st.synced)
     return (jax.tree.map(lambda x: x[None], params), opt_state,
             jax.tree.map(lambda v: lax.pmean(v, axis_name), out))
 

@@ -107,7 +107,7 @@ def test_pseudo_gradient_exchange_is_exact_or_bounded(mesh8, compressor, kw, bou
     exact = anchor0[k] - pseudo.mean(0)
     err = np.abs(new[k] - exact).max()
     if bound is None:  # top-k with error feedback: what was not sent stays local
-      resid = st.exchange_state.feedback
+      resid = st.exchange_state[0].feedback
       assert err <= np.abs(pseudo).max() + 1e-6 and len(resid) > 0
     else:
       assert err <= bound * np.abs(pseudo).max() + 1e-7, (k, err)
@@ -254,3 +254,25 @@ def test_demo_statistics(mesh8):
   assert float(stats.compression_factor) == 64.0
   assert float(stats.wire_bytes) == 7 * float(stats.bytes_sent)  # all-gather ring
   assert float(stats.state_bytes) == 4 * 256 * 192
+
+
+def test_streaming_fragments_sync_on_staggered_steps(mesh8):
+  # Two fragments ("b" then "w", in leaf order), H = 4: "b" syncs on steps
+  # 4, 8 (1-based) and "w" two steps earlier, on steps 2, 6.
+  tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=2)
+  local, st, specs = lowcomm.init(tx, _params(), mesh8)
+  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
+  traffic = jaxcomp.collective_traffic(step.lower(local, st, _batches(mesh8, 1)[0]).compile())
+  branch = sum(o.operand_bytes for o in traffic.ops if o.in_branch)
+  assert branch == 4 * (7 + 91) + 2 * 4  # each fragment once, with its flag
+  for i, b in enumerate(_batches(mesh8, 8)):
+    local, st, _ = step(local, st, b)
+    for k, at in (("b", (3, 7)), ("w", (1, 5))):
+      x = np.asarray(local[k])
+      same = all(np.array_equal(x[0], x[d]) for d in range(8))
+      assert same == (i in at), (k, i)
+  assert len(st.outer_state) == len(st.exchange_state) == 2
+  with pytest.raises(ValueError, match="fragments must be an integer in"):
+    jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=5)
+  with pytest.raises(ValueError, match="fragments=3 needs as many parameter leaves"):
+    lowcomm.init(jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=3), _params(), mesh8)
