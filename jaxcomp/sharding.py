@@ -14,6 +14,7 @@ Two traps that this module closes:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -145,10 +146,17 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
       out = varying_after(
           lambda g, s, p: update(g, s, p)[1], (grads, local_state, params),
           grads_axes + cur + params_axes, mesh)
-    except Exception:  # pylint: disable=broad-except
+    except Exception as e:  # pylint: disable=broad-except
       # An update that cannot be traced here (it needs extra arguments, say)
       # fails the same way in the train step, where its error is clearer;
-      # init's types stand.
+      # init's types stand, and the user is told why.
+      warnings.warn(
+          f"tx.update could not be traced to place the optimizer state "
+          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); each state "
+          "leaf is placed by its type after tx.init alone, so a leaf that an "
+          "update makes per device (an accumulator, an inner optimizer's "
+          "moments under DiLoCo) will make the train step fail to trace",
+          RuntimeWarning, stacklevel=3)
       break
     new = [c | o for c, o in zip(cur, out)]
     if new == cur:

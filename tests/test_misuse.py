@@ -72,3 +72,12 @@ def test_non_finite_hyperparameters_are_refused_at_construction(name, kwargs):
   (param,) = kwargs
   with pytest.raises(ValueError, match=rf"{param} must be a finite number"):
     jaxcomp.compressed_mean(name, "data", **kwargs)
+
+
+def test_state_placement_says_when_the_update_cannot_be_traced(mesh8):
+  # An update that fails to trace (here: strict dtype promotion, which
+  # optax.adam does not follow) leaves init's types; init_sharded says so.
+  import optax
+  tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.adam(1e-3))
+  with pytest.warns(RuntimeWarning, match="could not be traced to place"):
+    jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
