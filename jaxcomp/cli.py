@@ -84,6 +84,17 @@ def _nonneg_float(what: str, unit: str):
   return parse
 
 
+def _sync_every(s: str) -> int:
+  try:
+    v = int(s)
+  except ValueError:
+    v = 0
+  if v < 1:
+    raise argparse.ArgumentTypeError(
+        f"--diloco-every must be an integer >= 1 (steps per sync), got {s!r}")
+  return v
+
+
 def _workers(s: str) -> int:
   try:
     v = int(s)
@@ -184,7 +195,8 @@ def _run_whatif(args) -> int:
   codecs, codec_note = _codecs(args, comps)
   overlap = "after_backward" if args.no_overlap else args.overlap
   collective = None if args.collective == "default" else args.collective
-  kw = dict(codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective)
+  kw = dict(codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective,
+            sync_every=args.diloco_every)
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
@@ -197,7 +209,9 @@ def _run_whatif(args) -> int:
         + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
         + {"wfbp": "; overlap with backward (WFBP)",
            "after_backward": "; collectives after the backward pass",
-           "serial": "; nothing overlaps (serial)"}[overlap], file=out)
+           "serial": "; nothing overlaps (serial)"}[overlap]
+        + (f"; compressors as DiLoCo, one exchange every {args.diloco_every} steps"
+           if args.diloco_every > 1 else ""), file=out)
   print(codec_note, file=out)
   print(file=out)
   rows = []
@@ -304,6 +318,10 @@ def _add_whatif(sub):
                  help="collective for the compressors that are not linear: default (what "
                       "jaxcomp.compressed_mean uses: auto for the quantizers, allgather for "
                       "the sparsifiers), allgather, two_phase or auto")
+  p.add_argument("--diloco-every", type=_sync_every, default=1, metavar="H",
+                 help="price the compressors as DiLoCo's pseudo-gradient exchange, "
+                 "once every H steps (the dense baseline stays data parallel; "
+                 "default 1: every step)")
   p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
                  help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,

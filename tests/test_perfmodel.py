@@ -665,3 +665,26 @@ def test_sharded_steps_price_the_reduce_scatter_and_the_parameter_gathers():
   assert out["int8"].speedup == pytest.approx(dense.step_time / pr.step_time)
   with pytest.raises(ValueError, match="own exchange"):
     pm.predict(prof, compressors.get("powersgd"), net, output="shard")
+
+
+def test_diloco_amortizes_one_serial_exchange_over_its_interval():
+  from jaxcomp import compressors
+  prof = _profile([100_000, 2_000_000], [2e-3, 3e-3], fwd=4e-3, update=1e-3)
+  net = pm.Network(8, pm.Link.from_bandwidth(1.0, 50e-6))
+  c = compressors.get("int8_block", bits=4)
+  codec = pm.CodecCost(1e-4, 1e-9, 1e-4, 1e-9)
+  serial = pm.predict(prof, c, net, codec=codec, overlap="serial")
+  for h in (1, 10, 100):
+    pr = pm.predict(prof, c, net, codec=codec, sync_every=h)
+    if h == 1:
+      continue
+    assert pr.step_time == pytest.approx(prof.compute_time
+                                         + (serial.step_time - prof.compute_time) / h)
+    assert pr.bytes_per_worker == pytest.approx(serial.bytes_per_worker / h)
+    assert pr.comm_time == pytest.approx(serial.comm_time / h)
+  out = pm.compare(prof, {"int4": c}, net, sync_every=50)
+  dense = pm.predict(prof, pm.DenseCompressor(), net)
+  assert out["dense"].step_time == dense.step_time  # data parallelism, every step
+  assert out["int4"].speedup > 1.0
+  with pytest.raises(ValueError, match="sync_every"):
+    pm.predict(prof, c, net, sync_every=0)

@@ -133,3 +133,29 @@ def test_whatif_collective_and_overlap_flags(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(base + ["--collective", "ring"])
   assert e.value.code == 2
+
+
+def test_whatif_prices_diloco(capsys):
+  args = ["whatif", "-p", "16", "-b", "1", "-c", "int8_block:bits=4", *FAST]
+  cli.main(args)
+  step = _table(capsys.readouterr().out)["int8_block:bits=4"]
+  cli.main(args + ["--diloco-every", "50"])
+  out = capsys.readouterr().out
+  assert "one exchange every 50 steps" in out
+  rows = _table(out)
+  diloco = rows["int8_block:bits=4"]
+  assert float(diloco["MB/worker"]) == pytest.approx(float(step["MB/worker"]) / 50, rel=0.05)
+  assert float(diloco["speedup"].rstrip("x")) > float(step["speedup"].rstrip("x"))
+  assert rows["dense"]["step_ms"] == _table(cli_out(args))["dense"]["step_ms"]
+  with pytest.raises(SystemExit):
+    cli.main(args + ["--diloco-every", "0"])
+  assert "--diloco-every must be an integer >= 1" in capsys.readouterr().err
+
+
+def cli_out(args):
+  import contextlib
+  import io
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    cli.main(args)
+  return buf.getvalue()

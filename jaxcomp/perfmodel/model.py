@@ -423,7 +423,8 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
 def predict(profile: ModelProfile, compressor, network: costs.Network, *,
             codec: CodecCost | None = None, buckets="layer", overlap: bool | str = True,
             collective: str | None = None, error_feedback: bool | None = None,
-            messages_per_bucket: int | None = None, output: str = "mean") -> Prediction:
+            messages_per_bucket: int | None = None, output: str = "mean",
+            sync_every: int = 1) -> Prediction:
   """Predicts one training step of ``profile`` with ``compressor`` on ``network``.
 
   Args:
@@ -466,12 +467,37 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       ``Collective.reduce_scatter_transfers`` lists, and the parameters
       all-gathered in float32 before the forward pass, not overlapped; each
       device decodes the ``p`` payloads of its chunk).
+    sync_every: DiLoCo's ``H`` (:func:`jaxcomp.diloco`): the exchange (of
+      the pseudo-gradient, the parameters' size) runs once every ``H``
+      steps, after that step's local update, overlapping nothing; the
+      prediction is the average step: compute plus ``1 / H`` of that
+      exchange's communication and codec time (and bytes). Streaming
+      DiLoCo's fragments send ``1 / F`` of it ``F`` times as often: the
+      same average.
 
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
   """
   if not isinstance(network, costs.Network):
     raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
+  if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+    raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+  if sync_every > 1:
+    if output != "mean":
+      raise ValueError("sync_every > 1 (DiLoCo) runs with output='mean'")
+    one = predict(profile, compressor, network, codec=codec, buckets=buckets,
+                  overlap="serial", collective=collective,
+                  error_feedback=error_feedback,
+                  messages_per_bucket=messages_per_bucket)
+    extra = (one.step_time - profile.compute_time) / sync_every
+    t = profile.compute_time + extra
+    return dataclasses.replace(
+        one, step_time=t, comm_time=one.comm_time / sync_every,
+        exposed_comm=one.comm_time / sync_every,
+        compute_time=profile.compute_time + one.codec_time / sync_every,
+        codec_time=one.codec_time / sync_every,
+        scaling_factor=profile.compute_time / t if t > 0 else 1.0,
+        bytes_per_worker=one.bytes_per_worker / sync_every)
   codec = codec or CodecCost()
   mode = _overlap_mode(overlap)
   kind = _comm_kind(compressor, collective)
@@ -587,14 +613,16 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
             *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
             overlap: bool | str = True,
             collective: str | Mapping[str, str | None] | None = None,
-            output: str = "mean") -> dict[str, Prediction]:
+            output: str = "mean", sync_every: int = 1) -> dict[str, Prediction]:
   """Predicts every compressor and the dense baseline; fills ``speedup``.
 
   ``collective``: None (each compressor's :func:`default_collective`), one
   of ``"allgather"``, ``"two_phase"``, ``"auto"`` for every compressor that
   is neither linear nor runs its own exchange (the others keep their
   default), or a mapping from names in ``compressors`` to a collective or
-  None. The other arguments are :func:`predict`'s.
+  None. The other arguments are :func:`predict`'s; ``sync_every`` applies to
+  the compressors, not to the dense baseline (data parallelism), so that
+  ``speedup`` says what DiLoCo gains over it.
 
   The result maps ``"dense"`` and each name in ``compressors`` to a
   :class:`Prediction`; ``speedup`` is dense step time over that step time.
@@ -620,6 +648,6 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
   out = {"dense": dataclasses.replace(dense, speedup=1.0)}
   for name, c in compressors.items():
     pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap,
-                 collective=chosen.get(name), output=output)
+                 collective=chosen.get(name), output=output, sync_every=sync_every)
     out[name] = dataclasses.replace(pr, speedup=dense.step_time / pr.step_time)
   return out

@@ -24,7 +24,8 @@ DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                   network: costs.Network, workers: Sequence[int] = DEFAULT_WORKERS, *,
                   codecs=None, buckets="layer", overlap: bool | str = True,
-                  collective=None) -> dict[int, dict[str, _model.Prediction]]:
+                  collective=None, sync_every: int = 1
+                  ) -> dict[int, dict[str, _model.Prediction]]:
   """``{p: compare(...)}`` for each worker count ``p`` (same links)."""
   out = {}
   for p in workers:
@@ -32,20 +33,22 @@ def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
     if net.algorithm == "hierarchical" and p % net.workers_per_node:
       raise ValueError(f"workers={p} is not a multiple of workers_per_node={net.workers_per_node}")
     out[p] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
-                            overlap=overlap, collective=collective)
+                            overlap=overlap, collective=collective,
+                            sync_every=sync_every)
   return out
 
 
 def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                     network: costs.Network, gbps: Sequence[float], *, codecs=None,
-                    buckets="layer", overlap: bool | str = True, collective=None
-                    ) -> dict[float, dict[str, _model.Prediction]]:
+                    buckets="layer", overlap: bool | str = True, collective=None,
+                    sync_every: int = 1) -> dict[float, dict[str, _model.Prediction]]:
   """``{gbps: compare(...)}``, the inter-worker link set to each bandwidth."""
   out = {}
   for g in gbps:
     net = network.with_link(costs.Link.from_bandwidth(g, network.link.alpha))
     out[g] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
-                            overlap=overlap, collective=collective)
+                            overlap=overlap, collective=collective,
+                            sync_every=sync_every)
   return out
 
 
