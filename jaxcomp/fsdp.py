@@ -123,17 +123,57 @@ def unshard_params(shards, shapes):
   return jax.tree.map(one, shards, shapes)
 
 
-def gather_params(shards, shapes, axis_name: AxisName = "data"):
+def _param_compressor(compressor):
+  """The compressor for the parameters' forward all-gather (ZeRO++'s qwZ),
+  from a name or instance; None for none.
+
+  Raises:
+    ValueError: a compressor with randomness or an exchange of its own
+      (every device must rebuild the same parameters from the same
+      payloads, and no key is shared for it).
+  """
+  if compressor is None:
+    return None
+  from jaxcomp import compressors  # pylint: disable=g-import-not-at-top
+  comp = compressors.get(compressor)
+  if comp.own_exchange or comp.randomness != "none":
+    raise ValueError(
+        f"param_compressor={comp.name!r} cannot compress the parameters' "
+        "all-gather: it needs a deterministic compressor with no exchange of "
+        "its own (e.g. 'int8_block', 'fp8_block', 'bf16')")
+  return comp
+
+
+def gather_params(shards, shapes, axis_name: AxisName = "data", *,
+                  compressor=None):
   """Inside ``shard_map``: all-gathers this device's flat shards into the
-  whole parameters (one ``lax.all_gather`` per leaf, in its dtype)."""
-  return jax.tree.map(
-      lambda x, s: lax.all_gather(x, axis_name, tiled=True)[
-          :math.prod(s.shape)].reshape(s.shape), shards, shapes)
+  whole parameters (one ``lax.all_gather`` per leaf, in its dtype).
+
+  ``compressor`` (a name or instance, deterministic; ZeRO++'s qwZ, Wang et
+  al. 2023):
+  each device encodes its own shard, the payloads are all-gathered and
+  every device decodes all of them, so the forward pass (and the gradient)
+  sees the parameters as that compressor rebuilds them, identically on
+  every device, while the optimizer keeps updating the exact shards.
+  """
+  comp = _param_compressor(compressor)
+
+  def one(x, s):
+    n = math.prod(s.shape)
+    if comp is None:
+      return lax.all_gather(x, axis_name, tiled=True)[:n].reshape(s.shape)
+    key = jax.random.key(0)  # unused: the compressor has no randomness
+    payload = comp.encode(x.astype(jnp.float32), key)
+    gathered = jax.tree.map(lambda a: lax.all_gather(a, axis_name), payload)
+    whole = jax.vmap(lambda pl: comp.decode(pl, x.shape[0], key))(gathered)
+    return whole.reshape(-1)[:n].reshape(s.shape).astype(x.dtype)
+
+  return jax.tree.map(one, shards, shapes)
 
 
 def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
                    shard_axis: AxisName | None = None,
-                   has_aux: bool = False) -> Callable:
+                   param_compressor=None, has_aux: bool = False) -> Callable:
   """Inside ``shard_map``: ``f(shards, *args) -> (value, grads)``, the loss of
   the gathered parameters and this device's gradient with respect to them
   (whole-shaped, varying over ``axis_name``): what
@@ -147,13 +187,17 @@ def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
       varies over them).
     shard_axis: the axis the parameters are sharded over (default
       ``axis_name``; HSDP: the fast axis inside a host).
+    param_compressor: compress the parameters' all-gather (qwZ; see
+      :func:`gather_params`), e.g. ``"int8_block"``.
     has_aux: as in ``jax.value_and_grad``.
   """
+  param_comp = _param_compressor(param_compressor)
   vg = sharding.per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
   shard_axis = axis_name if shard_axis is None else shard_axis
 
   def wrapped(shards, *args, **kwargs):
-    return vg(gather_params(shards, shapes, shard_axis), *args, **kwargs)
+    return vg(gather_params(shards, shapes, shard_axis,
+                            compressor=param_comp), *args, **kwargs)
 
   return wrapped
 
@@ -220,7 +264,8 @@ def _check_shard_outputs(opt_state, shard_axis) -> None:
 
 def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
                     axis_name: AxisName = "data",
-                    shard_axis: AxisName | None = None, **kwargs) -> Callable:
+                    shard_axis: AxisName | None = None,
+                    param_compressor=None, **kwargs) -> Callable:
   """The FSDP train step, compiled: gather, per-device gradient, ``tx``'s
   compressed reduce-scatter and update of the shards, loss averaged.
 
@@ -231,6 +276,8 @@ def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
     mesh, state_specs, axis_name: as :func:`jaxcomp.make_train_step`.
     shard_axis: the axis the parameters are sharded over (default
       ``axis_name``), as for :func:`init`.
+    param_compressor: compress the parameters' forward all-gather (ZeRO++'s
+      qwZ), e.g. ``"int8_block"`` (:func:`gather_params`).
     **kwargs: :func:`jaxcomp.make_train_step`'s other options
       (``batch_spec``, ``has_aux``, ``donate``, ``per_device_loss``).
 
@@ -242,7 +289,8 @@ def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
       params_spec=P(shard_axis),
       value_and_grad=lambda f, a, has_aux=False: value_and_grad(
-          f, shapes, a, shard_axis=shard_axis, has_aux=has_aux), **kwargs)
+          f, shapes, a, shard_axis=shard_axis,
+          param_compressor=param_compressor, has_aux=has_aux), **kwargs)
 
 
 def state_bytes(tree: Any) -> int:

@@ -24,5 +24,7 @@ class Config(CompressionConfig):
   valid_windows: int = 256  # held-out windows of `context` predictions each
   sharding: str = "replicated"  # or "fsdp": parameters and optimizer state
   #                               sharded over the devices (jaxcomp.fsdp)
+  param_compressor: str | None = None  # fsdp: compress the parameters'
+  #                                      forward all-gather (e.g. "int8_block")
   diloco_every: int = 0  # > 0: DiLoCo, a compressed pseudo-gradient
   #                        exchange every this many steps (jaxcomp.diloco)

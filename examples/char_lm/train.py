@@ -102,6 +102,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     raise ValueError(f"sharding must be one of {SHARDINGS}, got "
                      f"{config.sharding!r}")
   fsdp = config.sharding == "fsdp"
+  if config.param_compressor and not fsdp:
+    raise ValueError("param_compressor needs sharding='fsdp'")
   if config.diloco_every and (fsdp or config.ratio_warmup_steps):
     raise ValueError("diloco_every runs with sharding='replicated' and no "
                      "ratio warm-up")
@@ -119,9 +121,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     # gradient of the gathered parameters is reduce-scattered, compressed.
     params, shapes, opt_state, specs = jaxcomp.fsdp.init(stages[0].tx, params,
                                                          mesh)
-    steps = [jaxcomp.fsdp.make_train_step(loss_fn, st.tx, shapes, mesh=mesh,
-                                          state_specs=specs)
-             for st in stages]
+    steps = [jaxcomp.fsdp.make_train_step(
+        loss_fn, st.tx, shapes, mesh=mesh, state_specs=specs,
+        param_compressor=config.param_compressor) for st in stages]
     whole = lambda p: jaxcomp.fsdp.unshard_params(p, shapes)
   else:
     opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
