@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -127,24 +126,15 @@ def main(argv=None) -> int:
                                 subnet=args.subnet) as cluster:
     for link in args.links:
       cluster.set_rate(None if link == "unlimited" else link)
-      coord = f"{cluster.namespaces[0].address}:{args.port}"
-      procs = [cluster.popen(i, [sys.executable, os.path.abspath(__file__), "--worker",
-                                 "--rank", str(i), "--coordinator", coord,
-                                 "--elements", str(args.elements), "--reps", str(args.reps)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for i in range(NPROC)]
       try:
-        outs = [pr.communicate(timeout=args.timeout) for pr in procs]
-      except subprocess.TimeoutExpired:
-        cluster.kill_all()
-        print(f"{link}: the workers did not finish in {args.timeout:.0f} s", file=sys.stderr)
+        results[link] = cluster.run_result(
+            lambda i, host: [sys.executable, os.path.abspath(__file__), "--worker",
+                             "--rank", str(i), "--coordinator", f"{host}:{args.port}",
+                             "--elements", str(args.elements), "--reps", str(args.reps)],
+            cwd=REPO, timeout=args.timeout)
+      except RuntimeError as e:
+        print(f"{link}: {e}", file=sys.stderr)
         return 1
-      lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
-      if not lines or any(pr.returncode for pr in procs):
-        print(f"{link}: a worker failed:\n{outs[0][1][-2000:]}\n{outs[1][1][-2000:]}",
-              file=sys.stderr)
-        return 1
-      results[link] = json.loads(lines[-1][len("RESULT "):])
   first = next(iter(results.values()))
   print(f"{NPROC} JAX {first['jax']} processes over gloo, {first['elements']} elements, "
         f"median of {args.reps} calls on process 0")

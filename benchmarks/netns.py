@@ -197,6 +197,32 @@ class RateLimitedCluster:
     self._procs.append(p)
     return p
 
+  def run_result(self, argv_for, *, cwd: str, timeout: float, rank: int = 0):
+    """Starts ``argv_for(i, coordinator)`` in every namespace (the
+    coordinator is namespace 0's address, port given by the caller inside
+    ``argv_for``), waits for all of them, and returns the JSON object that
+    process ``rank`` printed on its last ``RESULT {...}`` line.
+
+    Raises:
+      RuntimeError: a worker failed or printed no result (with both workers'
+        stderr tails), or they did not finish within ``timeout`` seconds
+        (then they are killed).
+    """
+    import json  # pylint: disable=g-import-not-at-top
+    procs = [self.popen(i, argv_for(i, self.namespaces[0].address), cwd=cwd,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True) for i in range(len(self.namespaces))]
+    try:
+      outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+      self.kill_all()
+      raise RuntimeError(f"the workers did not finish in {timeout:.0f} s") from None
+    lines = [ln for ln in outs[rank][0].splitlines() if ln.startswith("RESULT ")]
+    if not lines or any(p.returncode for p in procs):
+      tails = "\n".join(err[-3000:] for _, err in outs)
+      raise RuntimeError(f"a worker failed:\n{tails}")
+    return json.loads(lines[-1][len("RESULT "):])
+
   def kill_all(self) -> None:
     """Kills the process groups of every process this cluster started."""
     for p in self._procs:

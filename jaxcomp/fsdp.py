@@ -107,8 +107,10 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
     x = jnp.ravel(x)
     return jnp.pad(x, (0, p * shard_size(x.size, p) - x.size))
 
-  shards = jax.device_put(jax.tree.map(flat, params),
-                          NamedSharding(mesh, P(axis_name)))
+  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
+  # global_array, not device_put: it works on multi-process meshes too.
+  shards = distributed.global_array(jax.tree.map(flat, params), mesh,
+                                    P(axis_name))
   return shards, shapes
 
 

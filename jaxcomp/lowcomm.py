@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import optax
 
 from jaxcomp import _mesh
@@ -253,9 +253,11 @@ def init(tx, params, mesh, axis_name: AxisName = "data"):
   n = 1
   for a in _mesh.axes(axis_name):
     n *= mesh.shape[a]
-  local = jax.device_put(
+  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
+  # global_array, not device_put: it works on multi-process meshes too.
+  local = distributed.global_array(
       jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n, *jnp.shape(x))),
-                   params), NamedSharding(mesh, P(axis_name)))
+                   params), mesh, P(axis_name))
   return local, opt_state, specs
 
 

@@ -656,7 +656,9 @@ def get_stats(state, *, by_path: bool = False):
     With ``by_path=False``: one :class:`CompressionStats` totalling every
     transform found (bytes and skipped steps add up, the compression factors
     are the totals' quotients, the residual norms combine as the norm of
-    the concatenated residuals), or None if there is none. With
+    the concatenated residuals, per device, or as one norm of all of them
+    where the transforms' per-device norms are placed over different mesh
+    axes), or None if there is none. With
     ``by_path=True``: ``{path string: CompressionStats}``, in tree order.
   """
   found = []
@@ -678,6 +680,14 @@ def get_stats(state, *, by_path: bool = False):
   if len(found) == 1:
     return found[0][1]
   total = lambda f: sum(getattr(s, f) for _, s in found)
+  norms = [s.residual_norm for _, s in found]
+  try:
+    residual = jnp.sqrt(sum(r ** 2 for r in norms))
+  except Exception:  # pylint: disable=broad-except
+    # Per-device norms placed over different axes (HSDP's transforms over
+    # devices and over hosts) do not line up device by device: one norm of
+    # every residual.
+    residual = jnp.sqrt(sum(jnp.sum(r ** 2) for r in norms))
   sent, dense = total("bytes_sent"), total("dense_bytes")
   on_wire, dense_wire = total("wire_bytes"), total("dense_wire_bytes")
   return CompressionStats(
@@ -686,5 +696,5 @@ def get_stats(state, *, by_path: bool = False):
       wire_bytes=on_wire, dense_wire_bytes=dense_wire,
       wire_compression_factor=jnp.where(
           on_wire > 0, dense_wire / jnp.maximum(on_wire, 1.0), 1.0),
-      residual_norm=jnp.sqrt(sum(s.residual_norm ** 2 for _, s in found)),
+      residual_norm=residual,
       skipped_steps=total("skipped_steps"), state_bytes=total("state_bytes"))

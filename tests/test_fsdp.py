@@ -297,6 +297,9 @@ def test_hsdp_compresses_the_shards_across_hosts(mesh2x4, name, kw):
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
   by_path = jaxcomp.get_stats(st, by_path=True)
   fast, slow = by_path["[0]"], by_path["[1]"]
+  total = jaxcomp.get_stats(st)  # transforms over different axes: one total
+  assert float(total.bytes_sent) == float(fast.bytes_sent) + float(slow.bytes_sent)
+  assert np.shape(total.residual_norm) == ()
   assert float(slow.dense_bytes) == float(fast.dense_bytes) / 4
   # The hosts exchange is what the compiled step sends over hosts.
   with jax.numpy_dtype_promotion("standard"):
