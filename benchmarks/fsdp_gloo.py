@@ -32,6 +32,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
 NPROC, DEVICES = 2, 2
 RUNS = ("dense FSDP", "int8 FSDP", "int8 HSDP")
 
@@ -111,40 +113,16 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
   ap.add_argument("--qwz", action="store_true",
                   help="int8 blocks for the compressed runs' parameter gather")
-  ap.add_argument("--port", type=int, default=13171)
-  ap.add_argument("--netns-prefix", default=None,
-                  help="namespace name prefix (default: j<pid>, unique)")
-  ap.add_argument("--subnet", default=None,
-                  help="the namespaces' /24 (default derived from the pid)")
-  ap.add_argument("--timeout", type=float, default=900.0, help="seconds per link")
-  ap.add_argument("--json", help="also write the raw results here")
-  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-  ap.add_argument("--coordinator", help=argparse.SUPPRESS)
+  netns.add_cluster_flags(ap, port=13171, timeout=900.0)
   args = ap.parse_args(argv)
   if args.worker:
     worker(args)
     return 0
-  import netns  # benchmarks/netns.py, beside this script
-  try:
-    netns.check_prerequisites()
-  except netns.NetnsUnavailable as e:
-    print(f"fsdp_gloo needs network namespaces: {e}", file=sys.stderr)
-    return 2
-  results = {}
-  with netns.RateLimitedCluster(NPROC, prefix=args.netns_prefix,
-                                subnet=args.subnet) as cluster:
-    for link in args.links:
-      cluster.set_rate(None if link == "unlimited" else link)
-      try:
-        results[link] = cluster.run_result(
-            lambda i, host: [sys.executable, os.path.abspath(__file__), "--worker",
-                             "--rank", str(i), "--coordinator", f"{host}:{args.port}",
-                             "--steps", str(args.steps)] + (["--qwz"] if args.qwz else []),
-            cwd=REPO, timeout=args.timeout)
-      except RuntimeError as e:
-        print(f"{link}: {e}", file=sys.stderr)
-        return 1
+  results = netns.run_links(
+      "fsdp_gloo", args, NPROC, os.path.abspath(__file__),
+      ["--steps", str(args.steps)] + (["--qwz"] if args.qwz else []), cwd=REPO)
+  if isinstance(results, int):
+    return results
   print(f"{NPROC} processes x {DEVICES} CPU devices over gloo, MLP 784-1024-1024-10, "
         f"global batch 64, median of {args.steps} steps on process 0"
         + ("; compressed runs gather the parameters in int8 blocks (qwZ)" if args.qwz else ""))
@@ -157,13 +135,7 @@ def main(argv=None) -> int:
       c = r[name]
       rows.append((link, name, f"{c['median_s'] * 1e3:.1f}", f"{c['median_s'] / base:.2f}",
                    f"{c['bytes_sent']:,.0f}", f"{c['wire_bytes']:,.0f}"))
-  widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
-  for row in [hdr, tuple("-" * w for w in widths), *rows]:
-    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  return 0
+  return netns.report(hdr, rows, results, args.json)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netns  # noqa: E402  (benchmarks/netns.py, beside this script)
 NPROC = 2
 
 # name -> (dtype, bytes sent per process as a multiple of the operand's
@@ -99,42 +101,18 @@ def main(argv=None) -> int:
   ap.add_argument("--links", nargs="+", default=["unlimited", "1gbit", "100mbit"])
   ap.add_argument("--elements", type=int, default=1863690)
   ap.add_argument("--reps", type=int, default=9, help="timed calls per collective")
-  ap.add_argument("--port", type=int, default=13111)
-  ap.add_argument("--netns-prefix", default=None,
-                  help="namespace name prefix (default: j<pid>, unique)")
-  ap.add_argument("--subnet", default=None,
-                  help="the namespaces' /24 (default derived from the pid)")
-  ap.add_argument("--timeout", type=float, default=600.0, help="seconds per link")
-  ap.add_argument("--json", help="also write the raw results here")
-  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-  ap.add_argument("--coordinator", help=argparse.SUPPRESS)
+  netns.add_cluster_flags(ap, port=13111, timeout=600.0)
   args = ap.parse_args(argv)
   if args.worker:
     worker(args)
     return 0
   if args.elements < NPROC or args.reps < 1:
     ap.error(f"--elements must be >= {NPROC} and --reps >= 1")
-  import netns  # benchmarks/netns.py, beside this script
-  try:
-    netns.check_prerequisites()
-  except netns.NetnsUnavailable as e:
-    print(f"gloo_collectives needs network namespaces: {e}", file=sys.stderr)
-    return 2
-  results = {}
-  with netns.RateLimitedCluster(NPROC, prefix=args.netns_prefix,
-                                subnet=args.subnet) as cluster:
-    for link in args.links:
-      cluster.set_rate(None if link == "unlimited" else link)
-      try:
-        results[link] = cluster.run_result(
-            lambda i, host: [sys.executable, os.path.abspath(__file__), "--worker",
-                             "--rank", str(i), "--coordinator", f"{host}:{args.port}",
-                             "--elements", str(args.elements), "--reps", str(args.reps)],
-            cwd=REPO, timeout=args.timeout)
-      except RuntimeError as e:
-        print(f"{link}: {e}", file=sys.stderr)
-        return 1
+  results = netns.run_links(
+      "gloo_collectives", args, NPROC, os.path.abspath(__file__),
+      ["--elements", str(args.elements), "--reps", str(args.reps)], cwd=REPO)
+  if isinstance(results, int):
+    return results
   first = next(iter(results.values()))
   print(f"{NPROC} JAX {first['jax']} processes over gloo, {first['elements']} elements, "
         f"median of {args.reps} calls on process 0")
@@ -148,13 +126,7 @@ def main(argv=None) -> int:
       rows.append((link, name, f"{c['operand_bytes'] / 1e6:.2f}", f"{sent / 1e6:.2f}",
                    f"{c['median_s'] * 1e3:.1f}", f"{8 * sent / c['median_s'] / 1e9:.3f}",
                    f"{c['median_s'] / base:.2f}"))
-  widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
-  for row in [hdr, tuple("-" * w for w in widths), *rows]:
-    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  return 0
+  return netns.report(hdr, rows, results, args.json)
 
 
 if __name__ == "__main__":

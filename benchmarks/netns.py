@@ -264,6 +264,64 @@ class RateLimitedCluster:
     return _delete_matching(orphan)
 
 
+def add_cluster_flags(ap, *, port: int, timeout: float) -> None:
+  """The options every rate-limited benchmark takes: the coordinator port,
+  the namespaces' prefix and subnet, a per-link timeout, a JSON output, and
+  the hidden ones its workers are started with."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  ap.add_argument("--port", type=int, default=port)
+  ap.add_argument("--netns-prefix", default=None,
+                  help="namespace name prefix (default: j<pid>, unique)")
+  ap.add_argument("--subnet", default=None,
+                  help="the namespaces' /24 (default derived from the pid)")
+  ap.add_argument("--timeout", type=float, default=timeout, help="seconds per link")
+  ap.add_argument("--json", help="also write the raw results here")
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--coordinator", help=argparse.SUPPRESS)
+
+
+def run_links(name: str, args, nproc: int, script: str, extra: Sequence[str], *,
+              cwd: str):
+  """Runs ``script --worker --rank i --coordinator HOST:PORT *extra`` in
+  ``nproc`` rate-limited namespaces once per link of ``args.links`` (options
+  of :func:`add_cluster_flags`) and returns ``{link: process 0's result}``
+  (:meth:`RateLimitedCluster.run_result`), or an exit code after printing
+  why: 2 without namespaces, 1 when a worker failed or timed out."""
+  try:
+    check_prerequisites()
+  except NetnsUnavailable as e:
+    print(f"{name} needs network namespaces: {e}", file=sys.stderr)
+    return 2
+  results = {}
+  with RateLimitedCluster(nproc, prefix=args.netns_prefix,
+                          subnet=args.subnet) as cluster:
+    for link in args.links:
+      cluster.set_rate(None if link == "unlimited" else link)
+      try:
+        results[link] = cluster.run_result(
+            lambda i, host: [sys.executable, script, "--worker", "--rank", str(i),
+                             "--coordinator", f"{host}:{args.port}", *extra],
+            cwd=cwd, timeout=args.timeout)
+      except RuntimeError as e:
+        print(f"{link}: {e}", file=sys.stderr)
+        return 1
+  return results
+
+
+def report(header, rows, results, json_path: str | None) -> int:
+  """Prints ``rows`` under ``header`` (columns padded to their widest
+  cell), writes ``results`` as JSON to ``json_path`` if given; returns 0."""
+  import json  # pylint: disable=g-import-not-at-top
+  widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+  for row in [header, tuple("-" * w for w in widths), *rows]:
+    print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(results, f, indent=1)
+  return 0
+
+
 def _exit_on_sigterm(signum, frame):
   del frame
   raise SystemExit(128 + signum)
