@@ -125,14 +125,6 @@ def to_varying(tree, axis_name: AxisName):
   return jax.tree.map(cast, tree)
 
 
-def manual_axes(axis_name: AxisName) -> tuple[str, ...]:
-  """Every mesh axis bound here (inside ``shard_map``: its manual axes;
-  under ``pmap``: its axis), ``axis_name``'s included."""
-  bound = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-                or ())
-  return bound + tuple(a for a in axes(axis_name) if a not in bound)
-
-
 def varying_zeros(shape: int | Sequence[int], axis_name: AxisName,
                   dtype=jnp.float32) -> jax.Array:
   """Zeros of ``shape`` and ``dtype`` typed varying over ``axis_name``: a

@@ -97,9 +97,8 @@ def fill(order: Sequence[int], sizes: Sequence[int], limit: float
     >>> fill([2, 1, 0], [5, 1, 3], 4)
     ((2, 1), (0,))
   """
-  big = order
   buckets, cur, total = [], [], 0
-  for i in big:
+  for i in order:
     cur.append(i)
     total += sizes[i]
     if total >= limit:

@@ -84,25 +84,23 @@ def _nonneg_float(what: str, unit: str):
   return parse
 
 
-def _sync_every(s: str) -> int:
-  try:
-    v = int(s)
-  except ValueError:
-    v = 0
-  if v < 1:
-    raise argparse.ArgumentTypeError(
-        f"--diloco-every must be an integer >= 1 (steps per sync), got {s!r}")
-  return v
+def _positive_int(what: str, meaning: str = ""):
+  """An argparse type: an integer >= 1, or an error naming ``what``."""
+  def parse(s: str) -> int:
+    try:
+      v = int(s)
+    except ValueError:
+      v = None
+    if v is None or v < 1:
+      raise argparse.ArgumentTypeError(
+          f"{what} must be an integer >= 1{meaning}, got "
+          f"{repr(s) if v is None else v}")
+    return v
+  return parse
 
 
-def _workers(s: str) -> int:
-  try:
-    v = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"workers must be an integer >= 1, got {s!r}") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"workers must be an integer >= 1, got {v}")
-  return v
+_workers = _positive_int("workers")
+_sync_every = _positive_int("--diloco-every", " (steps per sync)")
 
 
 def parse_compressor_spec(spec: str) -> tuple[str, dict]:

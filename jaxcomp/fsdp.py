@@ -66,18 +66,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomp import _mesh
 from jaxcomp import sharding
+from jaxcomp import wire
+from jaxcomp.collectives.base import chunk_size
 from jaxcomp._mesh import AxisName
-
-
-def _devices(mesh, axis_name: AxisName) -> int:
-  sharding._check_mesh_axes(mesh, axis_name)  # pylint: disable=protected-access
-  return math.prod(mesh.shape[a] for a in _mesh.axes(axis_name))
-
-
-def shard_size(n: int, p: int) -> int:
-  """Elements of one device's shard of an ``n``-element leaf on ``p``
-  devices: ``ceil(n / p)``."""
-  return -(-n // p)
 
 
 def shard_params(params, mesh, axis_name: AxisName = "data"):
@@ -90,7 +81,8 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
 
   Returns:
     ``(shards, shapes)``: ``shards`` has one float array of ``p * c``
-    elements per leaf (``c`` = :func:`shard_size`), zero-padded and placed
+    elements per leaf (``c = ceil(n / p)``, :func:`jaxcomp.collectives.chunk_size`),
+    zero-padded and placed
     with ``NamedSharding(mesh, P(axis_name))``; ``shapes`` holds each leaf's
     ``jax.ShapeDtypeStruct`` (for :func:`gather_params`,
     :func:`unshard_params`).
@@ -98,14 +90,15 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``.
   """
-  p = _devices(mesh, axis_name)
+  sharding._check_mesh_axes(mesh, axis_name)  # pylint: disable=protected-access
+  p = wire.group_size(axis_name, dict(mesh.shape))
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
                                                        jnp.result_type(x)),
                         params)
 
   def flat(x):
     x = jnp.ravel(x)
-    return jnp.pad(x, (0, p * shard_size(x.size, p) - x.size))
+    return jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
 
   from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
   # global_array, not device_put: it works on multi-process meshes too.

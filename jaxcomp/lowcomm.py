@@ -164,14 +164,13 @@ def diloco(inner: optax.GradientTransformation,
 
   def init_fn(params):
     anchor = jax.tree.map(jnp.asarray, params)
-    leaves = jax.tree.leaves(anchor)
-    frags = groups(leaves)
-    pick = lambda tree, g: [jax.tree.leaves(tree)[i] for i in g]
+    a_leaves, p_leaves = jax.tree.leaves(anchor), jax.tree.leaves(params)
+    frags = groups(a_leaves)
     return DiLoCoState(
         step=jnp.zeros((), jnp.int32), inner_state=inner.init(params),
         anchor=anchor,
-        outer_state=tuple(outer.init(pick(anchor, g)) for g in frags),
-        exchange_state=tuple(mean.init(pick(params, g)) for g in frags),
+        outer_state=tuple(outer.init([a_leaves[i] for i in g]) for g in frags),
+        exchange_state=tuple(mean.init([p_leaves[i] for i in g]) for g in frags),
         synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params))
 
   def update_fn(grads, state, params=None):
@@ -250,9 +249,7 @@ def init(tx, params, mesh, axis_name: AxisName = "data"):
     ValueError: ``axis_name`` is not an axis of ``mesh``.
   """
   opt_state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
-  n = 1
-  for a in _mesh.axes(axis_name):
-    n *= mesh.shape[a]
+  n = wire.group_size(axis_name, dict(mesh.shape))
   from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
   # global_array, not device_put: it works on multi-process meshes too.
   local = distributed.global_array(
@@ -420,21 +417,17 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
   lr_fn = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
 
   def stats(params, residual_norm):
-    p = wire.devices(_mesh.axis_sizes(axis_name))
-    sent = demo_bytes(params, compression_topk=compression_topk,
-                      compression_chunk=compression_chunk)
-    dense = sum(x.size * jnp.dtype(x.dtype).itemsize
-                for x in jax.tree.leaves(params))
-    on_wire = wire.ring_bytes("all-gather", sent, p)
-    dense_wire = wire.ring_bytes("all-reduce", dense, p)
-    f32 = lambda v: jnp.asarray(float(v), jnp.float32)
+    sizes = _mesh.axis_sizes(axis_name)
+    ts = wire.transfers("all-gather", _demo_arrays(
+        params, compression_topk, compression_chunk), axis_name, sizes)
+    leaves = jax.tree.leaves(params)
     return transform.CompressionStats(
-        bytes_sent=f32(sent), dense_bytes=f32(dense),
-        compression_factor=f32(dense / sent), wire_bytes=f32(on_wire),
-        dense_wire_bytes=f32(dense_wire),
-        wire_compression_factor=f32(dense_wire / on_wire if on_wire else 1.0),
-        residual_norm=residual_norm, skipped_steps=jnp.zeros((), jnp.int32),
-        state_bytes=f32(4 * sum(x.size for x in jax.tree.leaves(params))))
+        **transform.traffic_stats(
+            ts, wire.devices(sizes), exact_bytes=0,
+            dense_bytes=sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves),
+            dense_kind="all-reduce",
+            state_bytes=4 * sum(x.size for x in leaves)),  # delta, float32
+        residual_norm=residual_norm, skipped_steps=jnp.zeros((), jnp.int32))
 
   def init_fn(params):
     _mesh.check_bound(axis_name, "demo.init")
@@ -485,6 +478,12 @@ def demo_bytes(params, *, compression_topk: int = 32,
   """Bytes one device hands to :func:`demo`'s all-gathers per step for
   ``params`` (values float32 and indices int32, ``compression_topk`` per
   chunk)."""
-  return sum(8 * (c.rows // c.h) * (c.cols // c.w) * c.k
-             for c in (_chunks(jnp.shape(p), compression_chunk, compression_topk)
-                       for p in jax.tree.leaves(params)))
+  return sum(_demo_arrays(params, compression_topk, compression_chunk))
+
+
+def _demo_arrays(params, topk: int, chunk: int) -> list[int]:
+  """Bytes of each array :func:`demo` all-gathers per step: per tensor, its
+  float32 values and int32 indices, ``topk`` per chunk."""
+  return [4 * (c.rows // c.h) * (c.cols // c.w) * c.k
+          for c in (_chunks(jnp.shape(p), chunk, topk)
+                    for p in jax.tree.leaves(params)) for _ in range(2)]

@@ -228,6 +228,25 @@ def _check_state(state, expected) -> None:
           "of the same structure and shapes as the gradients.")
 
 
+def traffic_stats(transfers, p: int, *, exact_bytes: int, dense_bytes: int,
+                  dense_kind: str, state_bytes: int) -> dict:
+  """The static fields of :class:`CompressionStats` (float32 scalars) for an
+  exchange issuing ``transfers`` plus ``exact_bytes`` sent densely by a
+  ``dense_kind`` collective over ``p`` devices, against ``dense_bytes`` sent
+  that way; ``state_bytes`` of per-device state."""
+  sent = wire.operand_bytes(transfers) + exact_bytes
+  on_wire = (wire.total_ring_bytes(transfers)
+             + wire.ring_bytes(dense_kind, exact_bytes, p))
+  dense_wire = wire.ring_bytes(dense_kind, dense_bytes, p)
+  f32 = lambda v: jnp.asarray(float(v), jnp.float32)
+  return dict(bytes_sent=f32(sent), dense_bytes=f32(dense_bytes),
+              compression_factor=f32(dense_bytes / max(sent, 1)),
+              wire_bytes=f32(on_wire), dense_wire_bytes=f32(dense_wire),
+              wire_compression_factor=f32(
+                  dense_wire / on_wire if on_wire else 1.0),
+              state_bytes=f32(state_bytes))
+
+
 OUTPUTS = ("mean", "shard")
 
 
@@ -448,7 +467,7 @@ def compressed_mean(
         _check_flat_shards(tree, what)
         sizes = [p * n for n in sizes]
       else:
-        sizes = [p * -(-n // p) for n in sizes]
+        sizes = [p * collectives_lib.chunk_size(n, p) for n in sizes]
     passthrough = tuple(
         i for i, x in enumerate(leaves)
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating))
@@ -480,23 +499,14 @@ def compressed_mean(
     else:
       ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
             for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
-    # The dense exchange: an all-reduce, or a reduce-scatter for shards.
-    dense_kind = "reduce-scatter" if shard else "all-reduce"
     nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
-    exact = sum(nbytes(i) for i in lay.plan.exact)
-    sent = wire.operand_bytes(ts) + exact
-    on_wire = (wire.total_ring_bytes(ts)
-               + wire.ring_bytes(dense_kind, exact, p))
-    dense = sum(nbytes(i) for i in range(len(lay.sizes))
-                if i not in lay.passthrough)
-    dense_wire = wire.ring_bytes(dense_kind, dense, p)
-    f32 = lambda v: jnp.asarray(float(v), jnp.float32)
-    return dict(bytes_sent=f32(sent), dense_bytes=f32(dense),
-                compression_factor=f32(dense / max(sent, 1)),
-                wire_bytes=f32(on_wire), dense_wire_bytes=f32(dense_wire),
-                wire_compression_factor=f32(
-                    dense_wire / on_wire if on_wire else 1.0),
-                state_bytes=f32(state_bytes(lay)))
+    return traffic_stats(
+        ts, p, exact_bytes=sum(nbytes(i) for i in lay.plan.exact),
+        dense_bytes=sum(nbytes(i) for i in range(len(lay.sizes))
+                        if i not in lay.passthrough),
+        # The dense exchange: an all-reduce, or a reduce-scatter for shards.
+        dense_kind="reduce-scatter" if shard else "all-reduce",
+        state_bytes=state_bytes(lay))
 
   def state_bytes(lay: _Layout) -> int:
     """Bytes of per-device state this transform keeps (error feedback, the
@@ -543,7 +553,7 @@ def compressed_mean(
     # Every device of the mesh decides together, also over axes beyond this
     # transform's (HSDP's devices before its hosts, a model axis): a step
     # skipped on some replicas only would let them drift apart.
-    everywhere = _mesh.manual_axes(axis_name)
+    everywhere = tuple(dict.fromkeys(_mesh.bound_axes() + _mesh.axes(axis_name)))
     any_bad = lax.psum(_mesh.to_varying(local_bad.astype(jnp.int32),
                                         everywhere), everywhere) > 0
     if nonfinite == "skip":

@@ -115,7 +115,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     steps = [jaxcomp.lowcomm.make_train_step(loss_fn, stages[0].tx, mesh=mesh,
                                              state_specs=specs)]
     stage_bytes = [b / config.diloco_every for b in stage_bytes]
-    whole = lambda p: jaxcomp.lowcomm.synced_params(opt_state)
+    whole = lambda p, st: jaxcomp.lowcomm.synced_params(st)
   elif fsdp:
     # Parameters and optimizer state as flat shards over the devices; the
     # gradient of the gathered parameters is reduce-scattered, compressed.
@@ -124,13 +124,13 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     steps = [jaxcomp.fsdp.make_train_step(
         loss_fn, st.tx, shapes, mesh=mesh, state_specs=specs,
         param_compressor=config.param_compressor) for st in stages]
-    whole = lambda p: jaxcomp.fsdp.unshard_params(p, shapes)
+    whole = lambda p, st: jaxcomp.fsdp.unshard_params(p, shapes)
   else:
     opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
     steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh,
                                      state_specs=specs) for st in stages]
     params = jax.device_put(params, NamedSharding(mesh, P()))
-    whole = lambda p: p
+    whole = lambda p, st: p
   memory = {"param_bytes_per_device": jaxcomp.fsdp.state_bytes(params),
             "opt_state_bytes_per_device": jaxcomp.fsdp.state_bytes(opt_state)}
   batch_sharding = NamedSharding(mesh, P("data"))
@@ -173,7 +173,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       losses.append(float(loss))
       done += 1
     train_loss = float(np.mean(losses)) if losses else float("nan")
-    valid_loss = evaluate(whole(params))
+    valid_loss = evaluate(whole(params, opt_state))
     history.append({"epoch": epoch + 1, "loss": train_loss,
                     "valid_loss": valid_loss,
                     "bits_per_char": valid_loss / math.log(2),
@@ -199,5 +199,5 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "wire_compression": float(stats.wire_compression_factor) * per_sync,
       "hlo_operand_bytes": traffic.operand_bytes,
       **memory,
-      "params": whole(params),
+      "params": whole(params, opt_state),
   }

@@ -59,8 +59,10 @@ class Collective:
 
   name: ClassVar[str] = ""
   payload_kind: ClassVar[str | None] = None  # a kind of jaxcomp.wire.KINDS
-  # Whether reduce_scatter_flat is defined (compressed_mean(output="shard")).
+  # Whether reduce_scatter_flat is defined (compressed_mean(output="shard")),
+  # and the collective kind it moves the chunk payloads by.
   reduce_scatter: ClassVar[bool] = True
+  reduce_scatter_kind: ClassVar[str] = "all-to-all"
 
   def check(self, compressor: Compressor) -> None:
     """Raises ValueError if this collective cannot carry ``compressor``."""
@@ -163,12 +165,13 @@ class Collective:
                                sizes: Sizes, dtype=jnp.float32
                                ) -> tuple[wire.Transfer, ...]:
     """The collectives :meth:`reduce_scatter_flat` issues for an ``n``-element
-    buffer (``n`` a multiple of the device count): by default one all-to-all
-    of the ``p`` chunk payloads per payload array."""
+    buffer (``n`` a multiple of the device count): one collective of
+    ``reduce_scatter_kind`` (by default an all-to-all) of the ``p`` chunk
+    payloads per payload array."""
     p = wire.devices(sizes)
     chunk = compressor.payload_arrays(chunk_size(n, p), dtype)
-    return wire.transfers("all-to-all", [p * b for b in chunk], axes_of(sizes),
-                          sizes)
+    return wire.transfers(self.reduce_scatter_kind, [p * b for b in chunk],
+                          axes_of(sizes), sizes)
 
   def payload_bytes(self, compressor: Compressor, shapes: _parts.Shapes,
                     sizes: Sizes, dtype=jnp.float32) -> int:
@@ -203,6 +206,7 @@ class PsumMean(Collective):
 
   name: ClassVar[str] = "psum"
   payload_kind: ClassVar[str] = "all-reduce"
+  reduce_scatter_kind: ClassVar[str] = "reduce-scatter"
 
   def check(self, compressor):
     super().check(compressor)
@@ -232,9 +236,9 @@ class PsumMean(Collective):
     c = x.shape[0] // p
     chunks = x.reshape(p, c)
     keys = chunk_keys(key, 0, p)
-    scale = 1.0 / p if compressor.prescale else 1.0
-    payloads = jax.vmap(compressor.encode)(chunks * scale if scale != 1.0
-                                           else chunks, keys)
+    if compressor.prescale:
+      chunks = chunks * (1.0 / p)
+    payloads = jax.vmap(compressor.encode)(chunks, keys)
     me = lax.axis_index(axis_name)
     summed = jax.tree.map(
         lambda a: lax.psum_scatter(a, axis_name, scatter_dimension=0), payloads)
@@ -244,13 +248,6 @@ class PsumMean(Collective):
     if compressor.prescale:
       return shard, local * p
     return shard / p, local
-
-  def reduce_scatter_transfers(self, compressor, n, sizes, dtype=jnp.float32):
-    """One reduce-scatter of the ``p`` chunk payloads per payload array."""
-    p = wire.devices(sizes)
-    chunk = compressor.payload_arrays(chunk_size(n, p), dtype)
-    return wire.transfers("reduce-scatter", [p * b for b in chunk],
-                          axes_of(sizes), sizes)
 
 
 @register

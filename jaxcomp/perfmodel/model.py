@@ -31,6 +31,7 @@ speedup over dense (uncompressed float32 all-reduce with the same buckets).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -519,10 +520,12 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   shard = output == "shard"
   if output not in ("mean", "shard"):
     raise ValueError(f"output must be 'mean' or 'shard', got {output!r}")
-  if shard and getattr(compressor, "own_exchange", False):
+  if shard and not library.reduce_scatter:
     raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
                      "own exchange of whole tensors")
 
+  # Each bucket's transfers are read for its time, its codec and its bytes.
+  @functools.lru_cache(maxsize=None)
   def transfers(n: int):
     if shard:
       n = p * collectives.chunk_size(n, p)
@@ -560,7 +563,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   t = 0.0
   if shard and p > 1:
     # The forward pass waits for the parameters' all-gathers (float32).
-    gathers = [t for n in sizes if n > 0 for t in wire.transfers(
+    gathers = [g for n in sizes if n > 0 for g in wire.transfers(
         "all-gather", [4 * collectives.chunk_size(n, p)], "data", group)]
     t = comm_total = sum(costs.transfer_time(g, network) for g in gathers)
   t += profile.forward_time
