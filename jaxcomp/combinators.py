@@ -33,11 +33,16 @@ from jaxcomp import _mesh
 from jaxcomp._mesh import AxisName
 
 
-def _zeros_like_invariant(tree):
-  """Zeros of ``tree``'s shapes and dtypes, typed invariant (identical on
-  every device, as an averaged update is)."""
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)),
-                      tree)
+def _zeros_like_typed(tree):
+  """Zeros of ``tree``'s shapes, dtypes and varying axes (``tree`` is the
+  ``jax.eval_shape`` of the update the other branch returns): invariant
+  where that update is (an averaged one), varying where it is (a shard of
+  the mean, ``compressed_mean(output="shard")``)."""
+  def zeros(x):
+    z = jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    axes = tuple(sorted(_mesh.varying_axes(x)))
+    return _mesh.to_varying(z, axes) if axes else z
+  return jax.tree.map(zeros, tree)
 
 
 class MultiStepsState(NamedTuple):
@@ -120,7 +125,7 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
 
     def wait(inner_state):
       out = jax.eval_shape(run, inner_state)[0]
-      return _zeros_like_invariant(out), inner_state
+      return _zeros_like_typed(out), inner_state
 
     new_updates, inner_state = lax.cond(emit, run, wait, state.inner_state)
     return new_updates, MultiStepsState(
@@ -209,7 +214,7 @@ def apply_if_finite(tx: optax.GradientTransformation, axis_name: AxisName,
 
     def skip(inner_state):
       out = jax.eval_shape(run, inner_state)[0]
-      return _zeros_like_invariant(out), inner_state
+      return _zeros_like_typed(out), inner_state
 
     new_updates, inner_state = lax.cond(finite | run_anyway, run, skip,
                                         state.inner_state)

@@ -177,6 +177,14 @@ def diloco(inner: optax.GradientTransformation,
     if params is None:
       raise ValueError("diloco's update needs params (this device's own "
                        "parameters): tx.update(grads, state, params)")
+    if _mesh.types_track_devices(axis_name) and any(
+        not set(_mesh.axes(axis_name)) <= _mesh.varying_axes(p)
+        for p in jax.tree.leaves(params)):
+      raise ValueError(
+          "diloco needs each device's own parameters, but these are "
+          f"replicated over {axis_name!r} (identical on every device): place "
+          "them with jaxcomp.lowcomm.init and step with "
+          "jaxcomp.lowcomm.make_train_step")
     inner_updates, inner_state = inner.update(grads, state.inner_state, params)
     local = optax.apply_updates(params, inner_updates)
     p_leaves, treedef = jax.tree.flatten(params)

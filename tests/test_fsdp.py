@@ -453,3 +453,26 @@ def test_quantized_parameter_gather_qwz(mesh8):
   with pytest.raises(ValueError, match="param_compressor='qsgd' cannot compress"):
     fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs,
                          param_compressor="qsgd")
+
+
+def test_fsdp_in_the_combinators(mesh8):
+  # jaxcomp.apply_if_finite around an FSDP chain: the skipped step's zero
+  # update is typed like the shards (varying), and a NaN leaves them as
+  # they were; jaxcomp.multi_steps is refused by name at init.
+  inner = optax.chain(jaxcomp.compressed_mean("int8_block", "data", output="shard"),
+                      optax.sgd(0.1))
+  tx = jaxcomp.apply_if_finite(inner, "data")
+  shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
+  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs, donate=False)
+  batch = _batch(mesh8)
+  moved, st, _ = step(shards, st, batch)
+  assert not np.array_equal(np.asarray(moved["w"]), np.asarray(shards["w"]))
+  x, y = (np.array(a) for a in batch)
+  x[3, 0] = np.nan
+  bad = jax.device_put((x, y), NamedSharding(mesh8, P("data")))
+  same, st, _ = step(moved, st, bad)
+  for k in SHAPES:
+    np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(moved[k]))
+  assert int(st.total_notfinite) == 1
+  with pytest.raises(ValueError, match="multi_steps cannot wrap an FSDP optimizer"):
+    fsdp.init(jaxcomp.multi_steps(inner, 2), _params(), mesh8)

@@ -276,3 +276,12 @@ def test_streaming_fragments_sync_on_staggered_steps(mesh8):
     jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=5)
   with pytest.raises(ValueError, match="fragments=3 needs as many parameter leaves"):
     lowcomm.init(jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=3), _params(), mesh8)
+
+
+def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
+  tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2)
+  st, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
+  params = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  with pytest.raises(ValueError, match="lowcomm.init and step with"):
+    step(params, st, _batches(mesh8, 1)[0])
