@@ -4,8 +4,12 @@ Times the training step of ``benchmarks/vs_pytorch.py``'s MLP
 (784-1024-1024-10, its weights and batch of 64; SGD) on a one-device mesh, where XLA
 drops the collectives, so what is left is the compute plus the transform:
 flattening into buckets, encode/decode, error feedback and the statistics.
-Prints the median step time of each compressor and its ratio to dense
-(``identity``)::
+Prints the median step time of each compressor, its ratio to dense (the
+first spec, ``identity`` by default) and the step's memory passes read from
+the compiled module (:func:`jaxcomp.hlo.memory_passes`: bytes of
+gradient-sized buffers read plus written, over ``4 n``). The specs are timed
+in interleaved rounds (a few steps of each in turn), so that a machine's
+drift hits all of them alike; the medians are over every timed step::
 
   python benchmarks/transform_overhead.py
   python benchmarks/transform_overhead.py --specs identity powersgd:rank=4 --steps 50
@@ -29,7 +33,11 @@ def main(argv=None) -> int:
                            "topk:ratio=0.01", "qsgd:levels=16"],
                   help="NAME[:K=V,...]; ef=off turns error feedback off")
   ap.add_argument("--bucketing", default="whole")
-  ap.add_argument("--steps", type=int, default=30, help="timed steps per spec")
+  ap.add_argument("--steps", type=int, default=40, help="timed steps per spec")
+  ap.add_argument("--rounds", type=int, default=8,
+                  help="interleaved rounds the steps are split into")
+  ap.add_argument("--show-ops", action="store_true",
+                  help="print each spec's big-buffer ops (memory_passes table)")
   args = ap.parse_args(argv)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_cpu_multi_thread_eigen=false")
@@ -51,7 +59,9 @@ def main(argv=None) -> int:
   batch = jax.device_put((xs, ys), NamedSharding(mesh, P("data")))
   print(f"one {jax.devices()[0].platform} device, MLP {'-'.join(map(str, layers))}, "
         f"batch {BATCH}, bucketing={args.bucketing!r}, median of {args.steps} steps")
-  base = None
+  from jaxcomp import hlo
+  n = sum(int(np.prod(np.shape(w))) for layer in params for w in layer)
+  steps, carries, passes = {}, {}, {}
   for spec in args.specs:
     head, _, rest = spec.partition(":")
     opts = [o for o in rest.split(",") if o and o != "ef=off"]
@@ -61,20 +71,35 @@ def main(argv=None) -> int:
                                              nonfinite="zero", error_feedback=ef, **kw),
                      optax.sgd(0.01))
     state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx, mesh=mesh,
                                    state_specs=specs, donate=False,
                                    per_device_loss=True)
     carry = [jax.device_put(params, NamedSharding(mesh, P())), state]
-    times = []
-    for i in range(args.steps + 3):  # 3 untimed: compile and warm up
-      t0 = time.perf_counter()
+    mp = hlo.memory_passes(step.lower(carry[0], carry[1], batch).compile(), n // 4)
+    passes[spec] = mp
+    for _ in range(3):  # untimed: compile and warm up
       carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
-      if i >= 3:
-        times.append(time.perf_counter() - t0)
-    ms = 1e3 * statistics.median(times)
-    base = base or ms
-    print(f"{spec:<28} {ms:8.2f} ms   x{ms / base:5.2f} of {args.specs[0]}")
+    steps[spec], carries[spec] = step, carry
+  times = {spec: [] for spec in args.specs}
+  per_round = -(-args.steps // args.rounds)
+  for _ in range(args.rounds):
+    for spec in args.specs:
+      carry = carries[spec]
+      for _ in range(per_round):
+        t0 = time.perf_counter()
+        carry[0], carry[1], _ = jax.block_until_ready(
+            steps[spec](carry[0], carry[1], batch))
+        times[spec].append(time.perf_counter() - t0)
+  print(f"n = {n} gradient elements; passes: big-buffer bytes read + written / (4 n)")
+  base = 1e3 * statistics.median(times[args.specs[0]])
+  for spec in args.specs:
+    ms = 1e3 * statistics.median(times[spec])
+    mp = passes[spec]
+    print(f"{spec:<28} {ms:8.2f} ms   x{ms / base:5.2f} of {args.specs[0]}"
+          f"   passes {mp.passes(4 * n):5.1f} (read {mp.read_bytes / (4 * n):4.1f},"
+          f" write {mp.write_bytes / (4 * n):4.1f})")
+    if args.show_ops:
+      print(mp.table())
   return 0
 
 

@@ -266,3 +266,204 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
                             wire.ring_bytes(kind, operand, g), tuple(sizes),
                             computation, computation in branch_only))
   return _traffic(ops)
+
+
+# ----------------------------------------------------------------------------
+# Memory passes: the big buffers each top-level op of a module reads and writes.
+# ----------------------------------------------------------------------------
+
+# Ops that move no data (views, bookkeeping) or whose bodies are counted
+# where they run (control flow).
+_FREE_OPS = frozenset({
+    "parameter", "constant", "bitcast", "tuple", "get-tuple-element",
+    "after-all", "partition-id", "replica-id", "iota", "while", "conditional",
+    "call", "add-dependency", "opt-barrier", "copy-done", "all-gather-done",
+    "all-reduce-done", "collective-permute-done", "async-done",
+})
+# Ops (or fusion roots) that read only what their output selects.
+_SELECTING_OPS = frozenset({"gather", "dynamic-slice", "slice"})
+# Ops (or fusion roots) that update operand 0 in place: they write only the
+# update, not the whole result.
+_IN_PLACE_OPS = frozenset({"dynamic-update-slice", "scatter"})
+_OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|[^\s]+)\s+"
+                    r"([\w\-]+)\((.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOp:
+  """One top-level op of a compiled module that touches a big buffer."""
+
+  name: str  # the HLO instruction name
+  opcode: str  # "fusion", "copy", "sort", "all-gather", ...
+  read_bytes: int  # bytes of big buffers read
+  write_bytes: int  # bytes of big buffers written
+  computation: str  # the computation it runs in (ENTRY, a loop body, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPasses:
+  """The memory traffic of a module over big buffers, op by op."""
+
+  ops: list[MemoryOp]
+  min_elements: int
+
+  @property
+  def read_bytes(self) -> int:
+    return sum(o.read_bytes for o in self.ops)
+
+  @property
+  def write_bytes(self) -> int:
+    return sum(o.write_bytes for o in self.ops)
+
+  def passes(self, n_bytes: int) -> float:
+    """Reads plus writes, in passes over a buffer of ``n_bytes``."""
+    return (self.read_bytes + self.write_bytes) / n_bytes
+
+  def table(self) -> str:
+    rows = [f"{'read B':>12}{'write B':>12}  opcode / name"]
+    for o in self.ops:
+      rows.append(f"{o.read_bytes:>12}{o.write_bytes:>12}  {o.opcode} {o.name}"
+                  + ("" if o.computation == "ENTRY" else f" [{o.computation}]"))
+    return "\n".join(rows)
+
+
+def _elements_and_bytes(shape_text: str) -> list[tuple[int, float]]:
+  out = []
+  for dtype, dims in _SHAPE_RE.findall(shape_text):
+    if dtype not in _DTYPE_BYTES:
+      continue
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    out.append((n, n * _DTYPE_BYTES[dtype]))
+  return out
+
+
+def _big_bytes(shape_text: str, min_elements: int) -> float:
+  return sum(b for n, b in _elements_and_bytes(shape_text) if n >= min_elements)
+
+
+def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
+  """Counts the reads and writes of big buffers in a compiled module.
+
+  Every op that runs at top level (in the entry computation, a loop body or
+  a conditional's branch; a fusion is one op, whatever it fuses) is
+  charged the bytes of the operands and results that hold at least
+  ``min_elements`` elements. Views (bitcast, tuple) and control flow are
+  free. A fusion whose parameter feeds only slices, dynamic slices or
+  gathers is charged what those select, and an in-place update
+  (dynamic-update-slice, scatter; also as a fusion's root) writes only its
+  update. A loop fusion reads at most as many elements of each operand as
+  it writes, unless it fuses a reduction (XLA splits a fusion that feeds several slices into one loop
+  per slice). This is the structural model of a step's memory traffic: a
+  gradient-sized float32 buffer read once is one pass of ``4 n`` bytes.
+
+  Args:
+    compiled: ``jax.jit(f).lower(*args).compile()`` or HLO text.
+    min_elements: the smallest buffer counted (e.g. a quarter of the
+      gradient's elements, so that payloads of 1% are not counted).
+
+  Returns:
+    A :class:`MemoryPasses`.
+  """
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  text = re.sub(r"/\*.*?\*/", "", text)
+  lines = text.splitlines()
+  where, _ = _computations(lines)
+  shapes: dict[str, str] = {}
+  bodies: dict[str, list[str]] = {}
+  inlined: set = set()  # fusion bodies and reducers: not top level
+  for line, comp in zip(lines, where):
+    m = _DEF_RE.match(line)
+    if m:
+      shapes[m.group(1)] = m.group(2)
+    bodies.setdefault(comp, []).append(line)
+    for key, target in _CALLS_RE.findall(line):
+      if key in ("calls", "to_apply"):
+        inlined |= {t.strip().lstrip("%") for t in target.strip("{}").split(",")}
+  entry = next((m.group(1) for line in lines
+                for m in [_COMP_RE.match(line)] if m and line.startswith("ENTRY")),
+               "")
+
+  def body_info(comp: str):
+    """(root opcode, {param index: bytes read if only selected, else None})."""
+    params, users, root = {}, {}, ""
+    defs = {}
+    for line in bodies.get(comp, []):
+      m = _OP_RE.match(line)
+      if not m:
+        continue
+      name, rtype, opcode, rest = m.groups()
+      defs[name] = (rtype, opcode)
+      if line.lstrip().startswith("ROOT"):
+        root = opcode
+      if opcode == "parameter":
+        params[name] = int(re.match(r"\s*(\d+)", rest).group(1))
+        continue
+      for arg in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
+        users.setdefault(arg, []).append((opcode, rtype))
+    selected = {}
+    for pname, idx in params.items():
+      us = users.get(pname, [])
+      if us and all(op in _SELECTING_OPS for op, _ in us):
+        selected[idx] = sum(_shape_bytes(t) for _, t in us)
+      else:
+        selected[idx] = None
+    return root, selected
+
+  ops = []
+  for line, comp in zip(lines, where):
+    if comp in inlined or not line.startswith(" "):
+      continue
+    m = _OP_RE.match(line)
+    if not m:
+      continue
+    name, rtype, opcode, rest = m.groups()
+    if opcode in _FREE_OPS:
+      continue
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        end = i
+        break
+    args = [a.strip() for a in _split_top(rest[:end]) if a.strip()]
+    root, selected = opcode, {}
+    called = re.search(r"calls=%?([\w.\-]+)", rest[end:])
+    reduces = False
+    if opcode == "fusion" and called:
+      root, selected = body_info(called.group(1))
+      reduces = any(re.search(r"\sreduce(-window)?\(", b)
+                    for b in bodies.get(called.group(1), []))
+    # A loop fusion computes each output element once from the matching
+    # elements of its operands: it reads at most as many of each as it writes.
+    loop_elements = (max((n for n, _ in _elements_and_bytes(rtype)), default=0)
+                     if opcode == "fusion" and "kind=kLoop" in rest[end:]
+                     and not reduces else None)
+    reads = 0.0
+    arg_types = []
+    for i, arg in enumerate(args):
+      t = arg if "[" in arg else shapes.get(arg.lstrip("%"), "")
+      arg_types.append(t)
+      big = _big_bytes(t, min_elements)
+      if big and selected.get(i) is not None:
+        big = min(big, selected[i])
+      if big and loop_elements is not None:
+        big = min(big, sum(min(n, loop_elements) * b / n
+                           for n, b in _elements_and_bytes(t)))
+      if big and opcode in _SELECTING_OPS and i == 0:
+        big = min(big, _shape_bytes(rtype))
+      reads += big
+    writes = _big_bytes(rtype, min_elements)
+    if root in _IN_PLACE_OPS and arg_types:
+      # operand 0 is updated in place: neither read nor written whole
+      whole = _big_bytes(arg_types[0], min_elements)
+      reads -= whole
+      writes = max(writes - whole, 0.0)
+    if opcode.endswith("-start"):  # async collective: (operands, results)
+      writes = max(writes - reads, 0.0)
+    if reads or writes:
+      ops.append(MemoryOp(name, opcode, int(reads), int(writes),
+                          "ENTRY" if comp == entry else comp))
+  return MemoryPasses(ops, min_elements)

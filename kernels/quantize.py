@@ -99,10 +99,32 @@ def _check_size(name: str, size: int) -> None:
 # ----------------------------------------------------------------------------
 
 
-def _bucket_view(x: jax.Array, size: int) -> jax.Array:
-  flat = x.reshape(-1).astype(jnp.float32)
-  nb = -(-flat.shape[0] // size)
-  return jnp.pad(flat, (0, nb * size - flat.shape[0])).reshape(nb, size)
+def group_reduce(x: jax.Array, size: int, op: str) -> jax.Array:
+  """Per-group ``"sum"``/``"max"`` of consecutive ``size``-element groups of
+  the flat float32 ``x``: float32 ``(ceil(n / size),)``, the last group
+  partial. Reads ``x`` in place: the whole groups are a reshape of it and the
+  partial one a slice, so no zero-padded copy of ``x`` is made (the result
+  is what a zero-padded view gives for the sum of squares and the maximum
+  of magnitudes the quantizers take, up to float32 summation order)."""
+  reduce = {"sum": jnp.sum, "max": jnp.max}[op]
+  n = x.shape[0]
+  full = n // size
+  parts = []
+  if full:
+    parts.append(reduce(x[:full * size].reshape(full, size), axis=1))
+  if n % size:
+    parts.append(reduce(x[full * size:], keepdims=True))
+  if not parts:
+    return jnp.zeros((0,), jnp.float32)
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def per_element(values: jax.Array, size: int, n: int) -> jax.Array:
+  """``values[i // size]`` for ``i < n``: float32 ``(n,)``, a broadcast that
+  XLA fuses into its consumer (``jnp.repeat`` with a static length builds a
+  gather from a cumulative sum instead: three passes over ``n``)."""
+  nb = values.shape[0]
+  return jnp.broadcast_to(values[:, None], (nb, size)).reshape(-1)[:n]
 
 
 def _qsgd_multiplier(norms, levels):
@@ -137,11 +159,10 @@ def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array, *, levels: int,
   bits = qsgd_bits(levels) if bits is None else bits
   _check_size("bucket_size", bucket_size)
   n = x.size
-  xb = _bucket_view(x, bucket_size)
-  norms = jnp.sqrt(jnp.sum(xb * xb, axis=1))
+  xf = x.reshape(-1).astype(jnp.float32)
+  norms = jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
   u = _uniform_f32(uniform).reshape(-1)
-  xf = xb.reshape(-1)[:n]
-  mult = jnp.repeat(_qsgd_multiplier(norms, levels), bucket_size)[:n]
+  mult = per_element(_qsgd_multiplier(norms, levels), bucket_size, n)
   r = jnp.abs(xf) * mult
   level = jnp.minimum(jnp.floor(r + u), jnp.float32(levels)).astype(jnp.uint32)
   codes = level | ((xf < 0).astype(jnp.uint32) << (bits - 1))
@@ -156,7 +177,7 @@ def qsgd_dequantize_reference(words: jax.Array, norms: jax.Array, *, n: int,
   codes = unpack_bits_reference(words, bits, n)
   level = (codes & jnp.uint32((1 << (bits - 1)) - 1)).astype(jnp.float32)
   sign = 1.0 - 2.0 * (codes >> (bits - 1)).astype(jnp.float32)
-  norm_e = jnp.repeat(norms, bucket_size)[:n]
+  norm_e = per_element(norms, bucket_size, n)
   return sign * norm_e * level / jnp.float32(levels)
 
 
@@ -179,17 +200,16 @@ def int8_block_quantize_reference(
     stochastic_uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """int8 block quantization: ``(q int8[nb * block_size], scales f32[nb])``."""
   _check_size("block_size", block_size)
-  xb = _bucket_view(x, block_size)
-  scales = jnp.max(jnp.abs(xb), axis=1) / jnp.float32(127)
-  y = xb * _int8_multiplier(scales)[:, None]
+  xf = x.reshape(-1).astype(jnp.float32)
+  n = xf.shape[0]
+  scales = group_reduce(jnp.abs(xf), block_size, "max") / jnp.float32(127)
+  y = xf * per_element(_int8_multiplier(scales), block_size, n)
   if stochastic_uniform is None:
     q = jnp.round(y)
   else:
-    u = _uniform_f32(stochastic_uniform).reshape(-1)
-    u = jnp.pad(u, (0, xb.size - u.shape[0])).reshape(xb.shape)
-    q = jnp.floor(y + u)
+    q = jnp.floor(y + _uniform_f32(stochastic_uniform).reshape(-1))
   q = jnp.clip(q, -127, 127).astype(jnp.int8)
-  return q.reshape(-1), scales
+  return jnp.pad(q, (0, scales.shape[0] * block_size - n)), scales
 
 
 def int8_block_dequantize_reference(q: jax.Array, scales: jax.Array, *,
@@ -329,8 +349,8 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array, *, levels: int,
   bits = qsgd_bits(levels)
   _check_size("bucket_size", bucket_size)
   n = x.size
-  xb = _bucket_view(x, bucket_size)
-  norms = jnp.sqrt(jnp.sum(xb * xb, axis=1))
+  xf = x.reshape(-1).astype(jnp.float32)
+  norms = jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
   rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
   u_rows, _ = _select.to_rows(_uniform_f32(uniform), config.block_rows,
                               interpret=interpret)
@@ -356,8 +376,8 @@ def int8_block_quantize(
   """
   _select.check_block_rows(config.block_rows)
   _check_size("block_size", block_size)
-  xb = _bucket_view(x, block_size)
-  scales = jnp.max(jnp.abs(xb), axis=1) / jnp.float32(127)
+  scales = group_reduce(jnp.abs(x.reshape(-1).astype(jnp.float32)),
+                        block_size, "max") / jnp.float32(127)
   rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
   u_rows = None
   if stochastic_uniform is not None:
@@ -369,9 +389,10 @@ def int8_block_quantize(
       rows, row_mult, u_rows, mode="int8", bits=8, levels=0,
       block_rows=config.block_rows, grid=grid, interpret=interpret)
   q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(-1)
-  if q.size < xb.size:  # rows end before the last scale block does
-    q = jnp.pad(q, (0, xb.size - q.size))
-  return q[:xb.size], scales
+  padded = scales.shape[0] * block_size
+  if q.size < padded:  # rows end before the last scale block does
+    q = jnp.pad(q, (0, padded - q.size))
+  return q[:padded], scales
 
 
 # ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from jax import lax
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import dither
 from jaxcomp.kernels import quantize
 
 INT_BITS = (2, 4, 8)
@@ -54,18 +55,15 @@ class _Rounded(Compressor):
     return self.rounding == "nearest"
 
 
-def _blocks(x: jax.Array, block_size: int) -> jax.Array:
-  """float32 ``(ceil(n / block_size), block_size)``, the last block
-  zero-padded."""
-  n = x.shape[0]
-  nb = -(-n // block_size)
-  return jnp.pad(x.astype(jnp.float32), (0, nb * block_size - n)).reshape(
-      nb, block_size)
+def _scales(x: jax.Array, block_size: int, top) -> jax.Array:
+  """float32 ``(ceil(n / block_size),)``: ``max|x|`` of each block (the last
+  one partial) over ``top``, read in place (no padded copy)."""
+  return quantize.group_reduce(jnp.abs(x.astype(jnp.float32)), block_size,
+                               "max") / top
 
 
 def _per_element(scales: jax.Array, block_size: int, n: int) -> jax.Array:
-  return jnp.repeat(scales, block_size,
-                    total_repeat_length=scales.shape[0] * block_size)[:n]
+  return quantize.per_element(scales, block_size, n)
 
 
 @register
@@ -144,13 +142,14 @@ class IntBlock(_Rounded):
     return jnp.exp2(_hparams.as_f32(self.bits) - 1.0) - 1.0
 
   def quantize(self, x, key):
-    """``(q float32 (nb, block_size), scales float32 (nb,))``."""
-    xb = _blocks(x, self.block_size)
+    """``(q float32 (n,), scales float32 (ceil(n / block_size),))``."""
+    n = x.shape[0]
     levels = self._levels()
-    scales = jnp.max(jnp.abs(xb), axis=1) / levels
-    y = xb / jnp.where(scales > 0, scales, 1.0)[:, None]
+    scales = _scales(x, self.block_size, levels)
+    y = x.astype(jnp.float32) / _per_element(
+        jnp.where(scales > 0, scales, 1.0), self.block_size, n)
     if self.rounding == "stochastic":
-      q = jnp.floor(y + jax.random.uniform(key, y.shape, jnp.float32))
+      q = jnp.floor(y + dither.uniform(key, n))
     else:
       q = jnp.round(y)
     return jnp.clip(q, -levels, levels), scales
@@ -160,7 +159,7 @@ class IntBlock(_Rounded):
     if _hparams.concrete(self.bits) == 8 and self.wire_bits == 8:
       # 8 bits: the int8 block kernel or its jnp reference quantizes (by
       # implementation); same codes on the wire.
-      u = (jax.random.uniform(key, (n,), jnp.float32)
+      u = (dither.uniform(key, n)
            if self.rounding == "stochastic" else None)
       q8, scales = quantize.int8_block_quantize_auto(
           x, block_size=self.block_size, stochastic_uniform=u,
@@ -168,7 +167,7 @@ class IntBlock(_Rounded):
       codes = q8[:n].astype(jnp.int32).astype(jnp.uint32)
     else:
       q, scales = self.quantize(x, key)
-      codes = q.reshape(-1)[:n].astype(jnp.int32).astype(jnp.uint32)
+      codes = q.astype(jnp.int32).astype(jnp.uint32)
     return {"codes": bitpack.pack_bits_reference(codes, self.wire_bits),
             "scales": scales}
 
@@ -245,9 +244,9 @@ class FP8Block(_Rounded):
   def encode(self, x, key):
     n = x.shape[0]
     dtype, fmax = FP8_FORMATS[self.format]
-    xb = _blocks(x, self.block_size)
-    scales = jnp.max(jnp.abs(xb), axis=1) / jnp.float32(fmax)
-    y = (xb / jnp.where(scales > 0, scales, 1.0)[:, None]).reshape(-1)[:n]
+    scales = _scales(x, self.block_size, jnp.float32(fmax))
+    y = x.astype(jnp.float32) / _per_element(
+        jnp.where(scales > 0, scales, 1.0), self.block_size, n)
     y = jnp.clip(y, -fmax, fmax)  # max|x| / scale may round just above F
     near = y.astype(dtype)
     bits = lax.bitcast_convert_type(near, jnp.uint8)
@@ -259,7 +258,7 @@ class FP8Block(_Rounded):
       gap = jnp.abs(other_f - near_f)
       p_other = jnp.where(gap > 0, jnp.abs(y - near_f) / jnp.where(
           gap > 0, gap, 1.0), 0.0)
-      u = jax.random.uniform(key, y.shape, jnp.float32)
+      u = dither.uniform(key, n)
       bits = jnp.where(u < p_other, other, bits)
     return {"values": bits, "scales": scales}
 

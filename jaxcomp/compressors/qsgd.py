@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import dither
 from jaxcomp.kernels import quantize
 
 
@@ -116,7 +117,7 @@ class QSGD(Compressor):
     return -(-n // self.bucket_size)
 
   def encode(self, x, key):
-    u = jax.random.uniform(key, x.shape, jnp.float32)
+    u = dither.uniform(key, x.shape[0])
     levels = self._levels()
     if isinstance(levels, int) and self.bits == code_bits(levels):
       codes, norms = quantize.qsgd_quantize_auto(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, ratio_slots, register
+from jaxcomp.kernels import dither
 
 
 @register
@@ -18,7 +19,10 @@ class RandomK(Compressor):
   """Sends k = ceil(ratio * n) entries chosen uniformly at random, without
   replacement, with a key shared by all devices.
 
-  Every device picks the same coordinates (the key is the same everywhere
+  The coordinates are the first ``k`` values of a keyed pseudo-random
+  permutation of ``[0, n)`` (:func:`jaxcomp.kernels.dither.permutation_prefix`:
+  ``O(k)`` work, where sorting a permutation of all ``n`` costs
+  ``O(n log n)``). Every device picks the same coordinates (the key is the same everywhere
   and changes every step), so no indices travel and ``lax.psum`` sums the
   values in flight. With ``unbiased=False`` (default) the unsent entries are
   dropped and :func:`jaxcomp.compressed_mean` adds residual error feedback;
@@ -75,10 +79,7 @@ class RandomK(Compressor):
 
   def indices(self, n: int, key: jax.Array) -> jax.Array:
     """int32 ``(capacity,)``: distinct coordinates drawn with ``key``."""
-    cap = self.capacity(n)
-    if cap == n:
-      return jax.random.permutation(key, n).astype(jnp.int32)
-    return jax.random.choice(key, n, (cap,), replace=False).astype(jnp.int32)
+    return dither.permutation_prefix(key, n, self.capacity(n))
 
   def _weights(self, n):
     cap = self.capacity(n)

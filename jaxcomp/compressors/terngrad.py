@@ -15,6 +15,7 @@ from jaxcomp._mesh import axis_size
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, register
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import dither
 
 _BITS = 2  # code 0: 0, code 1: +1, code 2: -1
 
@@ -72,7 +73,7 @@ class TernGrad(Compressor):
                 key: jax.Array) -> jax.Array:
     """int8 ``(n,)`` in {-1, 0, 1} against the (shared) float32 ``scale``."""
     safe = jnp.where(scale > 0, scale, 1.0)
-    u = jax.random.uniform(key, x.shape, jnp.float32)
+    u = dither.uniform(key, x.shape[0])
     keep = u < jnp.abs(x) / safe
     return jnp.where(keep, jnp.sign(x), 0.0).astype(jnp.int8)
 
