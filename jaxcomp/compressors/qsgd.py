@@ -6,7 +6,6 @@ import dataclasses
 import numbers
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from jaxcomp.compressors import _hparams
