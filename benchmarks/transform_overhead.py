@@ -7,7 +7,9 @@ flattening into buckets, encode/decode, error feedback and the statistics.
 Prints the median step time of each compressor, its ratio to dense (the
 first spec, ``identity`` by default) and the step's memory passes read from
 the compiled module (:func:`jaxcomp.hlo.memory_passes`: bytes of
-gradient-sized buffers read plus written, over ``4 n``). The specs are timed
+gradient-sized buffers read plus written on every step, over ``4 n``; the
+ops inside conditional branches, fallbacks most steps skip, are shown
+apart). The specs are timed
 in interleaved rounds (a few steps of each in turn), so that a machine's
 drift hits all of them alike; the medians are over every timed step::
 
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     mp = passes[spec]
     print(f"{spec:<28} {ms:8.2f} ms   x{ms / base:5.2f} of {args.specs[0]}"
           f"   passes {mp.passes(4 * n):5.1f} (read {mp.read_bytes / (4 * n):4.1f},"
-          f" write {mp.write_bytes / (4 * n):4.1f})")
+          f" write {mp.write_bytes / (4 * n):4.1f}; in branches"
+          f" {mp.branch_passes(4 * n):4.1f})")
     if args.show_ops:
       print(mp.table())
   return 0

@@ -298,6 +298,9 @@ class MemoryOp:
   read_bytes: int  # bytes of big buffers read
   write_bytes: int  # bytes of big buffers written
   computation: str  # the computation it runs in (ENTRY, a loop body, ...)
+  # Whether it runs only inside a branch of a conditional (a fallback that
+  # most steps skip), not on every step.
+  in_branch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,21 +312,31 @@ class MemoryPasses:
 
   @property
   def read_bytes(self) -> int:
-    return sum(o.read_bytes for o in self.ops)
+    """Bytes read by the ops that run on every step (outside branches)."""
+    return sum(o.read_bytes for o in self.ops if not o.in_branch)
 
   @property
   def write_bytes(self) -> int:
-    return sum(o.write_bytes for o in self.ops)
+    """Bytes written by the ops that run on every step."""
+    return sum(o.write_bytes for o in self.ops if not o.in_branch)
 
   def passes(self, n_bytes: int) -> float:
-    """Reads plus writes, in passes over a buffer of ``n_bytes``."""
+    """Reads plus writes of the every-step ops, in passes over a buffer of
+    ``n_bytes``."""
     return (self.read_bytes + self.write_bytes) / n_bytes
+
+  def branch_passes(self, n_bytes: int) -> float:
+    """Reads plus writes of the ops inside conditional branches (all
+    branches added up: an upper bound of what one step's branches cost)."""
+    return sum(o.read_bytes + o.write_bytes for o in self.ops
+               if o.in_branch) / n_bytes
 
   def table(self) -> str:
     rows = [f"{'read B':>12}{'write B':>12}  opcode / name"]
     for o in self.ops:
       rows.append(f"{o.read_bytes:>12}{o.write_bytes:>12}  {o.opcode} {o.name}"
-                  + ("" if o.computation == "ENTRY" else f" [{o.computation}]"))
+                  + ("" if o.computation == "ENTRY" else f" [{o.computation}"
+                     + (", branch]" if o.in_branch else "]")))
     return "\n".join(rows)
 
 
@@ -347,7 +360,9 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   """Counts the reads and writes of big buffers in a compiled module.
 
   Every op that runs at top level (in the entry computation, a loop body or
-  a conditional's branch; a fusion is one op, whatever it fuses) is
+  a conditional's branch, the latter reported apart: a fallback branch
+  costs only on the steps that take it; a fusion is one op, whatever it
+  fuses) is
   charged the bytes of the operands and results that hold at least
   ``min_elements`` elements. Views (bitcast, tuple) and control flow are
   free. A fusion whose parameter feeds only slices, dynamic slices or
@@ -369,7 +384,7 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   text = re.sub(r"/\*.*?\*/", "", text)
   lines = text.splitlines()
-  where, _ = _computations(lines)
+  where, branch_only = _computations(lines)
   shapes: dict[str, str] = {}
   bodies: dict[str, list[str]] = {}
   inlined: set = set()  # fusion bodies and reducers: not top level
@@ -465,5 +480,6 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
       writes = max(writes - reads, 0.0)
     if reads or writes:
       ops.append(MemoryOp(name, opcode, int(reads), int(writes),
-                          "ENTRY" if comp == entry else comp))
+                          "ENTRY" if comp == entry else comp,
+                          comp in branch_only))
   return MemoryPasses(ops, min_elements)

@@ -65,6 +65,25 @@ def pack(x: jax.Array, pred) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
+def cumsum(c: jax.Array, block: int = 64) -> jax.Array:
+  """Inclusive prefix sum of a 1-D int32 array, in blocks: a prefix sum
+  inside each ``block``-element row, then one over the rows' totals.
+  Equal to ``jnp.cumsum``; about 1.5x faster on XLA:CPU for tens of
+  thousands of elements, where ``jnp.cumsum``'s reduce-window lowering costs
+  7 ns per element."""
+  m = c.shape[0]
+  full = m // block * block
+  if full == 0:
+    return jnp.cumsum(c)
+  inner = jnp.cumsum(c[:full].reshape(-1, block), axis=1)
+  totals = inner[:, -1]
+  before = jnp.cumsum(totals) - totals
+  out = (inner + before[:, None]).reshape(-1)
+  if full < m:
+    out = jnp.concatenate([out, jnp.cumsum(c[full:]) + out[-1]])
+  return out
+
+
 def count(words: jax.Array) -> jax.Array:
   """int32 number of set bits in ``words``."""
   return jnp.sum(popcount(words))
@@ -99,7 +118,7 @@ def compact(words: jax.Array, capacity: int):
     return (jnp.zeros((capacity,), jnp.int32),
             jnp.zeros((capacity,), jnp.bool_))
   counts = popcount(words)
-  incl = jnp.cumsum(counts)
+  incl = cumsum(counts)
   excl = incl - counts
   # Slot j belongs to the last word whose first slot is <= j: write each
   # non-empty word's number at its first slot, then a running maximum.

@@ -78,18 +78,34 @@ class TopKConfig:
   Attributes:
     block_rows: rows of 32 float32 values per grid step (multiple of 64).
     radix_bits: key bits resolved per counting pass (1..5): 5 -> 7 passes.
-    sample_size: elements sampled by the XLA fast path for its threshold.
+    sample_size: elements sampled by the XLA fast path for its threshold;
+      None: :data:`SAMPLE_SIZE` of the default backend (sorting 65,536
+      keys costs 2.3 ms on one CPU core, 16,384 keys 0.5 ms, for candidate
+      sets 14% larger).
     sample_margin: relative over-selection of the sampled threshold.
     capacity_factor: candidate capacity over the expected candidate count.
   """
   block_rows: int = 256
   radix_bits: int = 5
-  sample_size: int = 65536
+  sample_size: int | None = None
   sample_margin: float = 0.1
   capacity_factor: float = 1.25
 
 
 DEFAULT_CONFIG = TopKConfig()
+
+# The fast path's default sample per backend (65,536 elsewhere). On one CPU
+# core the whole top-k of 1.86M float32 at 1% took 5.4 ms with 65,536
+# samples and 3.3 ms with 16,384 (python benchmarks/transform_overhead.py
+# shows the step; the sort of the sample was 2.3 ms of it).
+SAMPLE_SIZE = {"cpu": 16384}
+
+
+def sample_size(config: TopKConfig) -> int:
+  """The fast path's sample size under ``config`` on the default backend."""
+  if config.sample_size is not None:
+    return config.sample_size
+  return SAMPLE_SIZE.get(jax.default_backend(), 65536)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -190,7 +206,7 @@ def _sample_plan(n: int, k: int, config: TopKConfig):
   (fewer) than ``k`` elements with high probability; ``cap`` holds the
   candidates above the first, ``band_cap`` those between the two.
   """
-  s = min(n, config.sample_size)
+  s = min(n, sample_size(config))
   expect = s * k / n
   spread = config.sample_margin * expect + 4 * math.sqrt(expect) + 4
   rank = math.ceil(expect + spread)
@@ -239,10 +255,10 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   sample = abs_key(flat[: s * stride : stride])
   sorted_sample = jnp.sort(sample)
   t_lo = sorted_sample[s - rank]
+  # One pass over x: the candidates' mask. Whether the k-th largest key is
+  # t_lo itself (ties) is only asked when the candidates overflow.
   ge = _words_xla(flat, lambda kk: kk >= t_lo)
-  gt = _words_xla(flat, lambda kk: kk > t_lo)
   c_ge = compact.count(ge)
-  c_gt = compact.count(gt)
 
   def from_candidates():
     cidx, valid = compact.compact(ge, cap)
@@ -260,28 +276,34 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
       band_count = jnp.sum(band)
 
       def sort_band():
-        (bpos,) = jnp.nonzero(band, size=band_cap, fill_value=0)
-        bkey = jnp.where(jnp.arange(band_cap) < band_count, ckey[bpos], -1)
+        bpos, live = compact.compact(compact.pack(band, lambda v: v),
+                                     band_cap)
+        bkey = jnp.where(live, ckey[bpos], -1)
         return jnp.sort(bkey)[band_cap - (k - c_above)]
 
       t = jax.lax.cond((c_above < k) & (band_count <= band_cap), sort_band,
                        sort_all)
     else:
       t = sort_all()
-    gt_c = ckey > t
-    eq_c = ckey == t
-    need = k - jnp.sum(gt_c)
-    sel = gt_c | (eq_c & (jnp.cumsum(eq_c) <= need))
-    (pos,) = jnp.nonzero(sel, size=k, fill_value=0)
+    # Exactly k candidates: all above t, the lowest-index ties at t (on
+    # packed words: prefix sums over cap / 32 words, not over cap slots).
+    words = _exact_words(compact.pack(ckey, lambda v: v > t),
+                         compact.pack(ckey, lambda v: v == t), k)
+    pos, _ = compact.compact(words, k)
     return cidx[pos]
 
-  def at_t_lo():  # k-th largest key is t_lo itself.
-    idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
-    return idx
+  def ties_or_exact():  # c_ge > cap (or < k): the sample misled
+    gt = _words_xla(flat, lambda kk: kk > t_lo)
 
-  branch = jnp.where((c_ge >= k) & (c_ge <= cap), 0,
-                     jnp.where((c_gt < k) & (c_ge >= k), 1, 2))
-  idx = jax.lax.switch(branch, (from_candidates, at_t_lo, exact_from_top_k))
+    def at_t_lo():  # k-th largest key is t_lo itself.
+      idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
+      return idx
+
+    return jax.lax.cond((compact.count(gt) < k) & (c_ge >= k), at_t_lo,
+                        exact_from_top_k)
+
+  idx = jax.lax.cond((c_ge >= k) & (c_ge <= cap), from_candidates,
+                     ties_or_exact)
   return _gather(flat, idx), idx
 
 

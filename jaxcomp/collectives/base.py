@@ -116,10 +116,19 @@ class Collective:
     docstring. The base class runs :meth:`exchange_flat` on the
     concatenation of ``parts``."""
     del step
-    sizes = _parts.sizes(shapes)
-    mean, local, state = self.exchange_flat(
-        compressor, _parts.concat(parts), key, axis_name, state)
-    return _parts.split(mean, sizes), _parts.split(local, sizes), state
+    return self.exchange_split(compressor, _parts.concat(parts),
+                               _parts.sizes(shapes), key, axis_name, state)
+
+  def exchange_split(self, compressor: Compressor, x: jax.Array,
+                     part_sizes, key: jax.Array, axis_name: AxisName,
+                     state=()):
+    """``(mean, local, state)`` for one flat float32 buffer, returned as
+    parts of ``part_sizes`` elements (``local`` possibly a
+    :class:`jaxcomp._parts.SparseParts`): :meth:`exchange_flat`, split."""
+    mean, local, state = self.exchange_flat(compressor, x, key, axis_name,
+                                            state)
+    return (_parts.split(mean, part_sizes), _parts.split(local, part_sizes),
+            state)
 
   def exchange_flat(self, compressor: Compressor, x: jax.Array,
                     key: jax.Array, axis_name: AxisName, state=()):
@@ -228,6 +237,21 @@ class PsumMean(Collective):
     mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
     return mean, compressor.decode(payload, n, key), state
 
+  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+                     state=()):
+    """As :meth:`exchange_flat`, decoding straight into parts."""
+    if compressor.prescale:
+      return super().exchange_split(compressor, x, part_sizes, key,
+                                    axis_name, state)
+    p = axis_size(axis_name)
+    payload = compressor.encode(x, key)
+    summed = jax.tree.map(lambda a: lax.psum(a, axis_name), payload)
+    mean = compressor.decode_parts(summed, part_sizes, key)
+    if isinstance(mean, _parts.SparseParts):
+      mean = mean.dense()
+    return (tuple(m / p for m in mean),
+            compressor.decode_parts(payload, part_sizes, key), state)
+
   def reduce_scatter_flat(self, compressor, x, key, axis_name):
     """Each chunk encoded on its own (the same chunk keys on every device),
     the ``p`` chunk payloads summed in flight by ``lax.psum_scatter``, this
@@ -264,14 +288,27 @@ class AllGatherMean(Collective):
   name: ClassVar[str] = "allgather"
   payload_kind: ClassVar[str] = "all-gather"
 
+  def _gather(self, compressor, x, key, axis_name):
+    payload = compressor.encode(x, key)
+    return payload, jax.tree.map(
+        lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
+
   def exchange_flat(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
-    payload = compressor.encode(x, key)
-    gathered = jax.tree.map(
-        lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
+    payload, gathered = self._gather(compressor, x, key, axis_name)
     mean = compressor.decode_sum(gathered, n, key) / p
     return mean, compressor.decode(payload, n, key), state
+
+  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+                     state=()):
+    """Decodes straight into parts (sparse payloads scatter into each
+    part's own zeros, and their ``local`` stays sparse)."""
+    p = axis_size(axis_name)
+    payload, gathered = self._gather(compressor, x, key, axis_name)
+    mean = compressor.decode_sum_parts(gathered, part_sizes, key)
+    return (tuple(m / p for m in mean),
+            compressor.decode_parts(payload, part_sizes, key), state)
 
 
 @register

@@ -164,6 +164,12 @@ class Auto(Collective):
     coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
     return coll.exchange_flat(compressor, x, key, axis_name, state)
 
+  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+                     state=()):
+    coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
+    return coll.exchange_split(compressor, x, part_sizes, key, axis_name,
+                               state)
+
   def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
     return self.pick(compressor, n, devices(sizes)).flat_transfers(
         compressor, n, sizes, dtype)

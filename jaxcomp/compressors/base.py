@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp import _parts
+
 from jaxcomp._parts import Parts, Shapes
 from jaxcomp._registry import Registry
 from jaxcomp.compressors import _hparams
@@ -107,6 +109,19 @@ class Compressor:
         acc = acc + one(i)
       return acc
     return lax.fori_loop(1, p, lambda i, acc: acc + one(i), one(0))
+
+  def decode_parts(self, payload: Payload, part_sizes, key: jax.Array):
+    """:meth:`decode` of a bucket of parts of ``part_sizes`` elements, as
+    parts: float32 ``(size_i,)`` arrays, or a :class:`jaxcomp._parts.SparseParts`
+    (sparse compressors: their error feedback then scatters what was sent
+    into the residual instead of subtracting a dense decode)."""
+    return _parts.split(self.decode(payload, sum(part_sizes), key), part_sizes)
+
+  def decode_sum_parts(self, payloads: Payload, part_sizes,
+                       key: jax.Array) -> Parts:
+    """:meth:`decode_sum` as dense float32 parts of ``part_sizes``."""
+    return _parts.split(self.decode_sum(payloads, sum(part_sizes), key),
+                        part_sizes)
 
   def payload_arrays(self, n: int, dtype=jnp.float32) -> tuple[int, ...]:
     """Bytes of each array of the payload of an ``n``-element buffer of

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _parts
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, ratio_slots, register
 from jaxcomp.kernels import dither
@@ -97,6 +98,11 @@ class RandomK(Compressor):
   def decode(self, payload, n, key):
     return jnp.zeros((n,), jnp.float32).at[self.indices(n, key)].add(
         payload.astype(jnp.float32))
+
+  def decode_parts(self, payload, part_sizes, key):
+    """The payload at its coordinates, as sparse parts."""
+    return _parts.SparseParts(self.indices(sum(part_sizes), key), payload,
+                              part_sizes)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * self.capacity(n)

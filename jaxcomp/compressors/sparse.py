@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _parts
 from jaxcomp.compressors.base import Compressor
 from jaxcomp.kernels import topk as topk_kernels
 
@@ -57,6 +58,19 @@ class SparsePayload(Compressor):
     """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
     del key
     return scatter_decode_sum(payloads, n)
+
+  def decode_parts(self, payload, part_sizes, key):
+    """This device's payload as sparse parts (see
+    :class:`jaxcomp._parts.SparseParts`)."""
+    del key
+    return _parts.SparseParts(payload["indices"], payload["values"],
+                              part_sizes)
+
+  def decode_sum_parts(self, payloads, part_sizes, key):
+    """The stacked payloads scatter-added into each part's own zeros."""
+    del key
+    return _parts.SparseParts(payloads["indices"], payloads["values"],
+                              part_sizes).dense()
 
   def payload_bytes(self, n: int) -> int:
     return 8 * self.capacity(n)
