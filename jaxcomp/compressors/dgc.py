@@ -132,7 +132,13 @@ class DGC(SparsePayload):
       return t * 0.5, above(t * 0.5), i + 1
 
     t = sample[rank - 1]
-    t, words, _ = lax.while_loop(too_few, halve, (t, above(t), jnp.int32(0)))
+    first = (t, above(t), jnp.int32(0))
+    # The halving loop sits in a branch that runs only when it must: XLA
+    # hoists the loop-invariant |x| out of the loop, and outside a branch
+    # that would write |x| to memory on every step (two passes over x).
+    t, words, _ = lax.cond(too_few(first),
+                           lambda c: lax.while_loop(too_few, halve, c),
+                           lambda c: c, first)
     return t, words
 
   def threshold(self, x: jax.Array, key: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxcomp import _parts
 from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, ratio_slots, register
 
@@ -75,6 +76,12 @@ class RandomBlock(Compressor):
   def decode(self, payload, n, key):
     return jnp.zeros((n,), jnp.float32).at[self.block_indices(n, key)].set(
         payload.astype(jnp.float32))
+
+  def decode_parts(self, payload, part_sizes, key):
+    """The block at its coordinates, as sparse parts (distinct indices:
+    adding into zeros is setting, up to the sign of a zero)."""
+    return _parts.SparseParts(self.block_indices(sum(part_sizes), key),
+                              payload, part_sizes)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * self.block_size(n)
