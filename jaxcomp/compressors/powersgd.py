@@ -96,6 +96,19 @@ def _mm(a, b):
   return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
 
 
+def _mt_mm(m: jax.Array, p: jax.Array) -> jax.Array:
+  """``m.T @ p`` for a thin ``p`` (float32 ``(rows, r)``): ``(cols, r)``.
+
+  On XLA:CPU the transposed product runs as a slow general GEMM (3.7 ms for
+  a 1024 x 1024 ``m`` and ``r = 4``, against 0.18 ms for ``m @ q``); ``r``
+  vector-matrix products ``p[:, i] @ m`` read ``m`` in its own layout (0.28
+  ms for all four, reading ``m`` once each). Above rank 8, or on other
+  backends, the single product."""
+  if jax.default_backend() != "cpu" or p.shape[1] > 8:
+    return _mm(m.T, p)
+  return jnp.stack([_mm(p[:, i], m) for i in range(p.shape[1])], axis=1)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Compressor):
@@ -245,7 +258,7 @@ class PowerSGD(Compressor):
     exact_sum, ps = summed[:len(exact)], summed[len(exact):]
     ps = [orthogonalize(p.reshape(m.shape[0], r), eps)
           for p, (m, r) in zip(ps, mats)]
-    q_parts = [_mm(m.T, p) for (m, _), p in zip(mats, ps)]
+    q_parts = [_mt_mm(m, p) for (m, _), p in zip(mats, ps)]
     q_sum = _psum_parts([q.reshape(-1) for q in q_parts], axis_name)
     q_new = [q.reshape(qp.shape) / p_dev for q, qp in zip(q_sum, q_parts)]
     approx = iter(_mm(p, q.T).reshape(-1) for p, q in zip(ps, q_new))
