@@ -365,12 +365,13 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   fuses) is
   charged the bytes of the operands and results that hold at least
   ``min_elements`` elements. Views (bitcast, tuple) and control flow are
-  free. A fusion whose parameter feeds only slices, dynamic slices or
-  gathers is charged what those select, and an in-place update
+  free. A fusion is charged, of each operand, the elements its body
+  demands: demand flows back from the fusion's output, proportionally
+  through elementwise ops and reshapes, only the selected elements through
+  slices and gathers, whole operands through reductions (so a fusion that
+  computes one slice of a bucket reads that slice). An in-place update
   (dynamic-update-slice, scatter; also as a fusion's root) writes only its
-  update. A loop fusion reads at most as many elements of each operand as
-  it writes, unless it fuses a reduction (XLA splits a fusion that feeds several slices into one loop
-  per slice). This is the structural model of a step's memory traffic: a
+  update. This is the structural model of a step's memory traffic: a
   gradient-sized float32 buffer read once is one pass of ``4 n`` bytes.
 
   Args:
@@ -401,30 +402,48 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
                "")
 
   def body_info(comp: str):
-    """(root opcode, {param index: bytes read if only selected, else None})."""
-    params, users, root = {}, {}, ""
-    defs = {}
+    """``(root opcode, {param index: elements read})`` of a fused body.
+
+    Demand flows from the root to the parameters: an op needs of each
+    operand the share of its output that is demanded (elementwise ops,
+    reshapes, concatenations: proportional), except that slices and
+    gathers need only what they select, and reductions (and sorts,
+    windows, dots) their whole operand once any output is demanded.
+    """
+    instrs = []
     for line in bodies.get(comp, []):
       m = _OP_RE.match(line)
       if not m:
         continue
       name, rtype, opcode, rest = m.groups()
-      defs[name] = (rtype, opcode)
-      if line.lstrip().startswith("ROOT"):
-        root = opcode
+      operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+      elems = sum(n for n, _ in _elements_and_bytes(rtype))
+      instrs.append((name, elems, opcode, operands, rest,
+                     line.lstrip().startswith("ROOT")))
+    size = {name: elems for name, elems, *_ in instrs}
+    demand = {name: elems for name, elems, _, _, _, is_root in instrs
+              if is_root}
+    root = next((op for _, _, op, _, _, is_root in instrs if is_root), "")
+    params = {}
+    for name, elems, opcode, operands, rest, _ in reversed(instrs):
       if opcode == "parameter":
-        params[name] = int(re.match(r"\s*(\d+)", rest).group(1))
+        params[int(re.match(r"\s*(\d+)", rest).group(1))] = demand.get(name, 0)
         continue
-      for arg in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
-        users.setdefault(arg, []).append((opcode, rtype))
-    selected = {}
-    for pname, idx in params.items():
-      us = users.get(pname, [])
-      if us and all(op in _SELECTING_OPS for op, _ in us):
-        selected[idx] = sum(_shape_bytes(t) for _, t in us)
-      else:
-        selected[idx] = None
-    return root, selected
+      d = demand.get(name, 0)
+      for o in operands:
+        if o not in size:
+          continue
+        if not d:
+          need = 0
+        elif opcode in _SELECTING_OPS:
+          need = min(size[o], elems) if o == operands[0] else size[o]
+        elif opcode in ("reduce", "reduce-window", "sort", "dot",
+                        "convolution", "scatter", "select-and-scatter"):
+          need = size[o]
+        else:
+          need = min(size[o], -(-size[o] * d // max(elems, 1)))
+        demand[o] = max(demand.get(o, 0), need)
+    return root, params
 
   ops = []
   for line, comp in zip(lines, where):
@@ -444,28 +463,19 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
         end = i
         break
     args = [a.strip() for a in _split_top(rest[:end]) if a.strip()]
-    root, selected = opcode, {}
+    root, read_elements = opcode, {}
     called = re.search(r"calls=%?([\w.\-]+)", rest[end:])
-    reduces = False
     if opcode == "fusion" and called:
-      root, selected = body_info(called.group(1))
-      reduces = any(re.search(r"\sreduce(-window)?\(", b)
-                    for b in bodies.get(called.group(1), []))
-    # A loop fusion computes each output element once from the matching
-    # elements of its operands: it reads at most as many of each as it writes.
-    loop_elements = (max((n for n, _ in _elements_and_bytes(rtype)), default=0)
-                     if opcode == "fusion" and "kind=kLoop" in rest[end:]
-                     and not reduces else None)
+      root, read_elements = body_info(called.group(1))
     reads = 0.0
     arg_types = []
     for i, arg in enumerate(args):
       t = arg if "[" in arg else shapes.get(arg.lstrip("%"), "")
       arg_types.append(t)
       big = _big_bytes(t, min_elements)
-      if big and selected.get(i) is not None:
-        big = min(big, selected[i])
-      if big and loop_elements is not None:
-        big = min(big, sum(min(n, loop_elements) * b / n
+      if big and i in read_elements:
+        # what the fused body demands of this operand
+        big = min(big, sum(min(n, read_elements[i]) * b / n
                            for n, b in _elements_and_bytes(t)))
       if big and opcode in _SELECTING_OPS and i == 0:
         big = min(big, _shape_bytes(rtype))

@@ -1,0 +1,79 @@
+"""Memory passes of each compressor's XLA encode and decode, from the
+compiled module (no timing): what the structural model says each costs.
+
+For a flat float32 buffer of ``--n`` elements, compiles ``encode(x, key)``
+and ``decode(payload, n, key)`` on the default backend and counts, with
+:func:`jaxcomp.hlo.memory_passes`, the bytes of buffers of at least ``n / 4``
+elements read and written, in passes of ``4 n`` bytes. Conditional branches
+(fallbacks most steps skip) are shown apart. Also prints whether any
+``jax.random`` draw is gradient-sized::
+
+  python benchmarks/codec_passes.py
+  python benchmarks/codec_passes.py --n 1863690 --specs topk:ratio=0.01 qsgd
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DEFAULT_SPECS = ["identity", "bf16", "topk:ratio=0.01", "dgc:ratio=0.01",
+                 "threshold", "random_k:ratio=0.01", "random_block:ratio=0.01",
+                 "qsgd", "terngrad", "sign", "int8_block",
+                 "int8_block:rounding=stochastic", "int8_block:bits=4",
+                 "fp8_block", "fp8_block:rounding=stochastic"]
+
+
+def _random_sizes(jaxpr):
+  import jax.extend.core
+  for eqn in jaxpr.eqns:
+    if "random" in eqn.primitive.name or "threefry" in eqn.primitive.name:
+      yield from (v.aval.size for v in eqn.outvars)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _random_sizes(sub)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--n", type=int, default=1863690,
+                  help="buffer elements (default: the MLP of "
+                       "benchmarks/transform_overhead.py)")
+  ap.add_argument("--specs", nargs="+", default=DEFAULT_SPECS)
+  args = ap.parse_args(argv)
+  sys.path.insert(0, REPO)
+  import jax
+  import jax.numpy as jnp
+
+  from jaxcomp import hlo
+  from jaxcomp.cli import parse_compressor_spec
+  from jaxcomp.compressors.base import get
+
+  n = args.n
+  x = jnp.ones((n,), jnp.float32)
+  key = jax.random.key(0)
+  print(f"{jax.default_backend()}, n = {n} float32; passes of 4 n bytes "
+        "(read + write), [in branches]; largest jax.random draw")
+  print(f"{'compressor':<32}{'encode':>16}{'decode':>16}{'random':>10}")
+  for spec in args.specs:
+    name, kw = parse_compressor_spec(spec)
+    comp = get(name, **kw)
+    if getattr(comp, "own_exchange", False) and name != "terngrad":
+      print(f"{spec:<32}{'(own exchange)':>32}")
+      continue
+    enc = jax.jit(lambda v, k: comp.encode(v, k))
+    payload = enc(x, key)
+    dec = jax.jit(lambda p, k: comp.decode(p, n, k))
+    cells = []
+    for f, a in ((enc, (x, key)), (dec, (payload, key))):
+      mp = hlo.memory_passes(f.lower(*a).compile(), n // 4)
+      cells.append(f"{mp.passes(4 * n):5.2f} [{mp.branch_passes(4 * n):5.2f}]")
+    draws = list(_random_sizes(jax.make_jaxpr(enc)(x, key).jaxpr))
+    print(f"{spec:<32}{cells[0]:>16}{cells[1]:>16}{max(draws, default=0):>10}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
