@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp.compressors import RandomK, Threshold
+from jaxcomp.compressors import RandomK, Threshold, TopK
 from jaxcomp._parts import concat as concat_parts
 from tests.exchange_helpers import exchange_fn
 from tests.helpers import run_shard_map, sharded_update, stacked
@@ -120,3 +120,42 @@ def test_threshold_may_be_traced(xs):
   x = np.abs(np.asarray(xs[0]))
   for t in (0.5, 1.0, 2.0):
     assert int(count(jnp.float32(t))) == int(np.sum(x >= t))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_topk_value_bits_sends_the_top_k_on_a_grid(mesh8, xs, bits):
+  """value_bits: the same top-k set, each value within half a step of its
+  level (m + 1/2) * step, signs kept, step = max|sent| / 2**(bits - 1); the
+  mean is the average of what the devices contributed, and the residual
+  keeps the rest (local + residual = v, exactly)."""
+  comp = TopK(ratio=0.05, value_bits=bits)
+  k = 50
+  means, locs, _ = exchange_fn(mesh8, comp, N)(xs, jax.random.key(0))
+  mean, locs = np.asarray(means[0]), np.asarray(locs[:, 0])
+  for i in range(8):
+    x = np.asarray(xs[i])
+    sel = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+    np.testing.assert_array_equal(np.nonzero(locs[i])[0], sel)
+    step = np.float32(np.abs(x[sel]).max()) / 2 ** (bits - 1)
+    err = np.abs(locs[i][sel] - x[sel])
+    assert np.all(err <= step / 2 * (1 + 1e-5)), (err.max(), step)
+    np.testing.assert_array_equal(np.sign(locs[i][sel]), np.sign(x[sel]))
+    level = np.abs(locs[i][sel]) / step - 0.5
+    np.testing.assert_allclose(level, np.round(level), atol=1e-4)
+    assert level.min() > -1e-3 and level.max() < 2 ** (bits - 1) - 1 + 1e-3
+  np.testing.assert_allclose(mean, locs.mean(axis=0), rtol=1e-6, atol=1e-7)
+  assert comp.payload_bytes(N) == 4 * k + 4 * (-(-k * bits // 32)) + 4
+  # Error feedback through compressed_mean keeps what was not sent.
+  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.05, value_bits=bits)
+  _, _, state, specs = run_shard_map(tx, {"w": xs}, mesh8)
+  residual = np.asarray(state.feedback[0][0])
+  np.testing.assert_array_equal(residual + locs, np.asarray(xs))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"value_bits": 3}, "value_bits must be one of"),
+    ({"value_bits": 2, "max_ratio": 0.1}, "value_bits with max_ratio"),
+])
+def test_topk_value_bits_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    TopK(ratio=0.05, **kwargs)

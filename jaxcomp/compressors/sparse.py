@@ -50,26 +50,34 @@ class SparsePayload(Compressor):
   def capacity(self, n: int) -> int:
     raise NotImplementedError
 
+  def values(self, payload) -> jax.Array:
+    """float32 values of a payload (any leading axes): ``payload["values"]``
+    by default; compressors that quantize their values decode them here."""
+    return payload["values"].astype(jnp.float32)
+
+  def _dense_values(self, payload):
+    return {"indices": payload["indices"], "values": self.values(payload)}
+
   def decode(self, payload, n, key):
     del key
-    return scatter_decode(payload, n)
+    return scatter_decode(self._dense_values(payload), n)
 
   def decode_sum(self, payloads, n, key):
     """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
     del key
-    return scatter_decode_sum(payloads, n)
+    return scatter_decode_sum(self._dense_values(payloads), n)
 
   def decode_parts(self, payload, part_sizes, key):
     """This device's payload as sparse parts (see
     :class:`jaxcomp._parts.SparseParts`)."""
     del key
-    return _parts.SparseParts(payload["indices"], payload["values"],
+    return _parts.SparseParts(payload["indices"], self.values(payload),
                               part_sizes)
 
   def decode_sum_parts(self, payloads, part_sizes, key):
     """The stacked payloads scatter-added into each part's own zeros."""
     del key
-    return _parts.SparseParts(payloads["indices"], payloads["values"],
+    return _parts.SparseParts(payloads["indices"], self.values(payloads),
                               part_sizes).dense()
 
   def payload_bytes(self, n: int) -> int:
