@@ -144,6 +144,17 @@ def column_iota(block_rows: int, interpret: bool) -> jax.Array:
       jax.lax.broadcasted_iota(jnp.uint32, (block_rows, ROW), 1), interpret)
 
 
+def row_iota(block_rows: int, interpret: bool) -> jax.Array:
+  """uint32 row index ``0..block_rows-1`` of each element of a row block."""
+  return wgmma(
+      jax.lax.broadcasted_iota(jnp.uint32, (block_rows, ROW), 0), interpret)
+
+
+def block_index(interpret: bool) -> jax.Array:
+  """int32 number of the grid step running (the block of :func:`blocked_call`)."""
+  return pl.program_id(0) if interpret else jax.lax.axis_index("blocks")
+
+
 def compiler_params():
   """Mosaic GPU compiler parameters of every kernel here.
 

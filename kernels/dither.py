@@ -67,10 +67,22 @@ def uniform(key: jax.Array, n: int, offset: int = 0) -> jax.Array:
   Raises:
     ValueError: ``offset + n`` exceeds 2**32 (indices would repeat).
   """
+  return uniform_of_seed(seed_of(key), n, offset)
+
+
+def uniform_of_seed(seed: jax.Array, n: int, offset: int = 0) -> jax.Array:
+  """:func:`uniform` from the hash seed itself (uint32 ``(2,)``, e.g.
+  ``seed_of(key)``): float32 ``(n,)``, element ``i`` is
+  ``to_unit(hash_bits(seed, offset + i))``, the numbers a kernel given
+  ``seed`` computes in place from each element's flat index.
+
+  Raises:
+    ValueError: ``offset + n`` exceeds 2**32 (indices would repeat).
+  """
   if offset + n > 2**32:
     raise ValueError(f"offset + n = {offset + n} exceeds 2**32 counter values")
   index = jnp.arange(n, dtype=jnp.uint32) + jnp.uint32(offset)
-  return to_unit(hash_bits(seed_of(key), index))
+  return to_unit(hash_bits(seed, index))
 
 
 _FEISTEL_ROUNDS = 6

@@ -32,14 +32,59 @@ Multipliers instead of divisions: XLA rewrites ``x / broadcast(s)`` into
 and changes codes; computing ``m`` once per bucket and multiplying makes every
 backend (and the kernel) produce the same bits.
 
-The Pallas kernels (Mosaic GPU) fuse the per-element arithmetic and the bit
-packing in one pass over ``x``; the per-bucket norms / scales and the sign scale
-are XLA reductions computed first (one more read of ``x``) and handed to the
-kernel as one value per 32-element row, which is why the Pallas path needs
-``bucket_size`` and ``block_size`` to be multiples of 32. Inputs of bf16 / f16
-are converted to float32 before the kernel. int8 codes are packed 4 per uint32
-by the kernel (``bits=8`` little-endian, i.e. the same bytes as the int8 array)
-and bit-cast back to int8 for free.
+Random numbers: QSGD and stochastic int8 take either an array of ``n``
+uniform numbers (``uniform`` / ``stochastic_uniform``) or a uint32 ``(2,)``
+``seed`` (``dither.seed_of(key)``), with which element ``i`` rounds with
+``dither.to_unit(dither.hash_bits(seed, i))``, i.e. exactly
+``dither.uniform(key, n)[i]``. The references draw those numbers in XLA's
+fused expression; the kernels compute them in registers from each element's
+flat index (block offset + row * 32 + column), so on the Pallas path with a
+seed no ``n``-sized random array exists. The compressors pass the seed.
+
+The Pallas kernels (Mosaic GPU) read ``x`` once (one-pass kernel). ``x`` is
+viewed as ``(num_groups, group)``, one bucket (QSGD) / block (int8) per row,
+``block_groups = max(64, block_rows // group_rows)`` rows per grid step
+(``group_rows = group // 32``); the kernel loads the block's ``group_rows``
+column slices of 32 as ``(block_groups, 32)`` WGMMA tiles, reduces each
+group in registers (sum of squares, or ``max|x|``), computes the norm /
+scale and the multiplier, and quantizes and packs from the same registers.
+It writes:
+
+* the packed words as ``(num_groups, group_rows * bits)`` uint32, row-major
+  in wire order (word ``k * bits + w`` of a group is word ``w`` of its
+  ``k``-th row of 32), so the flat word stream is a free reshape. Where a
+  group has fewer than 4 words (16 bytes: TMA's minimum row stride; QSGD
+  2-bit codes in buckets of 32, sign in groups of 32) the kernel writes them
+  word-major, ``(group_rows * bits, num_groups)``, and XLA transposes them;
+* one float32 per group: the QSGD norm, the int8 scale, or the sign path's
+  sum of ``|x|`` (XLA adds those ``n / group`` values for the scale).
+
+QSGD norms are the kernel's: float32 sums in another order than XLA's
+``group_reduce``, and a square root from ``rsqrt`` plus one Heron step
+(Mosaic GPU lowers no ``sqrt``), so they differ from
+:func:`qsgd_norms_reference` by a few ulp; the codes are exactly
+:func:`qsgd_codes_reference` under the norms returned. int8 scales are
+maxima, the same in any order: the int8 kernel matches the reference bit for
+bit. Sign groups 8, 4, 2 or 1 rows (the widest whose tiles fill ``n``).
+
+One pass applies where ``group_rows`` divides ``block_rows`` and the input
+blocks fit ``MAX_INPUT_BLOCK_BYTES`` of shared memory: with the default 256
+rows, buckets / blocks of 32, 64, 128, 256 and 512 elements given a seed (or
+nearest rounding), up to 256 given a uniform array. Other multiples of 32
+(96, 160, 640, 1024, ...) fall back to XLA: norms / scales reduced first (a
+second read of ``x``) and handed to the kernel as one multiplier per
+32-element row (a vector written and read back); those match the reference
+bit for bit. Sizes that are not multiples of 32 need ``implementation='xla'``.
+
+Copies that remain: a float32 input whose length is a whole number of
+(8, group) tiles is read in place (the last block may be partial: TMA
+zero-fills on load); any other input (bf16 / f16, or a ragged length) is
+converted and zero-padded once before the kernel, and the outputs are cut to
+length after it. int8 codes are packed 4 per uint32 by the kernel
+(``bits=8`` little-endian, i.e. the same bytes as the int8 array) and
+bit-cast back to int8 for free. ``tests/test_kernel_structure.py`` counts
+these from the CUDA export (:mod:`jaxcomp.kernels.structure`). No GPU
+timings of this layout have been measured.
 """
 
 from __future__ import annotations
@@ -51,8 +96,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import _select
+from . import dither
 from .bitpack import pack_bits_reference
 from .bitpack import packed_words
 from .bitpack import unpack_bits_reference
@@ -137,36 +184,98 @@ def _int8_multiplier(scales):
   return jnp.where(scales > 0, jnp.float32(1) / safe, jnp.float32(0))
 
 
-def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array, *, levels: int,
-                            bucket_size: int, bits: int | None = None
+def _dither_source(n: int, uniform, seed, *, required: bool = True):
+  """float32 ``(n,)`` uniform numbers from exactly one of ``uniform`` (an
+  array) and ``seed`` (uint32 ``(2,)``), or None where neither is given and
+  ``required`` is False."""
+  if uniform is not None and seed is not None:
+    raise ValueError("pass either uniform random values or a seed, not both")
+  if seed is not None:
+    return dither.uniform_of_seed(_check_seed(seed), n)
+  if uniform is None:
+    if required:
+      raise ValueError("stochastic rounding needs uniform= or seed=")
+    return None
+  return _uniform_f32(uniform).reshape(-1)
+
+
+def _check_seed(seed: jax.Array) -> jax.Array:
+  seed = jnp.asarray(seed)
+  if seed.shape != (2,) or seed.dtype != jnp.uint32:
+    raise ValueError(
+        f"seed must be uint32 (2,) (dither.seed_of(key)), got "
+        f"{seed.dtype}{seed.shape}")
+  return seed
+
+
+def qsgd_norms_reference(x: jax.Array, *, bucket_size: int) -> jax.Array:
+  """float32 ``(ceil(n / bucket_size),)``: the L2 norm of each bucket of the
+  flat ``x`` (the last one partial), as the XLA path computes it."""
+  _check_size("bucket_size", bucket_size)
+  xf = x.reshape(-1).astype(jnp.float32)
+  return jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
+
+
+def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
+                         levels: int, bucket_size: int, bits: int | None = None,
+                         seed: jax.Array | None = None) -> jax.Array:
+  """The packed QSGD codes of ``x`` under the given ``norms`` (see module
+  doc): uint32 ``(packed_words(n, bits),)``. :func:`qsgd_quantize_reference`
+  is this with XLA's norms; tests feed it a kernel's own norms.
+
+  Args:
+    x: float array of ``n`` elements (any shape; flattened).
+    norms: float32 ``(ceil(n / bucket_size),)``.
+    uniform, seed: the rounding numbers, as in :func:`qsgd_quantize_reference`.
+    levels, bucket_size, bits: as in :func:`qsgd_quantize_reference`.
+
+  Raises:
+    ValueError: both or neither of ``uniform`` and ``seed``; a bad seed.
+  """
+  bits = qsgd_bits(levels) if bits is None else bits
+  n = x.size
+  xf = x.reshape(-1).astype(jnp.float32)
+  u = _dither_source(n, uniform, seed)
+  mult = per_element(_qsgd_multiplier(norms, levels), bucket_size, n)
+  r = jnp.abs(xf) * mult
+  level = jnp.minimum(jnp.floor(r + u), jnp.float32(levels)).astype(jnp.uint32)
+  codes = level | ((xf < 0).astype(jnp.uint32) << (bits - 1))
+  return pack_bits_reference(codes, bits)
+
+
+def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array | None = None, *,
+                            levels: int, bucket_size: int,
+                            bits: int | None = None,
+                            seed: jax.Array | None = None
                             ) -> tuple[jax.Array, jax.Array]:
   """QSGD quantization with stochastic rounding, packed (see module doc).
 
   Args:
     x: float array of ``n`` elements (any shape; flattened).
-    uniform: ``n`` random values, float in [0, 1) or uint32 bits.
+    uniform: ``n`` random values, float in [0, 1) or uint32 bits; or None
+      with ``seed``.
     levels: number of nonzero levels ``s`` (1 .. 32767); may be a traced
       scalar when ``bits`` is given.
     bucket_size: elements per norm bucket.
     bits: code width; default ``qsgd_bits(levels)``. A wider field than
       ``levels`` needs (a scheduled ``levels`` under its static maximum)
       gives the same levels in more bits.
+    seed: uint32 ``(2,)`` hash seed (``dither.seed_of(key)``) instead of
+      ``uniform``: element ``i`` rounds with
+      ``dither.to_unit(dither.hash_bits(seed, i))``, i.e. the same as
+      ``uniform=dither.uniform(key, n)``.
 
   Returns:
     ``(words, norms)``: uint32 ``(packed_words(n, bits),)`` and float32
     ``(ceil(n / bucket_size),)``.
+
+  Raises:
+    ValueError: both or neither of ``uniform`` and ``seed``, bad sizes.
   """
-  bits = qsgd_bits(levels) if bits is None else bits
-  _check_size("bucket_size", bucket_size)
-  n = x.size
-  xf = x.reshape(-1).astype(jnp.float32)
-  norms = jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
-  u = _uniform_f32(uniform).reshape(-1)
-  mult = per_element(_qsgd_multiplier(norms, levels), bucket_size, n)
-  r = jnp.abs(xf) * mult
-  level = jnp.minimum(jnp.floor(r + u), jnp.float32(levels)).astype(jnp.uint32)
-  codes = level | ((xf < 0).astype(jnp.uint32) << (bits - 1))
-  return pack_bits_reference(codes, bits), norms
+  norms = qsgd_norms_reference(x, bucket_size=bucket_size)
+  words = qsgd_codes_reference(x, norms, uniform, levels=levels,
+                               bucket_size=bucket_size, bits=bits, seed=seed)
+  return words, norms
 
 
 def qsgd_dequantize_reference(words: jax.Array, norms: jax.Array, *, n: int,
@@ -197,17 +306,24 @@ def sign_unpack_reference(words: jax.Array, scale: jax.Array, n: int) -> jax.Arr
 
 def int8_block_quantize_reference(
     x: jax.Array, *, block_size: int,
-    stochastic_uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """int8 block quantization: ``(q int8[nb * block_size], scales f32[nb])``."""
+    stochastic_uniform: jax.Array | None = None,
+    seed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """int8 block quantization: ``(q int8[nb * block_size], scales f32[nb])``.
+
+  Nearest rounding by default; stochastic with ``stochastic_uniform`` (``n``
+  floats in [0, 1) or uint32 bits) or ``seed`` (uint32 ``(2,)``: element
+  ``i`` draws ``dither.to_unit(dither.hash_bits(seed, i))``).
+
+  Raises:
+    ValueError: both ``stochastic_uniform`` and ``seed``; bad ``block_size``.
+  """
   _check_size("block_size", block_size)
   xf = x.reshape(-1).astype(jnp.float32)
   n = xf.shape[0]
   scales = group_reduce(jnp.abs(xf), block_size, "max") / jnp.float32(127)
+  u = _dither_source(n, stochastic_uniform, seed, required=False)
   y = xf * per_element(_int8_multiplier(scales), block_size, n)
-  if stochastic_uniform is None:
-    q = jnp.round(y)
-  else:
-    q = jnp.floor(y + _uniform_f32(stochastic_uniform).reshape(-1))
+  q = jnp.round(y) if u is None else jnp.floor(y + u)
   q = jnp.clip(q, -127, 127).astype(jnp.int8)
   return jnp.pad(q, (0, scales.shape[0] * block_size - n)), scales
 
@@ -230,73 +346,239 @@ def _floor_to_int(v: jax.Array) -> jax.Array:
   return t - (t.astype(jnp.float32) > v).astype(jnp.int32)
 
 
-def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
-                          stochastic: bool, block_rows: int, interpret: bool):
-  """One block of rows -> ``bits`` packed words per row.
+def _kernel_sqrt(s: jax.Array) -> jax.Array:
+  """sqrt of float32 ``s >= 0`` from ``rsqrt`` (Mosaic GPU lowers no sqrt):
+  ``y = s * rsqrt(s)`` and one Heron step ``(y + s / y) / 2``; 0 at 0.
+  Within an ulp or two of ``jnp.sqrt`` (it is not correctly rounded)."""
+  safe = jnp.where(s > 0, s, jnp.float32(1))
+  y = safe * jax.lax.rsqrt(safe)
+  y = jnp.float32(0.5) * (y + safe / y)
+  return jnp.where(s > 0, y, jnp.float32(0))
 
-  Refs: ``x_ref (R, 32) f32``, then for ``qsgd``/``int8`` ``mult_ref (R,)``
-  (the multiplier ``m`` of each row's bucket / block), then if ``stochastic``
-  ``u_ref (R, 32) f32``; output ``o_ref (bits, R) uint32`` where ``o_ref[w, r]``
-  is word ``w`` of row ``r``, and for ``sign`` also ``abs_ref (R,) f32``, the
-  sum of ``|x|`` over each row (so the scale needs no second pass over ``x``).
+
+# Shared memory the one-pass kernel's (block_groups, group) float32 input
+# blocks may take: x, plus the uniform numbers when they come as an array.
+# 64 groups (one WGMMA row tile) of 16 rows of x are 128 KiB; Mosaic GPU
+# allows 227 KiB per block, outputs included.
+MAX_INPUT_BLOCK_BYTES = 128 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How one quantize call lays ``x`` out for the kernel.
+
+  ``group`` elements (``group_rows = group // 32`` rows of 32) form one row
+  of the kernel's 2-D view of ``x`` (``(num_groups, group)``), and a block
+  is ``block_groups`` such rows. ``in_kernel`` says whether the kernel
+  reduces each group itself (one-pass) or is handed one multiplier per
+  32-element row computed by XLA first (``group == 32`` then).
+  """
+  group: int
+  block_groups: int
+  in_kernel: bool
+
+  @property
+  def group_rows(self) -> int:
+    return self.group // ROW
+
+
+def _one_pass_plan(group: int, block_rows: int, inputs: int = 1
+                   ) -> _Plan | None:
+  """The one-pass layout for buckets / blocks of ``group`` elements, or None
+  where it does not apply: ``group`` not a multiple of 32, ``group // 32``
+  not dividing ``block_rows``, or ``inputs`` float32 blocks (x, and the
+  uniform array if one is passed) over ``MAX_INPUT_BLOCK_BYTES``. A block
+  holds ``max(64, block_rows // group_rows)`` groups (at least one WGMMA row
+  tile: with 256 rows, buckets of 256 and 512 make blocks of 512 and 1024
+  rows). With the default 256 rows, buckets of 32 to 512 elements (a power
+  of two times 32) run in one pass given a seed, 32 to 256 given a uniform
+  array; 96, 160, ... (row counts that do not divide 256) and over 512 do
+  not."""
+  if group % ROW:
+    return None
+  g = group // ROW
+  if block_rows % g:
+    return None
+  block_groups = max(64, block_rows // g)
+  if inputs * block_groups * group * 4 > MAX_INPUT_BLOCK_BYTES:
+    return None
+  return _Plan(group=group, block_groups=block_groups, in_kernel=True)
+
+
+def _sign_plan(n: int, block_rows: int) -> _Plan:
+  """Sign packing groups rows only to shrink its per-group ``|x|`` sums: the
+  widest group of 8, 4, 2 or 1 rows whose (8, group) tiles ``n`` fills, else
+  8 rows (and a padding copy)."""
+  for g in (8, 4, 2, 1):
+    if n % (8 * ROW * g) == 0:
+      break
+  else:
+    g = 8
+  return _Plan(group=g * ROW, block_groups=max(64, block_rows // g),
+               in_kernel=True)
+
+
+def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
+  """Flat ``v`` as float32 ``(num_groups, group)`` rows and the grid.
+
+  A float32 ``v`` whose size is a multiple of ``8 * group`` (whole (8, group)
+  TMA tiles) is only reshaped (free) and the last block may be partial (TMA
+  zero-fills the rows past the end on load and drops them on store). Any
+  other input is converted and zero-padded once: to whole tiles, or to whole
+  blocks in interpret mode (whose reads past the end are not zeros).
+  """
+  n = v.size
+  flat = v.reshape(-1)
+  per_block = plan.block_groups * plan.group
+  tile = 8 * plan.group
+  if flat.dtype == jnp.float32 and n % tile == 0 and n and not interpret:
+    padded = n
+  else:
+    grid = max(1, -(-n // per_block))
+    padded = grid * per_block if interpret else max(tile, -(-n // tile) * tile)
+    flat = jnp.pad(flat.astype(jnp.float32), (0, padded - n))
+  num_groups = padded // plan.group
+  return (flat.reshape(num_groups, plan.group),
+          -(-num_groups // plan.block_groups))
+
+
+def _groups_spec(plan: _Plan, interpret: bool):
+  """BlockSpec of ``block_groups`` rows of a ``(num_groups, group)`` float32
+  array; column slices of 32 of it are ``(block_groups, 32)`` tiles."""
+  shape = (plan.block_groups, plan.group)
+  index_map = lambda i: (i, 0)
+  if interpret:
+    return pl.BlockSpec(shape, index_map)
+  return plgpu.BlockSpec(
+      shape, index_map,
+      transforms=(plgpu.TilingTransform((8, ROW)), plgpu.SwizzleTransform(128)))
+
+
+SEED_WORDS = 32  # the seed travels as 128 bytes: TMA copies whole warpgroups
+
+
+def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
+                          source: str | None, plan: _Plan, word_major: bool,
+                          interpret: bool):
+  """One block of ``B = block_groups`` groups -> ``group_rows * bits`` packed
+  words per group, in stream order.
+
+  Refs, in order: ``x_ref (B, group) f32``; ``mult_ref (B,) f32`` unless
+  ``plan.in_kernel`` (the multiplier ``m`` of each row's bucket / block,
+  ``group == 32``); ``u_ref (B, group) f32`` if ``source == "array"`` or
+  ``seed_ref (32,) uint32`` (words 0, 1: the hash seed) if ``source ==
+  "seed"``; then the outputs ``o_ref (B, group_rows * bits) uint32``, where
+  word ``k * bits + w`` of group ``g`` is word ``w`` of its ``k``-th row of
+  32 (so the flat output is the wire's word stream; ``(group_rows * bits, B)``
+  instead if ``word_major``), and if ``plan.in_kernel``
+  ``stat_ref (B,) f32``: the L2 norm (``qsgd``), the scale ``max|x| / 127``
+  (``int8``) or the sum of ``|x|`` (``sign``) of each group.
   """
   refs = list(refs)
   x_ref = refs.pop(0)
-  mult_ref = refs.pop(0) if mode != "sign" else None
-  u_ref = refs.pop(0) if stochastic else None
+  mult_ref = None if plan.in_kernel else refs.pop(0)
+  u_ref = refs.pop(0) if source == "array" else None
+  seed_ref = refs.pop(0) if source == "seed" else None
   o_ref = refs.pop(0)
-  x = _select.wgmma(x_ref[...], interpret)
+  stat_ref = refs.pop(0) if plan.in_kernel else None
+  b, g = plan.block_groups, plan.group_rows
+  xs = [_select.wgmma(x_ref[:, pl.ds(ROW * k, ROW)], interpret)
+        for k in range(g)]
+
+  def row_total(values, reduce, combine):
+    total = None
+    for v in values:
+      part = reduce(v, axis=1)
+      total = part if total is None else combine(total, part)
+    return total
+
+  m = None
   if mode == "sign":
-    (abs_ref,) = refs  # per-row sums of |x|, for the scale
-    abs_ref[...] = jnp.sum(jnp.abs(x), axis=1)
-    codes = (x < 0).astype(jnp.uint32)
+    stat_ref[...] = row_total([jnp.abs(v) for v in xs], jnp.sum, jnp.add)
+  elif plan.in_kernel and mode == "qsgd":
+    norms = _kernel_sqrt(row_total([v * v for v in xs], jnp.sum, jnp.add))
+    stat_ref[...] = norms
+    m = _qsgd_multiplier(norms, levels)
+  elif plan.in_kernel:  # int8
+    scales = row_total([jnp.abs(v) for v in xs], jnp.max,
+                       jnp.maximum) / jnp.float32(127)
+    stat_ref[...] = scales
+    m = _int8_multiplier(scales)
   else:
     m = _select.wgmma_row(mult_ref[...], interpret)
-    m = jax.lax.broadcast_in_dim(m, x.shape, (0,))
-    u = _select.wgmma(u_ref[...], interpret) if stochastic else None
-    if mode == "qsgd":
+  if m is not None:
+    m = jax.lax.broadcast_in_dim(m, (b, ROW), (0,))
+  col = _select.column_iota(b, interpret)
+  if source == "seed":
+    seed = (seed_ref[0], seed_ref[1])
+    block = _select.block_index(interpret).astype(jnp.uint32)
+    # Flat index of element (group r, row k, column c) of this block.
+    base = ((block * jnp.uint32(b) + _select.row_iota(b, interpret))
+            * jnp.uint32(plan.group) + col)
+  per_word = 32 // bits
+  shift = (col % jnp.uint32(per_word)) * jnp.uint32(bits)
+  for k, x in enumerate(xs):
+    if source == "array":
+      u = _select.wgmma(u_ref[:, pl.ds(ROW * k, ROW)], interpret)
+    elif source == "seed":
+      u = dither.to_unit(dither.hash_bits(seed, base + jnp.uint32(ROW * k)))
+    if mode == "sign":
+      codes = (x < 0).astype(jnp.uint32)
+    elif mode == "qsgd":
       r = jnp.abs(x) * m
       level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
       codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
     else:  # int8
       y = x * m
-      q = _floor_to_int(y + u) if stochastic else jnp.round(y).astype(jnp.int32)
-      q = jnp.clip(q, -127, 127)
-      codes = (q & 0xFF).astype(jnp.uint32)
-  per_word = 32 // bits
-  col = _select.column_iota(block_rows, interpret)
-  shifted = codes << ((col % jnp.uint32(per_word)) * jnp.uint32(bits))
-  for w in range(bits):
-    if bits == 1:
-      part = shifted
-    else:
-      part = jnp.where(col // jnp.uint32(per_word) == jnp.uint32(w), shifted,
-                       jnp.uint32(0))
-    o_ref[w] = jnp.sum(part, axis=1, dtype=jnp.uint32)
+      q = _floor_to_int(y + u) if source else jnp.round(y).astype(jnp.int32)
+      codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
+    shifted = codes << shift
+    for w in range(bits):
+      part = shifted if bits == 1 else jnp.where(
+          col // jnp.uint32(per_word) == jnp.uint32(w), shifted, jnp.uint32(0))
+      word = jnp.sum(part, axis=1, dtype=jnp.uint32)
+      if word_major:
+        o_ref[k * bits + w] = word
+      else:
+        o_ref[:, k * bits + w] = word
 
 
-def _quantize_pack_call(x_rows, row_mult, u_rows, *, mode, bits, levels,
-                        block_rows, grid, interpret):
-  stochastic = u_rows is not None
-  operands = [x_rows]
-  in_specs = [_select.rows_spec(block_rows, interpret)]
+def _quantize_pack_call(x_groups, row_mult, u_groups, seed, *, mode, bits,
+                        levels, plan, grid, interpret):
+  """Runs the kernel: ``(words uint32 (num_groups * group_rows * bits,),
+  stats float32 (num_groups,) or None)``, ``words`` already in wire order."""
+  source = "array" if u_groups is not None else (
+      "seed" if seed is not None else None)
+  operands = [x_groups]
+  in_specs = [_groups_spec(plan, interpret)]
   if row_mult is not None:
     operands.append(row_mult)
-    in_specs.append(_select.vector_spec(block_rows))
-  if stochastic:
-    operands.append(u_rows)
-    in_specs.append(_select.rows_spec(block_rows, interpret))
-  num_rows = x_rows.shape[0]
-  out_shape = _select.out_struct((bits, num_rows), jnp.uint32, x_rows)
-  out_specs = pl.BlockSpec((bits, block_rows), lambda i: (0, i))
-  if mode == "sign":
-    out_shape = [out_shape,
-                 _select.out_struct((num_rows,), jnp.float32, x_rows)]
-    out_specs = [out_specs, _select.vector_spec(block_rows)]
+    in_specs.append(_select.vector_spec(plan.block_groups))
+  if source == "array":
+    operands.append(u_groups)
+    in_specs.append(_groups_spec(plan, interpret))
+  elif source == "seed":
+    operands.append(jnp.pad(_check_seed(seed), (0, SEED_WORDS - 2)))
+    in_specs.append(pl.BlockSpec((SEED_WORDS,), lambda i: (0,)))
+  num_groups = x_groups.shape[0]
+  width = plan.group_rows * bits
+  # TMA needs rows of whole 16 bytes: narrower groups of words are written
+  # word-major, (width, num_groups), and transposed by XLA afterwards.
+  word_major = width % 4 != 0
+  if word_major:
+    out_shape = [_select.out_struct((width, num_groups), jnp.uint32, x_groups)]
+    out_specs = [pl.BlockSpec((width, plan.block_groups), lambda i: (0, i))]
+  else:
+    out_shape = [_select.out_struct((num_groups, width), jnp.uint32, x_groups)]
+    out_specs = [pl.BlockSpec((plan.block_groups, width), lambda i: (i, 0))]
+  if plan.in_kernel:
+    out_shape.append(_select.out_struct((num_groups,), jnp.float32, x_groups))
+    out_specs.append(_select.vector_spec(plan.block_groups))
   out = _select.blocked_call(
       functools.partial(
           _quantize_pack_kernel, mode=mode, bits=bits, levels=levels,
-          stochastic=stochastic, block_rows=block_rows, interpret=interpret),
+          source=source, plan=plan, word_major=word_major,
+          interpret=interpret),
       out_shape,
       grid=grid,
       in_specs=in_specs,
@@ -304,62 +586,127 @@ def _quantize_pack_call(x_rows, row_mult, u_rows, *, mode, bits, levels,
       interpret=interpret,
       name=f"jaxcomp_{mode}_pack",
   )(*operands)
-  extra = None
-  if mode == "sign":
-    out, extra = out
-  # Word w of row r is element r * bits + w of the packed stream.
-  return out.T.reshape(-1), extra
+  # Row-major (group, word) is the wire's order.
+  words = (out[0].T if word_major else out[0]).reshape(-1)
+  return words, (out[1] if plan.in_kernel else None)
 
 
 def _row_values(per_group: jax.Array, group: int, num_rows: int) -> jax.Array:
+  return _select.pad_rows_vector(jnp.repeat(per_group, group // ROW), num_rows)
+
+
+def _check_pallas_group(name: str, group: int) -> None:
   if group % ROW:
     raise ValueError(
         f"the Pallas path needs bucket/block sizes that are multiples of {ROW},"
-        f" got {group}; use implementation='xla'")
-  return _select.pad_rows_vector(jnp.repeat(per_group, group // ROW), num_rows)
+        f" got {name}={group}; use implementation='xla'")
+
+
+def _quantize(x, *, mode, bits, levels, group, multiplier, uniform, seed,
+              config, interpret):
+  """The QSGD / int8 Pallas path: one pass where :func:`_one_pass_plan`
+  applies, else XLA reduces the groups first and the kernel gets one
+  multiplier per row. Returns ``(words, per-group statistic)`` with
+  ``words`` of ``ceil(n / group) * group * bits / 32`` (or more) words."""
+  _select.check_block_rows(config.block_rows)
+  _check_size("bucket_size" if mode == "qsgd" else "block_size", group)
+  _check_pallas_group("bucket_size" if mode == "qsgd" else "block_size", group)
+  if uniform is not None and seed is not None:
+    raise ValueError("pass either uniform random values or a seed, not both")
+  plan = _one_pass_plan(group, config.block_rows,
+                        inputs=1 if uniform is None else 2)
+  u_source = None if uniform is None else _uniform_f32(uniform)
+  if plan is not None:
+    xg, grid = _to_groups(x, plan, interpret)
+    ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]
+    return _quantize_pack_call(
+        xg, None, ug, seed, mode=mode, bits=bits, levels=levels, plan=plan,
+        grid=grid, interpret=interpret)
+  # Fallback: XLA's per-group statistic, handed over as per-row multipliers.
+  xf = x.reshape(-1).astype(jnp.float32)
+  if mode == "qsgd":
+    stat = jnp.sqrt(group_reduce(xf * xf, group, "sum"))
+  else:
+    stat = group_reduce(jnp.abs(xf), group, "max") / jnp.float32(127)
+  plan = _Plan(group=ROW, block_groups=config.block_rows, in_kernel=False)
+  xg, grid = _to_groups(x, plan, interpret)
+  ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]
+  row_mult = _row_values(multiplier(stat), group, xg.shape[0])
+  words, _ = _quantize_pack_call(
+      xg, row_mult, ug, seed, mode=mode, bits=bits, levels=levels, plan=plan,
+      grid=grid, interpret=interpret)
+  return words, stat
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Pallas sign packing: the words of :func:`sign_pack_reference`, and its
-  scale up to float32 summation order (the kernel sums ``|x|`` per row as it
-  packs, so the scale costs no second pass over ``x``)."""
+  scale up to float32 summation order (the kernel sums ``|x|`` per group of
+  rows as it packs, so the scale costs no second pass over ``x``).
+
+  Returns:
+    ``(words uint32 (ceil(n / 32),), scale float32 ())``.
+
+  Raises:
+    ValueError: ``config.block_rows`` not a positive multiple of 64.
+  """
   _select.check_block_rows(config.block_rows)
   n = x.size
-  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
-  words, row_abs = _quantize_pack_call(
-      rows, None, None, mode="sign", bits=1, levels=0,
-      block_rows=config.block_rows, grid=grid, interpret=interpret)
-  scale = jnp.sum(row_abs) / jnp.float32(n)
+  plan = _sign_plan(n, config.block_rows)
+  xg, grid = _to_groups(x, plan, interpret)
+  words, group_abs = _quantize_pack_call(
+      xg, None, None, None, mode="sign", bits=1, levels=0, plan=plan,
+      grid=grid, interpret=interpret)
+  scale = jnp.sum(group_abs) / jnp.float32(n)
   return words[:packed_words(n, 1)], scale
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "bucket_size", "config",
                                              "interpret"))
-def qsgd_quantize(x: jax.Array, uniform: jax.Array, *, levels: int,
-                  bucket_size: int, config: QuantizeConfig = DEFAULT_CONFIG,
+def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
+                  levels: int, bucket_size: int,
+                  seed: jax.Array | None = None,
+                  config: QuantizeConfig = DEFAULT_CONFIG,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Pallas QSGD; same outputs as :func:`qsgd_quantize_reference`.
+  """Pallas QSGD: the words of :func:`qsgd_codes_reference` under the norms
+  it returns.
+
+  Args:
+    x: float array of ``n`` elements (any shape; flattened).
+    uniform: ``n`` random values (float in [0, 1) or uint32 bits), read by
+      the kernel; or None with ``seed``.
+    levels, bucket_size: as in :func:`qsgd_quantize_reference`.
+    seed: uint32 ``(2,)`` (``dither.seed_of(key)``): the kernel computes
+      element ``i``'s number as ``dither.to_unit(dither.hash_bits(seed, i))``
+      itself, so no ``n``-sized random array exists; the same codes as the
+      reference given ``uniform=dither.uniform(key, n)``.
+    config: kernel block size.
+    interpret: run the kernel in interpret mode (any backend).
+
+  Returns:
+    ``(words uint32 (packed_words(n, bits),), norms float32
+    (ceil(n / bucket_size),))``. With the one-pass kernel (buckets of 32 to
+    512 elements whose row count divides ``config.block_rows``) the norms
+    are the kernel's (float32 summation order and :func:`_kernel_sqrt` make
+    them differ from :func:`qsgd_norms_reference` by a few ulp) and the
+    words are exactly :func:`qsgd_codes_reference` under those norms; other
+    bucket sizes take XLA's norms and match :func:`qsgd_quantize_reference`
+    bit for bit.
 
   Raises:
-    ValueError: ``bucket_size`` is not a multiple of 32, bad ``levels``.
+    ValueError: ``bucket_size`` is not a multiple of 32, bad ``levels``,
+      both or neither of ``uniform`` and ``seed``, a bad ``seed``.
   """
-  _select.check_block_rows(config.block_rows)
   bits = qsgd_bits(levels)
-  _check_size("bucket_size", bucket_size)
-  n = x.size
-  xf = x.reshape(-1).astype(jnp.float32)
-  norms = jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
-  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
-  u_rows, _ = _select.to_rows(_uniform_f32(uniform), config.block_rows,
-                              interpret=interpret)
-  row_mult = _row_values(_qsgd_multiplier(norms, levels), bucket_size,
-                        rows.shape[0])
-  words, _ = _quantize_pack_call(
-      rows, row_mult, u_rows, mode="qsgd", bits=bits, levels=levels,
-      block_rows=config.block_rows, grid=grid, interpret=interpret)
-  return words[:packed_words(n, bits)], norms
+  if uniform is None and seed is None:
+    raise ValueError("stochastic rounding needs uniform= or seed=")
+  words, norms = _quantize(
+      x, mode="qsgd", bits=bits, levels=levels, group=bucket_size,
+      multiplier=lambda s: _qsgd_multiplier(s, levels), uniform=uniform,
+      seed=seed, config=config, interpret=interpret)
+  num_buckets = -(-x.size // bucket_size)
+  return words[:packed_words(x.size, bits)], norms[:num_buckets]
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config",
@@ -367,29 +714,36 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array, *, levels: int,
 def int8_block_quantize(
     x: jax.Array, *, block_size: int,
     stochastic_uniform: jax.Array | None = None,
+    seed: jax.Array | None = None,
     config: QuantizeConfig = DEFAULT_CONFIG,
     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Pallas int8 block quantization; same as the reference.
+  """Pallas int8 block quantization; the same ``(q, scales)`` as
+  :func:`int8_block_quantize_reference` bit for bit (a maximum does not
+  depend on the order it is taken in).
+
+  Args:
+    x: float array of ``n`` elements.
+    block_size: elements per scale, a multiple of 32.
+    stochastic_uniform: ``n`` random values read by the kernel, or None.
+    seed: uint32 ``(2,)``: stochastic rounding with the numbers computed in
+      the kernel (``dither.to_unit(dither.hash_bits(seed, i))``), or None.
+    config, interpret: as in :func:`qsgd_quantize`.
+
+  Returns:
+    ``(q int8 (num_blocks * block_size,), scales float32 (num_blocks,))``.
 
   Raises:
-    ValueError: ``block_size`` is not a multiple of 32.
+    ValueError: ``block_size`` is not a multiple of 32, both
+      ``stochastic_uniform`` and ``seed``, a bad ``seed``.
   """
-  _select.check_block_rows(config.block_rows)
-  _check_size("block_size", block_size)
-  scales = group_reduce(jnp.abs(x.reshape(-1).astype(jnp.float32)),
-                        block_size, "max") / jnp.float32(127)
-  rows, grid = _select.to_rows(x, config.block_rows, interpret=interpret)
-  u_rows = None
-  if stochastic_uniform is not None:
-    u_rows, _ = _select.to_rows(_uniform_f32(stochastic_uniform),
-                                config.block_rows, interpret=interpret)
-  row_mult = _row_values(_int8_multiplier(scales), block_size,
-                        rows.shape[0])
-  words, _ = _quantize_pack_call(
-      rows, row_mult, u_rows, mode="int8", bits=8, levels=0,
-      block_rows=config.block_rows, grid=grid, interpret=interpret)
+  words, scales = _quantize(
+      x, mode="int8", bits=8, levels=0, group=block_size,
+      multiplier=_int8_multiplier, uniform=stochastic_uniform, seed=seed,
+      config=config, interpret=interpret)
+  num_blocks = -(-x.size // block_size)
+  scales = scales[:num_blocks]
   q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(-1)
-  padded = scales.shape[0] * block_size
+  padded = num_blocks * block_size
   if q.size < padded:  # rows end before the last scale block does
     q = jnp.pad(q, (0, padded - q.size))
   return q[:padded], scales
@@ -400,14 +754,16 @@ def int8_block_quantize(
 # ----------------------------------------------------------------------------
 
 
-def qsgd_quantize_auto(x, uniform, *, levels, bucket_size,
+def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
                        implementation: str | None = None):
-  """QSGD through the kernel or the reference (``_select`` policy)."""
+  """QSGD through the kernel or the reference (``_select`` policy); pass
+  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`."""
   if _select.resolve_implementation(implementation, op="qsgd", n=x.size,
                                     dtype=x.dtype) == "pallas":
-    return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size)
+    return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size,
+                         seed=seed)
   return qsgd_quantize_reference(x, uniform, levels=levels,
-                                 bucket_size=bucket_size)
+                                 bucket_size=bucket_size, seed=seed)
 
 
 def sign_pack_auto(x, *, implementation: str | None = None):
@@ -419,11 +775,13 @@ def sign_pack_auto(x, *, implementation: str | None = None):
 
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
-                             implementation: str | None = None):
-  """int8 block quantization through the kernel or the reference."""
+                             seed=None, implementation: str | None = None):
+  """int8 block quantization through the kernel or the reference; pass
+  ``stochastic_uniform`` or ``seed`` for stochastic rounding."""
   if _select.resolve_implementation(implementation, op="int8", n=x.size,
                                     dtype=x.dtype) == "pallas":
     return int8_block_quantize(x, block_size=block_size,
-                               stochastic_uniform=stochastic_uniform)
+                               stochastic_uniform=stochastic_uniform, seed=seed)
   return int8_block_quantize_reference(x, block_size=block_size,
-                                       stochastic_uniform=stochastic_uniform)
+                                       stochastic_uniform=stochastic_uniform,
+                                       seed=seed)

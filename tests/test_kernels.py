@@ -16,6 +16,7 @@ import pytest
 
 from jaxcomp.kernels import _select
 from jaxcomp.kernels import bitpack
+from jaxcomp.kernels import dither
 from jaxcomp.kernels import quantize
 from jaxcomp.kernels import compact
 from jaxcomp.kernels import topk
@@ -235,10 +236,14 @@ class TestKernelsCompiled:
         x, u, levels=levels, bucket_size=128)
     bits = quantize.qsgd_bits(levels)
     assert words.shape == (bitpack.packed_words(n, bits),)
-    np.testing.assert_array_equal(words, ref_words)
-    # Norms are XLA reductions in two programs: on GPU their summation order
-    # (so the last bit) may differ.
+    # The kernel computes the norms (bucket 128 is one-pass): their
+    # summation order and the kernel's sqrt may move the last bits, and the
+    # codes are the reference's under the kernel's own norms.
+    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+        x, norms, u, levels=levels, bucket_size=128))
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
+    if self.INTERPRET:
+      np.testing.assert_array_equal(words, ref_words)
     # Decoding is within one level of the input.
     y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
                                            bucket_size=128)
@@ -246,6 +251,97 @@ class TestKernelsCompiled:
     bound = jnp.repeat(norms, 128)[:n] / levels
     assert bool(jnp.all(err <= bound * (1 + 1e-5)))
     assert bool(jnp.all((y == 0) | (jnp.sign(y) == jnp.sign(x.astype(jnp.float32)))))
+
+  @pytest.mark.parametrize("n,dtype,levels,bucket", [
+      (20_000, jnp.float32, 7, 128),  # 3 blocks of 64 buckets, last partial
+      (40_960, jnp.float32, 127, 256),  # whole blocks of 64 buckets
+      (70_001, jnp.bfloat16, 7, 512),  # 3 blocks, bf16, partial bucket
+      (3001, jnp.float32, 1, 32),  # 2-bit codes of one row: word-major out
+      (5000, jnp.float32, 4000, 96),  # 3 rows: the XLA-norm fallback
+  ])
+  def test_qsgd_seed_dither_in_kernel(self, n, dtype, levels, bucket):
+    """The kernel draws element i's number from (seed, i) itself: the codes
+    are those of the reference fed ``dither.uniform(key, n)`` under the
+    kernel's own norms, which match XLA's up to summation order."""
+    x = _normal(n, dtype, seed=n).at[bucket:3 * bucket].set(0)  # zero buckets
+    key = jax.random.key(n)
+    seed = dither.seed_of(key)
+    words, norms = quantize.qsgd_quantize(
+        x, levels=levels, bucket_size=bucket, seed=seed, config=QCFG,
+        interpret=self.INTERPRET)
+    u = dither.uniform(key, n)
+    bits = quantize.qsgd_bits(levels)
+    assert words.shape == (bitpack.packed_words(n, bits),)
+    assert norms.shape == (-(-n // bucket),)
+    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+        x, norms, u, levels=levels, bucket_size=bucket))
+    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+        x, norms, levels=levels, bucket_size=bucket, seed=seed))
+    ref_norms = quantize.qsgd_norms_reference(x, bucket_size=bucket)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
+    np.testing.assert_array_equal(norms[1:3], 0.0)
+    if bucket == 96:
+      # The fallback takes XLA's norms: the reference bit for bit.
+      np.testing.assert_array_equal(words, quantize.qsgd_quantize_reference(
+          x, u, levels=levels, bucket_size=bucket)[0])
+    # Decoding with the kernel's own norms is within one level of x.
+    y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
+                                           bucket_size=bucket)
+    bound = quantize.per_element(norms, bucket, n) / levels
+    assert bool(jnp.all(jnp.abs(y - x.astype(jnp.float32))
+                        <= bound * (1 + 1e-5)))
+    np.testing.assert_array_equal(y[bucket:3 * bucket], 0.0)
+
+  def test_seed_or_uniform_not_both(self):
+    x = jnp.ones(256)
+    seed = dither.seed_of(jax.random.key(0))
+    with pytest.raises(ValueError, match="not both"):
+      quantize.qsgd_quantize(x, x, seed=seed, levels=7, bucket_size=128,
+                             config=QCFG, interpret=self.INTERPRET)
+    with pytest.raises(ValueError, match="uniform= or seed="):
+      quantize.qsgd_quantize(x, levels=7, bucket_size=128, config=QCFG,
+                             interpret=self.INTERPRET)
+    with pytest.raises(ValueError, match="not both"):
+      quantize.int8_block_quantize(x, block_size=64, stochastic_uniform=x,
+                                   seed=seed, config=QCFG,
+                                   interpret=self.INTERPRET)
+    with pytest.raises(ValueError, match="seed must be uint32"):
+      quantize.qsgd_quantize_reference(x, levels=7, bucket_size=128,
+                                       seed=jnp.zeros(3, jnp.uint32))
+
+  @pytest.mark.parametrize("n,dtype,block,stochastic", [
+      (20_000, jnp.float32, 128, True),  # 3 blocks of 64 scale blocks
+      (20_000, jnp.float32, 256, False),
+      (70_001, jnp.bfloat16, 512, True),  # bf16, partial last block
+      (40_960, jnp.float32, 256, True),  # whole blocks
+      (5000, jnp.float32, 96, True),  # the XLA-scale fallback
+  ])
+  def test_int8_block_seed_and_multi_block(self, n, dtype, block, stochastic):
+    """Scales are maxima, so the one-pass kernel's equal XLA's exactly and
+    the codes are the reference's bit for bit (stochastic with the seed
+    against the reference fed ``dither.uniform(key, n)``)."""
+    x = _normal(n, dtype, seed=n).at[block:2 * block].set(0)
+    key = jax.random.key(n)
+    seed = dither.seed_of(key) if stochastic else None
+    q, scales = quantize.int8_block_quantize(
+        x, block_size=block, seed=seed, config=QCFG, interpret=self.INTERPRET)
+    ref_q, ref_scales = quantize.int8_block_quantize_reference(
+        x, block_size=block,
+        stochastic_uniform=dither.uniform(key, n) if stochastic else None)
+    assert q.shape == ref_q.shape and q.dtype == jnp.int8
+    np.testing.assert_array_equal(q, ref_q)
+    np.testing.assert_array_equal(scales, ref_scales)
+    assert scales[1] == 0 and bool(jnp.all(q[block:2 * block] == 0))
+
+  @pytest.mark.parametrize("n,dtype", [(1 << 15, jnp.float32),
+                                       (40_000, jnp.bfloat16),
+                                       (8192 + 256, jnp.float32)])
+  def test_sign_pack_multi_block(self, n, dtype):
+    x = _normal(n, dtype, seed=n).at[:512].set(0)
+    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    np.testing.assert_array_equal(words, ref_words)
+    np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
 
   def test_qsgd_uint32_bits_and_zero_bucket(self):
     n = 700

@@ -20,6 +20,8 @@ N_TILED = 100_096  # whole (8, 32) tiles, not whole blocks: no padding copy
 
 def _cases():
   f32 = S((N,), jnp.float32)
+  f32_tiled = S((1 << 17,), jnp.float32)
+  seed = S((2,), jnp.uint32)
   return {
       "sign_pack_f32": (lambda x: quantize.sign_pack(x), (f32,)),
       "sign_pack_bf16": (lambda x: quantize.sign_pack(x),
@@ -32,6 +34,21 @@ def _cases():
           x, block_size=256), (S((N,), jnp.float16),)),
       "int8_block_stochastic": (lambda x, u: quantize.int8_block_quantize(
           x, block_size=256, stochastic_uniform=u), (f32, f32)),
+      # In-kernel dither from the seed, norms / scales in the kernel.
+      "qsgd_seed_b128": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=7, bucket_size=128, seed=s), (f32, seed)),
+      "qsgd_seed_b256_tiled": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=127, bucket_size=256, seed=s), (f32_tiled, seed)),
+      "qsgd_seed_b512_16bit": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=4000, bucket_size=512, seed=s), (f32, seed)),
+      "qsgd_seed_b32_2bit_word_major": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=1, bucket_size=32, seed=s), (f32, seed)),
+      "qsgd_seed_b96_fallback": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=7, bucket_size=96, seed=s), (f32, seed)),
+      "int8_block_seed_b512_bf16": (lambda x, s: quantize.int8_block_quantize(
+          x, block_size=512, seed=s), (S((N,), jnp.bfloat16), seed)),
+      "int8_block_seed_b128_tiled": (lambda x, s: quantize.int8_block_quantize(
+          x, block_size=128, seed=s), (f32_tiled, seed)),
       "topk_f32": (lambda x: topk.topk(x, 1000), (f32,)),
       "topk_f32_unpadded": (lambda x: topk.topk(x, 1000),
                             (S((N_TILED,), jnp.float32),)),

@@ -158,12 +158,19 @@ class IntBlock(_Rounded):
     n = x.shape[0]
     if _hparams.concrete(self.bits) == 8 and self.wire_bits == 8:
       # 8 bits: the int8 block kernel or its jnp reference quantizes (by
-      # implementation); same codes on the wire.
-      u = (dither.uniform(key, n)
-           if self.rounding == "stochastic" else None)
+      # implementation); same codes on the wire. Stochastic rounding draws
+      # dither.uniform(key, n) from the seed where it is used (inside the
+      # kernel on the Pallas path: no n-sized random array).
+      seed = dither.seed_of(key) if self.rounding == "stochastic" else None
       q8, scales = quantize.int8_block_quantize_auto(
-          x, block_size=self.block_size, stochastic_uniform=u,
+          x, block_size=self.block_size, seed=seed,
           implementation=self.implementation)
+      if self.block_size % 4 == 0:
+        # The int8 bytes are the packed 8-bit words already (little-endian
+        # bytes, as bitpack has them): a free bitcast instead of a repack.
+        words = lax.bitcast_convert_type(q8.reshape(-1, 4), jnp.uint32)
+        return {"codes": words[:bitpack.packed_words(n, 8)],
+                "scales": scales}
       codes = q8[:n].astype(jnp.int32).astype(jnp.uint32)
     else:
       q, scales = self.quantize(x, key)

@@ -116,15 +116,19 @@ class QSGD(Compressor):
     return -(-n // self.bucket_size)
 
   def encode(self, x, key):
-    u = dither.uniform(key, x.shape[0])
+    # The rounding numbers are dither.uniform(key, n), drawn from the seed
+    # where they are used: in XLA's fused expression, or inside the kernel
+    # (no n-sized random array on the Pallas path).
+    seed = dither.seed_of(key)
     levels = self._levels()
     if isinstance(levels, int) and self.bits == code_bits(levels):
       codes, norms = quantize.qsgd_quantize_auto(
-          x, u, levels=levels, bucket_size=self.bucket_size,
+          x, levels=levels, bucket_size=self.bucket_size, seed=seed,
           implementation=self.implementation)
     else:  # scheduled levels: the reference, with max_levels' code width
       codes, norms = quantize.qsgd_quantize_reference(
-          x, u, levels=levels, bucket_size=self.bucket_size, bits=self.bits)
+          x, levels=levels, bucket_size=self.bucket_size, bits=self.bits,
+          seed=seed)
     return {"codes": codes, "norms": norms}
 
   def decode(self, payload, n, key):

@@ -1,0 +1,233 @@
+"""What XLA does around a Pallas kernel, read from exported StableHLO.
+
+``jax.export.export(jax.jit(f), platforms=["cuda"])`` lowers the Mosaic GPU
+kernels on any machine (no GPU needed), and its StableHLO text shows every
+op that XLA runs before and after the kernel's ``custom_call``. This module
+walks that text and counts the ops that cost memory passes over ``n``-sized
+buffers, so tests can assert that a kernel reads its input once and nothing
+``n``-sized surrounds it:
+
+* which ops (outside the kernel) read the input ``x`` or a value computed
+  from it, and how many kernel calls read it;
+* ``transpose``, ``pad``, ``concatenate`` and reductions of ``n``-sized
+  values, before and after the kernel;
+* random-number ops (``rng_bit_generator``, threefry) and ``n``-sized
+  ``iota`` (a counter hash materialized over every element);
+* ``n``-sized kernel operands that do not come from ``x`` (e.g. an array of
+  uniform numbers or of per-row multipliers).
+
+"``n``-sized" means a tensor of at least ``n // 32`` elements (one per
+32 inputs: packed 1-bit words count, one value per bucket of 128 does
+not). Views are free and not counted: ``reshape`` and
+``bitcast_convert``. The dataflow follows ``call``s into private functions
+(``jax.jit`` inside ``jax.jit`` exports as ``func.call``). The Mosaic GPU
+kernel itself travels as serialized MLIR bytecode in the custom call's
+``backend_config``, so its body is not read here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_FUNC_RE = re.compile(r"func\.func\s+(?:public|private)\s+@([\w$.\-]+)\((.*?)\)\s*(?:->|\{)")
+_ARG_RE = re.compile(r"(%arg\d+)\s*:\s*tensor<((?:\d+x)*)[a-z]\w*>")
+_RESULT_RE = re.compile(r"^\s*(%[\w.$\-]+)(?::(\d+))?\s*=\s*(.*)$")
+_OP_RE = re.compile(r'^"?([a-z_]+\.[a-z_0-9]+|call|return|func\.return)"?')
+_VALUE_RE = re.compile(r"%[\w.$\-]+(?:#\d+)?")
+_TENSOR_RE = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
+_CALLEE_RE = re.compile(r"@([\w$.\-]+)")
+
+VIEWS = ("stablehlo.reshape", "stablehlo.bitcast_convert")
+RANDOM = ("stablehlo.rng_bit_generator", "stablehlo.rng")
+KERNEL_TARGETS = ("mosaic_gpu", "tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
+@dataclasses.dataclass
+class _Op:
+  name: str
+  results: list[str]
+  operands: list[str]
+  sizes: list[int]  # element counts of every tensor type on the line
+  result_sizes: list[int]  # element counts of the result types
+  callee: str | None
+  text: str
+
+
+@dataclasses.dataclass
+class Structure:
+  """Counts of one exported module (see the module doc).
+
+  Attributes:
+    n: element count of the input ``x``.
+    kernels: Pallas / Mosaic custom calls.
+    kernel_reads_of_x: kernel calls with ``x`` (or a value computed from it)
+      as an operand.
+    x_reads: non-view XLA ops that read ``x`` or an ``n``-sized value
+      computed from it before a kernel (``"op"`` names, in order).
+    before: non-view ``n``-sized XLA ops not downstream of a kernel.
+    after: non-view ``n``-sized XLA ops downstream of a kernel.
+    random: random-number ops, threefry calls and ``n``-sized ``iota``.
+    other_kernel_operands: ``n``-sized kernel operands not computed from
+      ``x`` (an array of random numbers, or of per-row multipliers, that XLA
+      wrote for the kernel to read back).
+  """
+  n: int
+  kernels: int = 0
+  kernel_reads_of_x: int = 0
+  x_reads: list[str] = dataclasses.field(default_factory=list)
+  before: list[str] = dataclasses.field(default_factory=list)
+  after: list[str] = dataclasses.field(default_factory=list)
+  random: list[str] = dataclasses.field(default_factory=list)
+  other_kernel_operands: int = 0
+
+  def count(self, where: str, op: str) -> int:
+    """How many ``op`` (e.g. ``"transpose"``) are in ``where`` (``"before"``,
+    ``"after"`` or ``"x_reads"``)."""
+    return sum(o == f"stablehlo.{op}" for o in getattr(self, where))
+
+  def summary(self) -> dict:
+    """A flat dict of the counts, for assertion messages and printouts."""
+    out = {"kernels": self.kernels, "kernel_reads_of_x": self.kernel_reads_of_x,
+           "xla_reads_of_x": len(self.x_reads),
+           "random": len(self.random),
+           "other_kernel_operands": self.other_kernel_operands}
+    for where in ("before", "after"):
+      out[where] = dict(collections.Counter(
+          o.removeprefix("stablehlo.") for o in getattr(self, where)))
+    return out
+
+
+def _size(dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split("x")):
+    n *= int(d)
+  return n
+
+
+def _parse(text: str):
+  """Functions of a module, ``{name: ([(arg name, elements)], ops)}``, and
+  the name of the public one."""
+  funcs, main, current = {}, None, None
+  for raw in text.splitlines():
+    line = _STRING_RE.sub('""', raw)
+    line = re.sub(r"\sloc\([^()]*(?:\([^()]*\)[^()]*)*\)", "", line)
+    m = _FUNC_RE.search(line)
+    if m:
+      current = m.group(1)
+      funcs[current] = ([(a, _size(d)) for a, d in _ARG_RE.findall(m.group(2))],
+                        [])
+      if "public" in line and main is None:
+        main = current
+      continue
+    if current is None:
+      continue
+    m = _RESULT_RE.match(line)
+    if m:
+      base, count, rest = m.group(1), m.group(2), m.group(3)
+      results = ([f"{base}#{i}" for i in range(int(count))] if count
+                 else [base])
+    else:
+      rest, results = line.strip(), []
+    op = _OP_RE.match(rest)
+    if not op:
+      continue
+    name = op.group(1)
+    callee = None
+    if name in ("call", "stablehlo.custom_call"):
+      c = _CALLEE_RE.search(rest)
+      callee = c.group(1) if c else None
+    sizes = [_size(d) for d, _ in _TENSOR_RE.findall(rest)]
+    signature = rest.rsplit(" : ", 1)[-1]
+    result_types = signature.rsplit("->", 1)[-1]
+    result_sizes = [_size(d) for d, _ in _TENSOR_RE.findall(result_types)]
+    funcs[current][1].append(_Op(name, results, _VALUE_RE.findall(rest),
+                                 sizes, result_sizes, callee, rest))
+  return funcs, main
+
+
+def _is_kernel(op: _Op) -> bool:
+  return op.name == "stablehlo.custom_call" and any(
+      t in (op.callee or "") for t in KERNEL_TARGETS)
+
+
+def analyze(text: str, n: int, x_arg: int = 0) -> Structure:
+  """Counts of the module ``text`` whose public function's argument number
+  ``x_arg`` is the ``n``-element input.
+
+  Raises:
+    ValueError: no public function in ``text``.
+  """
+  funcs, main = _parse(text)
+  if main is None:
+    raise ValueError("no public func.func in the module")
+  s = Structure(n=n)
+  big = max(1, n // 32)
+
+  def walk(fname, x_args, k_args):
+    """Walks one function whose args in ``x_args`` derive from x and in
+    ``k_args`` from a kernel; returns the positions of its x-derived,
+    kernel-derived and n-sized results."""
+    args, ops = funcs[fname]
+    big_values = {a for a, size in args if size >= big}
+    args = [a for a, _ in args]
+    from_x = {a for i, a in enumerate(args) if i in x_args}
+    from_k = {a for i, a in enumerate(args) if i in k_args}
+    for op in ops:
+      ins_x = [v for v in op.operands if v in from_x and v in big_values]
+      ins_k = [v for v in op.operands if v in from_k]
+      n_sized = any(z >= big for z in op.sizes)
+      if op.name in ("return", "func.return"):
+        return tuple([i for i, v in enumerate(op.operands) if v in taint]
+                     for taint in (from_x, from_k, big_values))
+      if op.name == "call" and op.callee in funcs:
+        returned = walk(op.callee,
+                        {i for i, v in enumerate(op.operands) if v in from_x},
+                        {i for i, v in enumerate(op.operands) if v in from_k})
+        for taint, positions in zip((from_x, from_k, big_values), returned):
+          taint.update(op.results[i] for i in positions
+                       if i < len(op.results))
+        continue
+      if _is_kernel(op):
+        s.kernels += 1
+        s.kernel_reads_of_x += bool(ins_x)
+        # Operands are listed first; each big one not from x counts.
+        s.other_kernel_operands += sum(
+            1 for v in op.operands if v not in from_x and v not in from_k
+            and v in big_values)
+        from_k.update(op.results)
+        continue
+      if (op.name in RANDOM or "threefry" in (op.callee or "")
+          or (op.name == "stablehlo.iota" and n_sized)):
+        s.random.append(op.name)
+      if op.name in VIEWS or op.name == "stablehlo.constant":
+        pass
+      elif ins_k and n_sized:
+        s.after.append(op.name)
+      elif n_sized and not ins_k:
+        s.before.append(op.name)
+        if ins_x:
+          s.x_reads.append(op.name)
+      big_values.update(v for v, z in zip(op.results, op.result_sizes)
+                        if z >= big)
+      if ins_k:
+        from_k.update(op.results)
+      elif ins_x:
+        from_x.update(op.results)
+    return [], [], []
+
+  walk(main, {x_arg}, set())
+  return s
+
+
+def export_structure(fn, *args, x_arg: int = 0) -> Structure:
+  """Exports ``jax.jit(fn)`` for CUDA with ``args`` (ShapeDtypeStructs) and
+  analyzes it; ``args[x_arg]`` is the input ``x``."""
+  import jax
+  exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+  n = 1
+  for d in args[x_arg].shape:
+    n *= d
+  return analyze(exported.mlir_module(), n, x_arg)

@@ -1,0 +1,139 @@
+"""What XLA runs around the quantize kernels, read from the CUDA export.
+
+Each quantize path is exported with ``jax.export`` for CUDA (no GPU needed)
+and its StableHLO walked by :mod:`jaxcomp.kernels.structure`. For float32
+inputs whose length is a whole number of the kernel's (8, bucket) tiles the
+targets hold: ``x`` is read once, by the kernel; no ``n``-sized XLA op runs
+before or after it (no transpose of the codes, no pad, no concatenate, no
+reduction for norms / scales, no multiplier vector); no random numbers are
+materialized. Inputs that are not whole tiles (or not float32) pay one
+conversion / padding copy; the test prints what remains for them (run with
+``-s``) and checks that it is only that copy.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxcomp.compressors import block_quant
+from jaxcomp.compressors import qsgd
+from jaxcomp.kernels import quantize
+from jaxcomp.kernels import structure
+
+S = jax.ShapeDtypeStruct
+N_TILED = 1 << 17  # whole (8, 512) tiles: every bucket size below
+N_ODD = 100_003
+SEED = S((2,), jnp.uint32)
+KEY = S((2,), jnp.uint32)  # a raw key
+
+
+def _paths(n, dtype=jnp.float32):
+  x = S((n,), dtype)
+  return {
+      "sign_pack": (lambda x: quantize.sign_pack(x), (x,)),
+      "qsgd_4bit_b128": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=7, bucket_size=128, seed=s), (x, SEED)),
+      "qsgd_8bit_b256": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=127, bucket_size=256, seed=s), (x, SEED)),
+      "qsgd_16bit_b512": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=4000, bucket_size=512, seed=s), (x, SEED)),
+      "int8_nearest_b256": (lambda x: quantize.int8_block_quantize(
+          x, block_size=256), (x,)),
+      "int8_stochastic_b256": (lambda x, s: quantize.int8_block_quantize(
+          x, block_size=256, seed=s), (x, SEED)),
+      "int8_stochastic_b128": (lambda x, s: quantize.int8_block_quantize(
+          x, block_size=128, seed=s), (x, SEED)),
+      # The compressors' encode on the Pallas path, from a JAX key.
+      "QSGD.encode": (lambda x, k: qsgd.QSGD(implementation="pallas").encode(
+          x, jax.random.wrap_key_data(k)), (x, KEY)),
+      "IntBlock.encode_stochastic": (
+          lambda x, k: block_quant.IntBlock(
+              rounding="stochastic", implementation="pallas").encode(
+                  x, jax.random.wrap_key_data(k)), (x, KEY)),
+  }
+
+
+def _structure(name, n, dtype=jnp.float32):
+  fn, args = _paths(n, dtype)[name]
+  return structure.export_structure(fn, *args)
+
+
+@pytest.mark.parametrize("name", sorted(_paths(N_TILED)))
+def test_whole_tiles_read_x_once_and_nothing_n_sized_around(name):
+  s = _structure(name, N_TILED)
+  info = f"{name} n={N_TILED}: {s.summary()}"
+  print(info)
+  assert s.kernels == 1, info
+  assert s.kernel_reads_of_x == 1, info  # x read by the kernel ...
+  assert s.x_reads == [], info  # ... and by no XLA op
+  assert s.before == [], info  # no norm reduction, pad, multiplier vector
+  assert s.after == [], info  # no transpose of the codes, no slice
+  assert s.random == [], info  # no rng op, no n-sized counter iota
+  assert s.other_kernel_operands == 0, info  # no uniform array, no multipliers
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(_paths(N_ODD)))
+def test_partial_tiles_pay_one_padding_copy(name, dtype):
+  """What remains for inputs that are not whole tiles or not float32: the
+  input is converted / zero-padded once before the kernel (XLA fuses the
+  conversion into the pad) and the outputs are cut to length after it."""
+  s = _structure(name, N_ODD, dtype)
+  info = f"{name} n={N_ODD} {jnp.dtype(dtype).name}: {s.summary()}"
+  print(info)
+  assert s.kernels == 1 and s.kernel_reads_of_x == 1, info
+  assert s.random == [] and s.other_kernel_operands == 0, info
+  assert set(s.x_reads) <= {"stablehlo.convert", "stablehlo.pad"}, info
+  assert s.count("x_reads", "pad") == 1, info
+  allowed_after = {"stablehlo.slice"}
+  assert set(s.after) <= allowed_after, info
+  for op in ("transpose", "concatenate", "reduce"):
+    assert s.count("before", op) == 0 and s.count("after", op) == 0, info
+
+
+def test_fallback_bucket_sizes_are_reported():
+  """Bucket sizes the one-pass kernel does not take (96: 3 rows, which do
+  not divide the block) and uniform arrays still work, with XLA's norm
+  reduction and a multiplier vector before the kernel: the counter shows
+  them, as it showed them for every size before the one-pass kernel."""
+  x = S((N_TILED,), jnp.float32)
+  s = structure.export_structure(
+      lambda x, s: quantize.qsgd_quantize(x, levels=7, bucket_size=96, seed=s),
+      x, SEED)
+  info = str(s.summary())
+  print("qsgd bucket 96:", info)
+  assert s.count("before", "reduce") == 1, info
+  assert s.other_kernel_operands == 1, info  # the per-row multipliers
+  s = structure.export_structure(
+      lambda x, u: quantize.qsgd_quantize(x, u, levels=7, bucket_size=128),
+      x, x)
+  print("qsgd uniform array:", s.summary())
+  assert s.before == [] and s.other_kernel_operands == 1, s.summary()
+
+
+def test_counter_sees_the_old_structure():
+  """The counter on a hand-written module of the old QSGD path: a norm
+  reduction reads x before the kernel, a multiplier vector and a uniform
+  array go in, and the codes are transposed after it."""
+  text = """
+  func.func public @main(%arg0: tensor<8192xf32>, %arg1: tensor<8192xf32>) -> (tensor<1024xui32>) {
+    %0 = stablehlo.multiply %arg0, %arg0 : tensor<8192xf32>
+    %1 = stablehlo.reshape %0 : (tensor<8192xf32>) -> tensor<64x128xf32>
+    %2 = stablehlo.reduce(%1 init: %cst) applies stablehlo.add across dimensions = [1] : (tensor<64x128xf32>, tensor<f32>) -> tensor<64xf32>
+    %3 = stablehlo.broadcast_in_dim %2, dims = [0] : (tensor<64xf32>) -> tensor<64x4xf32>
+    %4 = stablehlo.reshape %3 : (tensor<64x4xf32>) -> tensor<256xf32>
+    %5 = stablehlo.reshape %arg0 : (tensor<8192xf32>) -> tensor<256x32xf32>
+    %6 = stablehlo.iota dim = 0 : tensor<8192xui32>
+    %7 = stablehlo.custom_call @mosaic_gpu_v2(%5, %4, %arg1) {backend_config = "x : y"} : (tensor<256x32xf32>, tensor<256xf32>, tensor<8192xf32>) -> tensor<4x256xui32>
+    %8 = stablehlo.transpose %7, dims = [1, 0] : (tensor<4x256xui32>) -> tensor<256x4xui32>
+    %9 = stablehlo.reshape %8 : (tensor<256x4xui32>) -> tensor<1024xui32>
+    return %9 : tensor<1024xui32>
+  }
+  """
+  s = structure.analyze(text, 8192)
+  assert s.kernels == 1 and s.kernel_reads_of_x == 1
+  assert s.x_reads == ["stablehlo.multiply", "stablehlo.reduce"]
+  assert s.count("before", "broadcast_in_dim") == 1
+  assert s.random == ["stablehlo.iota"]
+  assert s.other_kernel_operands == 2
+  assert s.after == ["stablehlo.transpose"]
