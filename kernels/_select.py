@@ -33,19 +33,26 @@ def nvidia_gpu() -> bool:
   return "rocm" not in str(version).lower()
 
 
-# On an NVIDIA GPU, ``implementation=None`` takes the path measured faster
-# there (H100, JAX 0.11.2; the command and its output are in
-# benchmarks/results/kernels_h100_f32.txt, the rows in kernels_h100_f32.json):
-# the Pallas sign kernel is 1.8x faster than XLA at 1e8 float32 elements when
-# it reads the input in place (float32, whole (8, 32) tiles), and slower when
-# a padding copy comes first or the input is small; the QSGD, int8 and top-k
-# kernels were slower than XLA at every size measured.
+# On an NVIDIA GPU, ``implementation=None`` takes the path that the last GPU
+# measurement and the structural model agree on (H100, JAX 0.11.2; the
+# command and its output are in benchmarks/results/kernels_h100_f32.txt, the
+# rows in kernels_h100_f32.json). That measurement found the earlier Pallas
+# sign kernel 1.8x faster than XLA at 1e8 float32 elements read in place, and
+# the QSGD, int8 and top-k kernels slower than XLA at every size. The
+# quantize kernels have since been rewritten to read x once
+# (kernels/quantize.py; the structure is tested from the CUDA export in
+# tests/test_kernel_structure.py) and have not run on a GPU: no measurement
+# describes them, so the default is XLA for every op until one does.
+# ``SIGN_KERNEL_MIN_SIZE`` is the size from which the measured sign kernel
+# paid, kept for the next measurement to confirm or move.
 SIGN_KERNEL_MIN_SIZE = 1 << 22
+MEASURED_PALLAS_OPS: frozenset = frozenset()  # ops whose current kernel won
 
 
 def _gpu_default(op: str | None, n: int | None, dtype) -> str:
-  if (op == "sign" and n is not None and n >= SIGN_KERNEL_MIN_SIZE
-      and n % (8 * ROW) == 0 and jnp.dtype(dtype) == jnp.float32):
+  if (op in MEASURED_PALLAS_OPS and op == "sign" and n is not None
+      and n >= SIGN_KERNEL_MIN_SIZE and n % (8 * ROW) == 0
+      and jnp.dtype(dtype) == jnp.float32):
     return "pallas"
   return "xla"
 
@@ -58,7 +65,8 @@ def resolve_implementation(implementation: str | None, *, op: str | None = None,
     implementation: ``"pallas"``, ``"xla"`` or ``None``. ``None`` picks
       ``"xla"`` off NVIDIA GPUs (CPU, TPU, ROCm: Mosaic GPU kernels do not
       compile there), and on an NVIDIA GPU the path measured faster for
-      ``op`` at ``n`` elements of ``dtype`` (see ``SIGN_KERNEL_MIN_SIZE``).
+      ``op`` at ``n`` elements of ``dtype`` with the current kernels (none
+      yet: see ``MEASURED_PALLAS_OPS``).
     op: ``"sign"``, ``"qsgd"``, ``"int8"``, ``"topk"`` or ``"sampled_topk"``.
     n: element count of the input.
     dtype: the input's dtype.
