@@ -40,8 +40,10 @@ class QSGD(Compressor):
   ``(ceil(n / bucket_size),)``.
 
   Encoding runs the Pallas quantize-and-pack kernel or its ``jnp`` reference
-  (:mod:`jaxcomp.kernels.quantize`; both give the same words bit for bit);
-  ``implementation=None`` takes the reference, measured faster on an H100.
+  (:mod:`jaxcomp.kernels.quantize`; the same words given the same norms,
+  and the kernel's norms within a few float32 ulp of the reference's);
+  ``implementation=None`` takes the reference (the earlier kernel was
+  slower on an H100; the one-pass kernel is not measured yet).
 
   ``levels`` may follow a schedule (``optax.inject_hyperparams``) with
   ``max_levels`` as the static maximum: the code width is then
