@@ -163,6 +163,18 @@ def _split_top(args: str) -> list[str]:
   return out
 
 
+def _operands_and_attributes(rest: str) -> tuple[str, str]:
+  """Splits what follows an op's opening parenthesis into its operand list
+  and its attributes, at the matching closing parenthesis."""
+  depth = 1
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      return rest[:i], rest[i + 1:]
+  return rest, ""
+
+
 def _traffic(ops) -> Traffic:
   return Traffic(ops, sum(o.operand_bytes for o in ops),
                  sum(o.ring_bytes for o in ops))
@@ -240,14 +252,7 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     if not m:
       continue
     name, result_type, kind, start, rest = m.groups()
-    depth, args_end = 1, len(rest)
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        args_end = i
-        break
-    args, attrs = rest[:args_end], rest[args_end + 1:]
+    args, attrs = _operands_and_attributes(rest)
     sizes = []
     for arg in filter(None, (a.strip() for a in _split_top(args))):
       if "[" in arg:  # typed operand, e.g. "f32[8]{0} %x"
@@ -455,16 +460,10 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
     name, rtype, opcode, rest = m.groups()
     if opcode in _FREE_OPS:
       continue
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        end = i
-        break
-    args = [a.strip() for a in _split_top(rest[:end]) if a.strip()]
+    operands, attrs = _operands_and_attributes(rest)
+    args = [a.strip() for a in _split_top(operands) if a.strip()]
     root, read_elements = opcode, {}
-    called = re.search(r"calls=%?([\w.\-]+)", rest[end:])
+    called = re.search(r"calls=%?([\w.\-]+)", attrs)
     if opcode == "fusion" and called:
       root, read_elements = body_info(called.group(1))
     reads = 0.0
