@@ -79,6 +79,7 @@ def test_devices_drift_between_syncs_and_meet_at_each(mesh8):
     ("identity", {}, 1e-6),
     ("int8_block", {}, 1 / 127),   # nearest rounding: half a step of max|x| / 127, per block
     ("topk", {"ratio": 0.25}, None),
+    ("topk", {"ratio": 0.25, "value_bits": 2}, None),  # SparseLoCo's payload
 ])
 def test_pseudo_gradient_exchange_is_exact_or_bounded(mesh8, compressor, kw, bound):
   # With outer SGD(1.0), the new anchor is the old one minus the exchanged
