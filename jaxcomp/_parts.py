@@ -59,7 +59,15 @@ class SparseParts:
     self.values = values.reshape(-1).astype(jnp.float32)
     self.sizes = tuple(part_sizes)
 
+  # Each part's scatter visits all k entries (dropping the others'): past a
+  # few parts that work (k per part) outgrows one scatter into the
+  # concatenation, which costs two passes over the bucket instead.
+  MAX_PARTS_SCATTERED_APART = 8
+
   def _scatter(self, targets: Parts, values: jax.Array) -> Parts:
+    if len(self.sizes) > self.MAX_PARTS_SCATTERED_APART:
+      flat = concat(targets).at[self.indices].add(values)
+      return split(flat, self.sizes)
     out = []
     for offset, size, t in zip(itertools.accumulate((0,) + self.sizes),
                                self.sizes, targets):

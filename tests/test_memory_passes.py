@@ -130,3 +130,26 @@ def test_memory_passes_counts_a_simple_module():
   cond = hlo.memory_passes(jax.jit(lambda v, b: jax.lax.cond(
       b, lambda: jnp.sort(v), lambda: v)).lower(x, True).compile(), n // 4)
   assert cond.branch_passes(4 * n) >= 2
+
+
+@pytest.mark.parametrize("sizes", [(300, 1, 699), tuple([50] * 20)])
+def test_sparse_parts_equal_the_dense_decode_bit_for_bit(sizes):
+  """What a sparse local does to the residual equals subtracting its dense
+  decode, to the bit, with repeated positions (slots padded at index 0),
+  a part of one element, and buckets of few parts (one scatter per part) or
+  many (one scatter into the concatenation)."""
+  from jaxcomp import _parts
+  n = sum(sizes)
+  rng = np.random.default_rng(0)
+  idx = np.concatenate([rng.choice(n, 60, replace=False), [0, 0, 0]])
+  vals = np.concatenate([rng.normal(size=60), [0.0, 0.0, 0.0]])
+  sparse = _parts.SparseParts(jnp.asarray(idx, jnp.int32),
+                              jnp.asarray(vals, jnp.float32), sizes)
+  v = _parts.split(jnp.asarray(rng.normal(size=n), jnp.float32), sizes)
+  dense = jnp.zeros((n,), jnp.float32).at[idx].add(jnp.asarray(vals, jnp.float32))
+  want = _parts.concat(v) - dense
+  got = _parts.concat(_parts.sub(v, sparse))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                np.asarray(want).view(np.uint32))
+  np.testing.assert_array_equal(_parts.concat(sparse.dense()), dense)
+  assert len(sparse) == len(sizes)
