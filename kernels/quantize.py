@@ -146,21 +146,34 @@ def _check_size(name: str, size: int) -> None:
 # ----------------------------------------------------------------------------
 
 
-def group_reduce(x: jax.Array, size: int, op: str) -> jax.Array:
-  """Per-group ``"sum"``/``"max"`` of consecutive ``size``-element groups of
-  the flat float32 ``x``: float32 ``(ceil(n / size),)``, the last group
-  partial. Reads ``x`` in place: the whole groups are a reshape of it and the
-  partial one a slice, so no zero-padded copy of ``x`` is made (the result
-  is what a zero-padded view gives for the sum of squares and the maximum
-  of magnitudes the quantizers take, up to float32 summation order)."""
+def group_reduce(x: jax.Array, size: int, op: str, elementwise=None
+                 ) -> jax.Array:
+  """Per-group ``"sum"``/``"max"`` of ``elementwise(x)`` over consecutive
+  ``size``-element groups of the flat float32 ``x``: float32
+  ``(ceil(n / size),)``, the last group partial.
+
+  Reads ``x`` in place, once: the whole groups are a reshape of it (or, for
+  a maximum of a length that ``size`` does not divide, a strided window:
+  a reshape of the slice had XLA:CPU write the slice first) and the partial
+  one a slice, so no zero-padded copy of ``x`` is made. ``elementwise``
+  (e.g. ``jnp.abs``, or squaring) is applied to each of those reads apart,
+  so that XLA fuses it into the reduction instead of writing
+  ``elementwise(x)`` once for both. The result is what a zero-padded view
+  gives for the sum of squares and the maximum of magnitudes the quantizers
+  take, up to float32 summation order (a maximum is the same in any
+  order)."""
   reduce = {"sum": jnp.sum, "max": jnp.max}[op]
+  f = elementwise or (lambda v: v)
   n = x.shape[0]
   full = n // size
   parts = []
-  if full:
-    parts.append(reduce(x[:full * size].reshape(full, size), axis=1))
+  if full and op == "max" and n % size:
+    parts.append(jax.lax.reduce_window(f(x), -jnp.inf, jax.lax.max, (size,),
+                                       (size,), "VALID"))
+  elif full:
+    parts.append(reduce(f(x[:full * size]).reshape(full, size), axis=1))
   if n % size:
-    parts.append(reduce(x[full * size:], keepdims=True))
+    parts.append(reduce(f(x[full * size:]), keepdims=True))
   if not parts:
     return jnp.zeros((0,), jnp.float32)
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -213,7 +226,7 @@ def qsgd_norms_reference(x: jax.Array, *, bucket_size: int) -> jax.Array:
   flat ``x`` (the last one partial), as the XLA path computes it."""
   _check_size("bucket_size", bucket_size)
   xf = x.reshape(-1).astype(jnp.float32)
-  return jnp.sqrt(group_reduce(xf * xf, bucket_size, "sum"))
+  return jnp.sqrt(group_reduce(xf, bucket_size, "sum", jnp.square))
 
 
 def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
@@ -320,7 +333,7 @@ def int8_block_quantize_reference(
   _check_size("block_size", block_size)
   xf = x.reshape(-1).astype(jnp.float32)
   n = xf.shape[0]
-  scales = group_reduce(jnp.abs(xf), block_size, "max") / jnp.float32(127)
+  scales = group_reduce(xf, block_size, "max", jnp.abs) / jnp.float32(127)
   u = _dither_source(n, stochastic_uniform, seed, required=False)
   y = xf * per_element(_int8_multiplier(scales), block_size, n)
   q = jnp.round(y) if u is None else jnp.floor(y + u)
@@ -625,9 +638,9 @@ def _quantize(x, *, mode, bits, levels, group, multiplier, uniform, seed,
   # Fallback: XLA's per-group statistic, handed over as per-row multipliers.
   xf = x.reshape(-1).astype(jnp.float32)
   if mode == "qsgd":
-    stat = jnp.sqrt(group_reduce(xf * xf, group, "sum"))
+    stat = jnp.sqrt(group_reduce(xf, group, "sum", jnp.square))
   else:
-    stat = group_reduce(jnp.abs(xf), group, "max") / jnp.float32(127)
+    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(127)
   plan = _Plan(group=ROW, block_groups=config.block_rows, in_kernel=False)
   xg, grid = _to_groups(x, plan, interpret)
   ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]

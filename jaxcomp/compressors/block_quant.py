@@ -58,8 +58,8 @@ class _Rounded(Compressor):
 def _scales(x: jax.Array, block_size: int, top) -> jax.Array:
   """float32 ``(ceil(n / block_size),)``: ``max|x|`` of each block (the last
   one partial) over ``top``, read in place (no padded copy)."""
-  return quantize.group_reduce(jnp.abs(x.astype(jnp.float32)), block_size,
-                               "max") / top
+  return quantize.group_reduce(x.astype(jnp.float32), block_size, "max",
+                               jnp.abs) / top
 
 
 def _per_element(scales: jax.Array, block_size: int, n: int) -> jax.Array:
