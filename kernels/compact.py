@@ -68,9 +68,10 @@ def pack(x: jax.Array, pred) -> jax.Array:
 def cumsum(c: jax.Array, block: int = 64) -> jax.Array:
   """Inclusive prefix sum of a 1-D int32 array, in blocks: a prefix sum
   inside each ``block``-element row, then one over the rows' totals.
-  Equal to ``jnp.cumsum``; about 1.5x faster on XLA:CPU for tens of
-  thousands of elements, where ``jnp.cumsum``'s reduce-window lowering costs
-  7 ns per element."""
+  Equal to ``jnp.cumsum``; on XLA:CPU faster than ``jnp.cumsum``'s
+  reduce-window lowering for the tens of thousands of mask words that top-k
+  compacts (``compact the candidates`` in ``python
+  benchmarks/topk_breakdown.py``)."""
   m = c.shape[0]
   full = m // block * block
   if full == 0:

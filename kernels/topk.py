@@ -79,9 +79,9 @@ class TopKConfig:
     block_rows: rows of 32 float32 values per grid step (multiple of 64).
     radix_bits: key bits resolved per counting pass (1..5): 5 -> 7 passes.
     sample_size: elements sampled by the XLA fast path for its threshold;
-      None: :data:`SAMPLE_SIZE` of the default backend (sorting 65,536
-      keys costs 2.3 ms on one CPU core, 16,384 keys 0.5 ms, for candidate
-      sets 14% larger).
+      None: :data:`SAMPLE_SIZE` of the default backend (on one CPU core
+      sorting 65,536 keys took 2.5 ms, 16,384 keys 0.58 ms, for candidate
+      sets 14% larger: ``python benchmarks/topk_breakdown.py``).
     sample_margin: relative over-selection of the sampled threshold.
     capacity_factor: candidate capacity over the expected candidate count.
   """
@@ -95,9 +95,9 @@ class TopKConfig:
 DEFAULT_CONFIG = TopKConfig()
 
 # The fast path's default sample per backend (65,536 elsewhere). On one CPU
-# core the whole top-k of 1.86M float32 at 1% took 5.4 ms with 65,536
-# samples and 3.3 ms with 16,384 (python benchmarks/transform_overhead.py
-# shows the step; the sort of the sample was 2.3 ms of it).
+# core the whole top-k of 1.86M float32 at 1% took 5.7 ms with 65,536
+# samples (the sort 2.5 ms of it) and 3.1 to 4.4 ms with 16,384
+# (python benchmarks/topk_breakdown.py [--sample-size 65536]).
 SAMPLE_SIZE = {"cpu": 16384}
 
 

@@ -99,11 +99,11 @@ def _mm(a, b):
 def _mt_mm(m: jax.Array, p: jax.Array) -> jax.Array:
   """``m.T @ p`` for a thin ``p`` (float32 ``(rows, r)``): ``(cols, r)``.
 
-  On XLA:CPU the transposed product runs as a slow general GEMM (3.7 ms for
-  a 1024 x 1024 ``m`` and ``r = 4``, against 0.18 ms for ``m @ q``); ``r``
-  vector-matrix products ``p[:, i] @ m`` read ``m`` in its own layout (0.28
-  ms for all four, reading ``m`` once each). Above rank 8, or on other
-  backends, the single product."""
+  On XLA:CPU the transposed product runs as a slow general GEMM; ``r``
+  vector-matrix products ``p[:, i] @ m`` read ``m`` in its own layout, once
+  each, and took the rank-4 step of ``benchmarks/transform_overhead.py``
+  from 1.60x the dense step to 1.15x. Above rank 8, or on other backends,
+  the single product."""
   if jax.default_backend() != "cpu" or p.shape[1] > 8:
     return _mm(m.T, p)
   return jnp.stack([_mm(p[:, i], m) for i in range(p.shape[1])], axis=1)

@@ -29,9 +29,9 @@ def largest_eligible(x: jax.Array, eligible: jax.Array, cap: int):
   pass than their candidate capacity holds. The non-eligible entries are
   zeroed and the top-k of what is left is taken by
   :func:`jaxcomp.kernels.topk.topk_auto` (its sampled-threshold path on big
-  buffers: ``lax.top_k`` over all of ``x`` costs 17 ms at n = 1.86M on one
-  CPU core, three times the dense MLP step of
-  ``benchmarks/transform_overhead.py``).
+  buffers: ``lax.top_k`` over all of ``x`` costs 17 to 19 ms at n = 1.86M
+  on one CPU core, ``python benchmarks/topk_breakdown.py``, three times the
+  dense MLP step of ``benchmarks/transform_overhead.py``).
 
   Returns:
     ``(values (cap,) in x.dtype, indices int32 (cap,))``, ascending index;
