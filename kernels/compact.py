@@ -68,10 +68,9 @@ def pack(x: jax.Array, pred) -> jax.Array:
 def cumsum(c: jax.Array, block: int = 64) -> jax.Array:
   """Inclusive prefix sum of a 1-D int32 array, in blocks: a prefix sum
   inside each ``block``-element row, then one over the rows' totals.
-  Equal to ``jnp.cumsum``; on XLA:CPU faster than ``jnp.cumsum``'s
-  reduce-window lowering for the tens of thousands of mask words that top-k
-  compacts (``compact the candidates`` in ``python
-  benchmarks/topk_breakdown.py``)."""
+  Equal to ``jnp.cumsum``, whose XLA:CPU lowering is a cascade of
+  reduce-windows; what it costs inside top-k's compaction is the ``compact
+  the candidates`` row of ``python benchmarks/topk_breakdown.py``."""
   m = c.shape[0]
   full = m // block * block
   if full == 0:
