@@ -54,6 +54,7 @@ class _Op:
   result_sizes: list[int]  # element counts of the result types
   callee: str | None
   text: str
+  in_branch: bool = False  # inside a region of stablehlo.case / if
 
 
 @dataclasses.dataclass
@@ -62,7 +63,10 @@ class Structure:
 
   Attributes:
     n: element count of the input ``x``.
-    kernels: Pallas / Mosaic custom calls.
+    kernels: Pallas / Mosaic custom calls outside conditional branches (the
+      ops inside ``stablehlo.case`` / ``if`` regions, and in functions
+      called from there, are left out of every count but
+      ``branch_kernel_reads_of_x``).
     kernel_reads_of_x: kernel calls with ``x`` (or a value computed from it)
       as an operand.
     x_reads: non-view XLA ops that read ``x`` or an ``n``-sized value
@@ -82,6 +86,9 @@ class Structure:
   after: list[str] = dataclasses.field(default_factory=list)
   random: list[str] = dataclasses.field(default_factory=list)
   other_kernel_operands: int = 0
+  # Kernel calls inside the branches of a conditional (``lax.cond``: a
+  # fallback that most calls skip), reading x; not counted above.
+  branch_kernel_reads_of_x: int = 0
 
   def count(self, where: str, op: str) -> int:
     """How many ``op`` (e.g. ``"transpose"``) are in ``where`` (``"before"``,
@@ -91,6 +98,7 @@ class Structure:
   def summary(self) -> dict:
     """A flat dict of the counts, for assertion messages and printouts."""
     out = {"kernels": self.kernels, "kernel_reads_of_x": self.kernel_reads_of_x,
+           "branch_kernel_reads_of_x": self.branch_kernel_reads_of_x,
            "xla_reads_of_x": len(self.x_reads),
            "random": len(self.random),
            "other_kernel_operands": self.other_kernel_operands}
@@ -111,9 +119,21 @@ def _parse(text: str):
   """Functions of a module, ``{name: ([(arg name, elements)], ops)}``, and
   the name of the public one."""
   funcs, main, current = {}, None, None
+  depth, regions = 0, []  # brace depth; depths where branch regions opened
   for raw in text.splitlines():
     line = _STRING_RE.sub('""', raw)
     line = re.sub(r"\sloc\([^()]*(?:\([^()]*\)[^()]*)*\)", "", line)
+    # (read from the raw line: the quoted op name "stablehlo.case" is a
+    # string to the line cleaned above)
+    opens_branch = bool(re.search(r'^\s*(%[\w.:#]+\s*=\s*)?"?stablehlo\.(case|if)"?\(',
+                                  raw))
+    before = depth
+    depth += line.count("{") - line.count("}")
+    while regions and depth <= regions[-1]:
+      regions.pop()
+    in_branch = bool(regions)
+    if opens_branch and depth > before:
+      regions.append(before)
     m = _FUNC_RE.search(line)
     if m:
       current = m.group(1)
@@ -144,7 +164,8 @@ def _parse(text: str):
     result_types = signature.rsplit("->", 1)[-1]
     result_sizes = [_size(d) for d, _ in _TENSOR_RE.findall(result_types)]
     funcs[current][1].append(_Op(name, results, _VALUE_RE.findall(rest),
-                                 sizes, result_sizes, callee, rest))
+                                 sizes, result_sizes, callee, rest,
+                                 in_branch and not opens_branch))
   return funcs, main
 
 
@@ -166,10 +187,11 @@ def analyze(text: str, n: int, x_arg: int = 0) -> Structure:
   s = Structure(n=n)
   big = max(1, n // 32)
 
-  def walk(fname, x_args, k_args):
+  def walk(fname, x_args, k_args, branch=False):
     """Walks one function whose args in ``x_args`` derive from x and in
-    ``k_args`` from a kernel; returns the positions of its x-derived,
-    kernel-derived and n-sized results."""
+    ``k_args`` from a kernel (``branch``: called from a conditional's
+    branch); returns the positions of its x-derived, kernel-derived and
+    n-sized results."""
     args, ops = funcs[fname]
     big_values = {a for a, size in args if size >= big}
     args = [a for a, _ in args]
@@ -182,13 +204,22 @@ def analyze(text: str, n: int, x_arg: int = 0) -> Structure:
       if op.name in ("return", "func.return"):
         return tuple([i for i, v in enumerate(op.operands) if v in taint]
                      for taint in (from_x, from_k, big_values))
+      in_branch = branch or op.in_branch
       if op.name == "call" and op.callee in funcs:
         returned = walk(op.callee,
                         {i for i, v in enumerate(op.operands) if v in from_x},
-                        {i for i, v in enumerate(op.operands) if v in from_k})
+                        {i for i, v in enumerate(op.operands) if v in from_k},
+                        in_branch)
         for taint, positions in zip((from_x, from_k, big_values), returned):
           taint.update(op.results[i] for i in positions
                        if i < len(op.results))
+        continue
+      if in_branch:  # a fallback: report its kernels' reads apart
+        s.branch_kernel_reads_of_x += _is_kernel(op) and bool(ins_x)
+        if ins_k:
+          from_k.update(op.results)
+        elif ins_x:
+          from_x.update(op.results)
         continue
       if _is_kernel(op):
         s.kernels += 1

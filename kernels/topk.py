@@ -28,27 +28,32 @@ the word of each output slot (each non-empty word's number scattered at its
 first slot, then a running maximum), a select-the-r-th-set-bit inside the
 word, and a gather of the ``k`` values.
 
-Finding ``T``:
+Finding ``T`` (both paths share :func:`_sampled_select`): the threshold of
+an evenly spaced sample gives a lower bound ``t`` that lets a little more
+than ``k`` elements through; the one pass over ``x`` packs ``key >= t``,
+those candidates are compacted (same bit-mask machinery) into a fixed
+capacity, and ``T`` is their ``k``-th largest key. A second, higher sample
+threshold marks the candidates that are in for sure, so only the band
+between the two thresholds is sorted (about ``0.4 k`` keys at 1% density).
+If ``T`` is the lower threshold itself (ties, e.g. mostly-zero gradients)
+the ``key > t`` mask gives the result; if the sample misled (fewer than
+``k`` or more than the capacity pass) a branch finds ``T`` exactly over all
+of ``x``. The result is exact on every branch.
 
-* Pallas (GPU): radix select over the 31-bit key, ``radix_bits`` bits per
-  pass; each pass is one kernel that counts, per block, the elements with
-  ``key >= base + c * 2**shift`` for all digits ``c`` (a histogram in
-  cumulative form), so 7 passes of 5 bits. The counts are summed and the
-  digit chosen in XLA. A last kernel packs the two masks. The compaction
-  after it runs in XLA on ``n / 32`` words and ``k`` outputs (Mosaic GPU
-  stores go through shared memory and TMA copies of whole tiles, which do not
-  fit a data-dependent scatter); a compaction kernel is left for when a GPU
-  can measure whether it beats XLA there.
-* XLA (fast path, any backend): the threshold of an evenly spaced sample
-  gives a lower bound ``t`` that lets a little more than ``k`` elements
-  through; those candidates are compacted (same bit-mask machinery) into a
-  fixed capacity, and ``T`` is their ``k``-th largest key. A second, higher
-  sample threshold marks the candidates that are in for sure, so only the
-  band between the two thresholds is sorted (about ``0.4 k`` keys at 1%
-  density). If ``T`` is the lower threshold itself (ties, e.g. mostly-zero
-  gradients) the masks already in hand give the result; if the sample misled
-  (fewer than ``k`` or more than the capacity pass) it falls back to
-  ``lax.top_k`` for ``T``. The result is exact on every branch.
+* XLA (any backend): the mask pass is a fused XLA loop
+  (:func:`compact.pack`), the ``key > t`` mask a second pass taken only in
+  the ties branch, and the exact branch ``lax.top_k``.
+* Pallas (GPU): the mask pass is one kernel that writes ``key > t`` and
+  ``key == t`` together (so ``x`` is read once on every call, and the ties
+  branch needs nothing more); the exact branch is a radix select over the
+  31-bit key, ``radix_bits`` bits per pass, each pass one kernel that
+  counts, per block, the elements with ``key >= base + c * 2**shift`` for
+  all digits ``c`` (7 passes of 5 bits), then one more mask kernel. The
+  compaction runs in XLA on ``n / 32`` words and the candidates (Mosaic GPU
+  stores go through shared memory and TMA copies of whole tiles, which do
+  not fit a data-dependent scatter). ``tests/test_kernel_structure.py``
+  checks from the CUDA export that outside the exact branch one kernel
+  reads ``x`` and XLA reads only the sample.
 """
 
 from __future__ import annotations
@@ -238,7 +243,6 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   _check_k(n, k)
   if k == 0:
     return _empty(flat)
-  s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
 
   def exact_from_top_k():
     t = _kth_largest_key(flat, k)
@@ -247,9 +251,28 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
     idx, _ = compact.compact(words, k)
     return idx
 
+  def masks(t):  # (>= t now, > t only where the ties branch asks)
+    return (_words_xla(flat, lambda kk: kk >= t),
+            lambda: _words_xla(flat, lambda kk: kk > t))
+
+  idx = _sampled_select(flat, k, config, masks, exact_from_top_k)
+  return _gather(flat, idx), idx
+
+
+def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
+                    exact_from_top_k) -> jax.Array:
+  """The sampled-threshold selection shared by the XLA and Pallas paths:
+  int32 ``(k,)`` indices of the exact top-k of ``|flat|``, ascending.
+
+  ``masks(t)`` returns the packed words of ``key >= t`` (one pass over
+  ``flat``) and a function giving those of ``key > t`` (asked only when
+  the candidates overflow); ``exact_from_top_k()`` is the exact fallback
+  for when the sample misled (a branch most steps skip).
+  """
+  n = flat.shape[0]
+  s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
   if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
-    idx = exact_from_top_k()
-    return _gather(flat, idx), idx
+    return exact_from_top_k()
 
   stride = n // s
   sample = abs_key(flat[: s * stride : stride])
@@ -257,7 +280,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   t_lo = sorted_sample[s - rank]
   # One pass over x: the candidates' mask. Whether the k-th largest key is
   # t_lo itself (ties) is only asked when the candidates overflow.
-  ge = _words_xla(flat, lambda kk: kk >= t_lo)
+  ge, gt_of = masks(t_lo)
   c_ge = compact.count(ge)
 
   def from_candidates():
@@ -293,7 +316,7 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
     return cidx[pos]
 
   def ties_or_exact():  # c_ge > cap (or < k): the sample misled
-    gt = _words_xla(flat, lambda kk: kk > t_lo)
+    gt = gt_of()
 
     def at_t_lo():  # k-th largest key is t_lo itself.
       idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
@@ -302,9 +325,10 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
     return jax.lax.cond((compact.count(gt) < k) & (c_ge >= k), at_t_lo,
                         exact_from_top_k)
 
-  idx = jax.lax.cond((c_ge >= k) & (c_ge <= cap), from_candidates,
-                     ties_or_exact)
-  return _gather(flat, idx), idx
+  return jax.lax.cond((c_ge >= k) & (c_ge <= cap), from_candidates,
+                      ties_or_exact)
+
+
 
 
 # ----------------------------------------------------------------------------
@@ -408,12 +432,31 @@ def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
                            _select.zero_like(rows, jnp.int32))
 
 
+def _live_words(words: jax.Array, n: int) -> jax.Array:
+  """Mask words of padded rows cut to ``ceil(n / 32)``, the bits past ``n``
+  cleared (padding reads as key 0, which a threshold of 0 would pass)."""
+  m = -(-n // ROW)
+  words = words[:m]
+  if n % ROW:
+    last = jnp.uint32((1 << (n % ROW)) - 1)
+    words = words.at[m - 1].set(words[m - 1] & last)
+  return words
+
+
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
 def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Exact top-k of ``|x|`` with the Pallas kernels (radix select + masks).
+  """Exact top-k of ``|x|`` with one Pallas pass over ``x``.
 
-  Same set as :func:`topk_reference`, in ascending index order.
+  The XLA fast path's selection (:func:`topk_threshold_xla`: a threshold
+  bracket from an evenly spaced sample, the candidates compacted in index
+  order, the bracket resolved exactly among them) with its one pass over
+  ``x`` done by the Pallas mask kernel, which writes the packed masks
+  ``key > t`` and ``key == t`` together (so the ties branch needs no second
+  pass). When the sample misleads (the candidates overflow their capacity)
+  a branch takes the radix select (7 counting passes) and one more mask
+  pass; dense selections (``k`` near ``n``) take it directly. Same set as
+  :func:`topk_reference`, in ascending index order.
 
   Raises:
     ValueError: bad ``k`` or knobs.
@@ -425,11 +468,23 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   if k == 0:
     return _empty(flat)
   rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
-  t = radix_select(rows, k, block_rows=config.block_rows,
-                   radix_bits=config.radix_bits, interpret=interpret)
-  gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
-                           interpret=interpret)
-  idx, _ = compact.compact(_exact_words(gt, eq, k), k)
+
+  def exact_from_top_k():
+    t = radix_select(rows, k, block_rows=config.block_rows,
+                     radix_bits=config.radix_bits, interpret=interpret)
+    gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
+                             interpret=interpret)
+    idx, _ = compact.compact(_exact_words(_live_words(gt, n),
+                                          _live_words(eq, n), k), k)
+    return idx
+
+  def masks(t):
+    gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
+                             interpret=interpret)
+    gt = _live_words(gt, n)
+    return gt | _live_words(eq, n), lambda: gt
+
+  idx = _sampled_select(flat, k, config, masks, exact_from_top_k)
   return _gather(flat, idx), idx
 
 
@@ -510,12 +565,12 @@ def fast_path_min_size() -> int:
 
 def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
               config: TopKConfig = DEFAULT_CONFIG):
-  """Exact top-k set of ``|x|`` in ascending index order, by the fastest
-  path measured: on the XLA path ``lax.top_k`` below
-  :func:`fast_path_min_size` elements and :func:`topk_threshold_xla` from
-  there; the
-  Pallas radix select only when asked (``implementation="pallas"``), as it
-  was slower than the XLA path on an H100 at every size measured."""
+  """Exact top-k set of ``|x|`` in ascending index order: on the XLA path
+  ``lax.top_k`` below :func:`fast_path_min_size` elements and
+  :func:`topk_threshold_xla` from there; the Pallas path (:func:`topk`)
+  only when asked (``implementation="pallas"``): its earlier radix-select
+  version was slower than the XLA path on an H100 at every size measured,
+  and the one-pass version has not run on a GPU yet."""
   if _select.resolve_implementation(implementation, op="topk", n=x.size,
                                     dtype=x.dtype) == "pallas":
     return topk(x, k, config=config)

@@ -137,3 +137,25 @@ def test_counter_sees_the_old_structure():
   assert s.random == ["stablehlo.iota"]
   assert s.other_kernel_operands == 2
   assert s.after == ["stablehlo.transpose"]
+
+
+@pytest.mark.parametrize("n", [1 << 20, 1_000_003])
+def test_topk_reads_x_once_outside_its_fallback(n):
+  """The Pallas top-k: on every call one mask kernel reads x (writing the
+  packed masks > t and == t together) and XLA reads only the evenly spaced
+  sample (a strided slice of 16,384 or 65,536 elements); the radix select
+  runs only in the branch taken when the sample misleads. What follows the
+  kernel works on the n / 32 mask words and the candidates."""
+  from jaxcomp.kernels import topk
+  x = S((n,), jnp.float32)
+  s = structure.export_structure(lambda v: topk.topk(v, n // 100), x)
+  info = f"topk n={n}: {s.summary()}"
+  print(info)
+  assert s.kernels == 1 and s.kernel_reads_of_x == 1, info
+  assert s.branch_kernel_reads_of_x >= 1, info  # the exact fallback
+  allowed = {"stablehlo.slice"} | ({"stablehlo.convert", "stablehlo.pad"}
+                                   if n % 256 else set())
+  assert set(s.x_reads) <= allowed and s.count("x_reads", "slice") == 1, info
+  assert s.random == [] and s.other_kernel_operands == 0, info
+  for op in ("sort", "transpose", "concatenate"):
+    assert s.count("before", op) == 0 and s.count("after", op) == 0, info

@@ -403,6 +403,37 @@ class TestKernelsCompiled:
     assert _set(i) == _set(ref_i)
     assert set(range(15)) <= _set(i)
 
+  @pytest.mark.parametrize("case", ["plus_minus_ties", "all_equal", "all_zero",
+                                    "negative_zero", "multi_block",
+                                    "sample_misleads"])
+  @pytest.mark.parametrize("k", [0, 1, 37])
+  def test_topk_pallas_edge_cases_match_the_reference_set(self, case, k):
+    """The one-pass Pallas top-k (sampled bracket, one mask kernel, the
+    radix select only in the fallback branch) on the edge cases: +a / -a
+    ties to the lower index, all-equal, all-zero, -0.0, k = 0, several
+    blocks, and a sample that misses every large value (the candidates
+    overflow and the exact branch runs)."""
+    n = {"multi_block": 3 * TCFG.block_rows * 32 + 17}.get(case, 1000)
+    rng = np.random.default_rng(2)
+    stride = n // topk.sample_size(TCFG)
+    # zeros where the sample looks, larger values everywhere else
+    missed = np.where(np.arange(n) % stride != 0, 1.0 + rng.random(n), 0.0)
+    x = {
+        "plus_minus_ties": np.where(rng.random(n) < 0.5, 1.0, -1.0)
+                           * rng.integers(1, 4, n),
+        "all_equal": np.full(n, 2.5),
+        "all_zero": np.zeros(n),
+        "negative_zero": np.where(np.arange(n) % 2, -0.0, 0.0),
+        "multi_block": rng.normal(size=n),
+        "sample_misleads": missed,
+    }[case]
+    x = jnp.asarray(x, jnp.float32)
+    _, want = topk.topk_reference(x, k)
+    v, i = topk.topk(x, k, config=TCFG, interpret=self.INTERPRET)
+    np.testing.assert_array_equal(np.sort(np.asarray(i)),
+                                  np.sort(np.asarray(want)))
+    np.testing.assert_array_equal(v, x[i])
+
   @pytest.mark.parametrize("radix_bits", [5, 3])
   def test_radix_select_is_kth_largest_key(self, radix_bits):
     x = _normal(3001, jnp.float32, seed=11)

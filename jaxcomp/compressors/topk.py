@@ -27,9 +27,12 @@ class TopK(SparsePayload):
   index sort below :func:`jaxcomp.kernels.topk.fast_path_min_size` elements
   (2^19 on CPU, 2^22 on GPU), and from there the sampled-threshold fast path
   (a threshold bracket from an evenly spaced sample, bit-mask compaction of
-  the candidates, an exact sort of the bracket only). The Pallas radix
-  select runs only with ``implementation="pallas"`` (on an H100 it was
-  slower than the XLA path at every size measured). Biased, so
+  the candidates, an exact sort of the bracket only). The Pallas path (the
+  same selection with its one pass over ``x`` in a mask kernel, a radix
+  select only when the sample misleads) runs only with
+  ``implementation="pallas"`` (its earlier radix-select version was slower
+  than the XLA path on an H100 at every size measured; this one is not
+  measured). Biased, so
   :func:`jaxcomp.compressed_mean` turns residual error feedback on by
   default. Not linear: the payloads are all-gathered and every device
   scatter-adds all of them.
@@ -52,7 +55,7 @@ class TopK(SparsePayload):
       under ``optax.inject_hyperparams``) when ``max_ratio`` is set.
     max_ratio: static capacity for a scheduled ``ratio``, or None.
     value_bits: 2, 4 or 8 to quantize the sent values, or None.
-    implementation: ``"pallas"`` (radix-select kernels), ``"xla"`` or None
+    implementation: ``"pallas"`` (one mask kernel), ``"xla"`` or None
       (the XLA path on every backend, measured faster on an H100; see
       :func:`jaxcomp.kernels.topk.topk_auto`).
 
