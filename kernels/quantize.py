@@ -27,6 +27,16 @@ Wire formats (what the compressors put on the wire; the Pallas kernels and the
   ``m = 0`` where ``scale == 0``, so ``q = 0`` there); clipped to [-127, 127]. ``q`` is int8 of length
   ``num_blocks * block_size`` (padding included). Decode: ``q * scale``.
 
+Non-finite inputs (for direct calls: ``jaxcomp.compressed_mean`` screens
+non-finite gradients before any encode). Every bucket or block without one
+is unaffected, bit for bit. A QSGD bucket holding a NaN or an infinity gets
+a non-finite norm on every path; an int8 block holding an infinity gets an
+infinite scale; the codes of those are unspecified, and decoding them gives
+non-finite values, so the failure shows. An int8 block holding a NaN but
+no infinity is unspecified (XLA's maximum may skip the NaN: its scale can
+stay finite). Sign packing gives a NaN bit 0 (``NaN < 0`` is false) and a
+non-finite scale. Tested for the kernels against the references.
+
 Multipliers instead of divisions: XLA rewrites ``x / broadcast(s)`` into
 ``x * broadcast(1 / s)`` on some backends, which moves exact halves by one ulp
 and changes codes; computing ``m`` once per bucket and multiplying makes every
@@ -162,7 +172,10 @@ def group_reduce(x: jax.Array, size: int, op: str, elementwise=None
   once, which XLA:CPU reduces faster although it writes it. The result is what a zero-padded view
   gives for the sum of squares and the maximum of magnitudes the quantizers
   take, up to float32 summation order (a maximum is the same in any
-  order)."""
+  order). A sum over a group holding a NaN or an infinity is non-finite;
+  XLA:CPU's maximum skips NaN (making it see NaN costs two passes: ``tests/
+  test_memory_passes.py``), so only an infinity makes a maximum
+  non-finite."""
   reduce = {"sum": jnp.sum, "max": jnp.max}[op]
   f = elementwise or (lambda v: v)
   n = x.shape[0]
@@ -374,7 +387,9 @@ def _kernel_sqrt(s: jax.Array) -> jax.Array:
   safe = jnp.where(s > 0, s, jnp.float32(1))
   y = safe * jax.lax.rsqrt(safe)
   y = jnp.float32(0.5) * (y + safe / y)
-  return jnp.where(s > 0, y, jnp.float32(0))
+  # s itself where it is 0, or NaN (a bucket holding a NaN keeps a
+  # non-finite norm, as jnp.sqrt gives it)
+  return jnp.where(s > 0, y, s)
 
 
 # Shared memory the one-pass kernel's (block_groups, group) float32 input

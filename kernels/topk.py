@@ -19,7 +19,9 @@ of the ``k`` pairs:
 NaN inputs are not supported (their ordering is unspecified).
 
 How it works. ``|x|`` is compared through its float32 bit pattern
-``key = bitcast(|x|, int32)``, which orders non-negative floats. Given the
+``key = bitcast(|x|, int32)``, which orders non-negative floats (and ranks
+NaN above infinity above every finite value, on every path: a non-finite
+entry is always selected, so it shows in what is sent). Given the
 exact ``k``-th largest key ``T``, one pass packs two bit masks, 32 elements per
 uint32 word: ``key > T`` and ``key == T``. Everything after that touches only
 ``n / 32`` words and ``k`` outputs: popcounts, a prefix sum over words, which

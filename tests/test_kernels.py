@@ -434,6 +434,50 @@ class TestKernelsCompiled:
                                   np.sort(np.asarray(want)))
     np.testing.assert_array_equal(v, x[i])
 
+  def test_nonfinite_inputs_poison_only_their_own_bucket(self):
+    """Called directly (compressed_mean screens non-finite gradients first),
+    the kernels and the references keep to the contract of
+    kernels/quantize.py: buckets without a NaN or Inf are unaffected and
+    their codes equal the reference's; a QSGD bucket with either, and an
+    int8 block with an Inf, get a non-finite norm / scale; sign packing
+    gives a NaN an unset bit (``NaN < 0`` is false) and a non-finite scale;
+    top-k ranks NaN above +-Inf above every finite value (by bit pattern)."""
+    n = 4096
+    x = _normal(n, jnp.float32, seed=3)
+    x = x.at[5].set(jnp.nan).at[700].set(jnp.inf).at[1500].set(-jnp.inf)
+    seed = dither.seed_of(jax.random.key(1))
+    cases = [
+        ("qsgd", 128, 4,
+         quantize.qsgd_quantize_reference(x, levels=7, bucket_size=128,
+                                          seed=seed),
+         quantize.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
+                                config=QCFG, interpret=self.INTERPRET)),
+        ("int8", 256, 8,
+         quantize.int8_block_quantize_reference(x, block_size=256),
+         quantize.int8_block_quantize(x, block_size=256, config=QCFG,
+                                      interpret=self.INTERPRET))]
+    poisoned = lambda size: sorted({5 // size, 700 // size, 1500 // size})
+    for name, size, bits, (rc, rs), (pc, ps) in cases:
+      for stat in (rs, ps):
+        bad = set(np.nonzero(~np.isfinite(np.asarray(stat)))[0].tolist())
+        must = set(poisoned(size)) if name == "qsgd" else {
+            700 // size, 1500 // size}  # int8: the blocks holding an Inf
+        assert must <= bad <= set(poisoned(size)), (name, bad)
+      if name == "qsgd":
+        rc = bitpack.unpack_bits_reference(rc, bits, n)
+        pc = bitpack.unpack_bits_reference(pc, bits, n)
+      keep = ~np.isin(np.arange(n) // size, poisoned(size))
+      np.testing.assert_array_equal(np.asarray(pc)[:n][keep],
+                                    np.asarray(rc)[:n][keep])
+    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    np.testing.assert_array_equal(words, ref_words)
+    assert not np.isfinite(float(scale)) and not np.isfinite(float(ref_scale))
+    _, want = topk.topk_reference(x, 5)
+    assert set(np.asarray(want)[:3].tolist()) == {5, 700, 1500}
+    _, got = topk.topk(x, 5, config=TCFG, interpret=self.INTERPRET)
+    assert _set(got) == _set(want)
+
   @pytest.mark.parametrize("radix_bits", [5, 3])
   def test_radix_select_is_kth_largest_key(self, radix_bits):
     x = _normal(3001, jnp.float32, seed=11)
