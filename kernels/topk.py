@@ -273,8 +273,12 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   """
   n = flat.shape[0]
   s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
+  # Inside shard_map every branch must return indices typed as x is (a
+  # branch computing from a kernel's or a constant's output may not be).
+  typed = lambda idx: idx + _select.zero_like(flat, jnp.int32)
+  exact = lambda: typed(exact_from_top_k())
   if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
-    return exact_from_top_k()
+    return exact()
 
   stride = n // s
   sample = abs_key(flat[: s * stride : stride])
@@ -315,17 +319,17 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
     words = _exact_words(compact.pack(ckey, lambda v: v > t),
                          compact.pack(ckey, lambda v: v == t), k)
     pos, _ = compact.compact(words, k)
-    return cidx[pos]
+    return typed(cidx[pos])
 
   def ties_or_exact():  # c_ge > cap (or < k): the sample misled
     gt = gt_of()
 
     def at_t_lo():  # k-th largest key is t_lo itself.
       idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
-      return idx
+      return typed(idx)
 
     return jax.lax.cond((compact.count(gt) < k) & (c_ge >= k), at_t_lo,
-                        exact_from_top_k)
+                        exact)
 
   return jax.lax.cond((c_ge >= k) & (c_ge <= cap), from_candidates,
                       ties_or_exact)
