@@ -9,12 +9,9 @@ copy of the same size for scale. Medians of ``--reps`` calls::
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_ms, setup
 
 
 def main(argv=None) -> int:
@@ -22,23 +19,14 @@ def main(argv=None) -> int:
   ap.add_argument("--n", type=int, default=1863690)
   ap.add_argument("--reps", type=int, default=40)
   args = ap.parse_args(argv)
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false")
-  sys.path.insert(0, REPO)
+  setup()
   import jax
   import jax.numpy as jnp
 
   from jaxcomp.kernels import dither
 
   def timed(f, *a):
-    f = jax.jit(f)
-    jax.block_until_ready(f(*a))
-    times = []
-    for _ in range(args.reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*a))
-      times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_ms(f, *a, reps=args.reps)
 
   n, key = args.n, jax.random.key(0)
   x = jnp.ones((n,), jnp.float32)

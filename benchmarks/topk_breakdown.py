@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
 import sys
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _timing import median_ms, setup
 
 
 def main(argv=None) -> int:
@@ -30,9 +27,7 @@ def main(argv=None) -> int:
   ap.add_argument("--sample-size", type=int, default=None,
                   help="the fast path's sample (default: the backend's)")
   args = ap.parse_args(argv)
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false")
-  sys.path.insert(0, REPO)
+  setup()
   import jax
   import jax.numpy as jnp
 
@@ -40,14 +35,7 @@ def main(argv=None) -> int:
   from jaxcomp.kernels import topk as T
 
   def timed(f, *a):
-    f = jax.jit(f)
-    jax.block_until_ready(f(*a))
-    times = []
-    for _ in range(args.reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*a))
-      times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return median_ms(f, *a, reps=args.reps)
 
   n, k = args.n, math.ceil(args.ratio * args.n)
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)

@@ -38,16 +38,21 @@ _INSTR_RE = re.compile(
 _DEF_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s")
 
 
-def _shape_bytes(text: str) -> int:
-  total = 0.0
-  for dtype, dims in _SHAPE_RE.findall(text):
+def _elements_and_bytes(shape_text: str) -> list[tuple[int, float]]:
+  """``(elements, bytes)`` of every typed shape in ``shape_text``."""
+  out = []
+  for dtype, dims in _SHAPE_RE.findall(shape_text):
     if dtype not in _DTYPE_BYTES:
       continue
     n = 1
     for d in filter(None, dims.split(",")):
       n *= int(d)
-    total += n * _DTYPE_BYTES[dtype]
-  return int(total)
+    out.append((n, n * _DTYPE_BYTES[dtype]))
+  return out
+
+
+def _shape_bytes(text: str) -> int:
+  return int(sum(b for _, b in _elements_and_bytes(text)))
 
 
 def _parse_groups(attrs: str, num_devices: int | None) -> list[list[int]]:
@@ -343,18 +348,6 @@ class MemoryPasses:
                   + ("" if o.computation == "ENTRY" else f" [{o.computation}"
                      + (", branch]" if o.in_branch else "]")))
     return "\n".join(rows)
-
-
-def _elements_and_bytes(shape_text: str) -> list[tuple[int, float]]:
-  out = []
-  for dtype, dims in _SHAPE_RE.findall(shape_text):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    n = 1
-    for d in filter(None, dims.split(",")):
-      n *= int(d)
-    out.append((n, n * _DTYPE_BYTES[dtype]))
-  return out
 
 
 def _big_bytes(shape_text: str, min_elements: int) -> float:

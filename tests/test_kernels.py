@@ -176,6 +176,23 @@ def test_compact_is_nonzero_in_index_order(n, capacity):
   assert int(compact.count(compact.pack(x, lambda v: v == v))) == n
 
 
+def _edge_case(case, n, rng, stride=1):
+  """float32 ``(n,)`` inputs for the top-k edge cases; ``sample_misleads``
+  puts zeros where a sample of ``stride`` looks and larger values
+  everywhere else."""
+  x = {
+      "plus_minus_ties": lambda: np.where(rng.random(n) < 0.5, 1.0, -1.0)
+                                 * rng.integers(1, 4, n),
+      "all_equal": lambda: np.full(n, 2.5),
+      "all_zero": lambda: np.zeros(n),
+      "negative_zero": lambda: np.where(np.arange(n) % 2, -0.0, 0.0),
+      "multi_block": lambda: rng.normal(size=n),
+      "sample_misleads": lambda: np.where(np.arange(n) % stride != 0,
+                                          1.0 + rng.random(n), 0.0),
+  }[case]()
+  return jnp.asarray(x, jnp.float32)
+
+
 @pytest.mark.parametrize("case", ["plus_minus_ties", "all_equal", "all_zero",
                                   "negative_zero", "multi_block"])
 @pytest.mark.parametrize("k", [0, 1, 37])
@@ -183,16 +200,7 @@ def test_topk_edge_cases_match_the_reference_set(case, k):
   """Ties between +a and -a go to the lower index, as lax.top_k of |x| does;
   all-equal and all-zero inputs, -0.0, k = 0 and inputs of many blocks."""
   n = {"multi_block": 3 * 256 * 32 + 17}.get(case, 1000)
-  rng = np.random.default_rng(1)
-  x = {
-      "plus_minus_ties": np.where(rng.random(n) < 0.5, 1.0, -1.0)
-                         * rng.integers(1, 4, n),
-      "all_equal": np.full(n, 2.5),
-      "all_zero": np.zeros(n),
-      "negative_zero": np.where(np.arange(n) % 2, -0.0, 0.0),
-      "multi_block": rng.normal(size=n),
-  }[case]
-  x = jnp.asarray(x, jnp.float32)
+  x = _edge_case(case, n, np.random.default_rng(1))
   _, want = topk.topk_reference(x, k)
   for got in (topk.topk_threshold_xla(x, k)[1], topk.topk_exact_small(x, k)[1]):
     np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(want)))
@@ -414,20 +422,8 @@ class TestKernelsCompiled:
     blocks, and a sample that misses every large value (the candidates
     overflow and the exact branch runs)."""
     n = {"multi_block": 3 * TCFG.block_rows * 32 + 17}.get(case, 1000)
-    rng = np.random.default_rng(2)
-    stride = n // topk.sample_size(TCFG)
-    # zeros where the sample looks, larger values everywhere else
-    missed = np.where(np.arange(n) % stride != 0, 1.0 + rng.random(n), 0.0)
-    x = {
-        "plus_minus_ties": np.where(rng.random(n) < 0.5, 1.0, -1.0)
-                           * rng.integers(1, 4, n),
-        "all_equal": np.full(n, 2.5),
-        "all_zero": np.zeros(n),
-        "negative_zero": np.where(np.arange(n) % 2, -0.0, 0.0),
-        "multi_block": rng.normal(size=n),
-        "sample_misleads": missed,
-    }[case]
-    x = jnp.asarray(x, jnp.float32)
+    x = _edge_case(case, n, np.random.default_rng(2),
+                   stride=n // topk.sample_size(TCFG))
     _, want = topk.topk_reference(x, k)
     v, i = topk.topk(x, k, config=TCFG, interpret=self.INTERPRET)
     np.testing.assert_array_equal(np.sort(np.asarray(i)),
