@@ -4,9 +4,7 @@ time of a jitted call."""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,13 +19,8 @@ def setup() -> None:
 
 def median_ms(f, *args, reps: int) -> float:
   """Median milliseconds of ``reps`` calls of ``jax.jit(f)(*args)``, after
-  one untimed call (compilation)."""
+  one untimed call (compilation): :func:`jaxcomp.perfmodel.codec.time_fn`."""
   import jax
-  f = jax.jit(f)
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+
+  from jaxcomp.perfmodel.codec import time_fn
+  return 1e3 * time_fn(jax.jit(f), *args, repeats=reps, warmup=1)
