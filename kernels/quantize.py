@@ -142,7 +142,7 @@ def qsgd_bits(levels: int) -> int:
 def _uniform_f32(u: jax.Array) -> jax.Array:
   """uint32 random bits -> float32 in [0, 1) (top 24 bits); floats unchanged."""
   if jnp.issubdtype(u.dtype, jnp.unsignedinteger):
-    return (u.astype(jnp.uint32) >> 8).astype(jnp.float32) * jnp.float32(2**-24)
+    return dither.to_unit(u.astype(jnp.uint32))
   return u.astype(jnp.float32)
 
 
@@ -169,10 +169,10 @@ def group_reduce(x: jax.Array, size: int, op: str, elementwise=None
   ``elementwise`` (e.g. ``jnp.abs``) is applied to each of those reads
   apart, so that XLA fuses it into the reduction instead of writing
   ``elementwise(x)`` once for both; for a sum (of squares) it is applied
-  once, which XLA:CPU reduces faster although it writes it. The result is what a zero-padded view
-  gives for the sum of squares and the maximum of magnitudes the quantizers
-  take, up to float32 summation order (a maximum is the same in any
-  order). A sum over a group holding a NaN or an infinity is non-finite;
+  once, which XLA:CPU reduces faster although it writes it. The result is
+  what a zero-padded view gives for the sum of squares and the maximum of
+  magnitudes the quantizers take, up to float32 summation order (a maximum
+  is the same in any order). A sum over a group holding a NaN or an infinity is non-finite;
   XLA:CPU's maximum skips NaN (making it see NaN costs two passes: ``tests/
   test_memory_passes.py``), so only an infinity makes a maximum
   non-finite."""

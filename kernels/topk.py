@@ -184,7 +184,7 @@ def _exact_words(gt_words, eq_words, k: int):
   """Words with exactly ``k`` bits: all of ``gt``, the lowest ties of ``eq``."""
   need = k - compact.count(gt_words)
   pc_eq = compact.popcount(eq_words)
-  eq_before = jnp.cumsum(pc_eq) - pc_eq
+  eq_before = compact.cumsum(pc_eq) - pc_eq
   a = jnp.clip(need - eq_before, 0, pc_eq)
   return gt_words | _keep_lowest(eq_words, a)
 

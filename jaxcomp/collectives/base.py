@@ -200,6 +200,13 @@ register = REGISTRY.register
 names = REGISTRY.names
 
 
+def _one_part(result):
+  """``(mean, local, state)`` of a one-part :meth:`Collective.exchange_split`
+  as flat arrays (a sparse ``local`` decoded dense)."""
+  (mean,), local, state = result
+  return mean, _parts.concat(tuple(local)), state
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class PsumMean(Collective):
@@ -233,9 +240,8 @@ class PsumMean(Collective):
       mean = compressor.decode(lax.psum(payload, axis_name), n, key)
       local = compressor.decode(payload, n, key) * p
       return mean, local, state
-    payload = compressor.encode(x, key)
-    mean = compressor.decode(lax.psum(payload, axis_name), n, key) / p
-    return mean, compressor.decode(payload, n, key), state
+    return _one_part(self.exchange_split(compressor, x, (n,), key,
+                                         axis_name, state))
 
   def exchange_split(self, compressor, x, part_sizes, key, axis_name,
                      state=()):
@@ -246,9 +252,7 @@ class PsumMean(Collective):
     p = axis_size(axis_name)
     payload = compressor.encode(x, key)
     summed = jax.tree.map(lambda a: lax.psum(a, axis_name), payload)
-    mean = compressor.decode_parts(summed, part_sizes, key)
-    if isinstance(mean, _parts.SparseParts):
-      mean = mean.dense()
+    mean = compressor.decode_parts(summed, part_sizes, key)  # dense as read
     return (tuple(m / p for m in mean),
             compressor.decode_parts(payload, part_sizes, key), state)
 
@@ -288,24 +292,18 @@ class AllGatherMean(Collective):
   name: ClassVar[str] = "allgather"
   payload_kind: ClassVar[str] = "all-gather"
 
-  def _gather(self, compressor, x, key, axis_name):
-    payload = compressor.encode(x, key)
-    return payload, jax.tree.map(
-        lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
-
   def exchange_flat(self, compressor, x, key, axis_name, state=()):
-    n = x.shape[0]
-    p = axis_size(axis_name)
-    payload, gathered = self._gather(compressor, x, key, axis_name)
-    mean = compressor.decode_sum(gathered, n, key) / p
-    return mean, compressor.decode(payload, n, key), state
+    return _one_part(self.exchange_split(compressor, x, (x.shape[0],), key,
+                                         axis_name, state))
 
   def exchange_split(self, compressor, x, part_sizes, key, axis_name,
                      state=()):
     """Decodes straight into parts (sparse payloads scatter into each
     part's own zeros, and their ``local`` stays sparse)."""
     p = axis_size(axis_name)
-    payload, gathered = self._gather(compressor, x, key, axis_name)
+    payload = compressor.encode(x, key)
+    gathered = jax.tree.map(
+        lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
     mean = compressor.decode_sum_parts(gathered, part_sizes, key)
     return (tuple(m / p for m in mean),
             compressor.decode_parts(payload, part_sizes, key), state)

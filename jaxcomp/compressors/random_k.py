@@ -96,8 +96,7 @@ class RandomK(Compressor):
             * self._weights(n)).astype(x.dtype)
 
   def decode(self, payload, n, key):
-    return jnp.zeros((n,), jnp.float32).at[self.indices(n, key)].add(
-        payload.astype(jnp.float32))
+    return self.decode_parts(payload, (n,), key).dense()[0]
 
   def decode_parts(self, payload, part_sizes, key):
     """The payload at its coordinates, as sparse parts."""

@@ -1,4 +1,5 @@
-"""Sparse payloads: (value, index) pairs decoded by scatter-add, and the
+"""Sparse payloads: (value, index) pairs decoded by scatter-add
+(:class:`jaxcomp._parts.SparseParts`, whole bucket or per tensor), and the
 exact top-k among the entries a threshold lets through."""
 
 from __future__ import annotations
@@ -9,18 +10,6 @@ import jax.numpy as jnp
 from jaxcomp import _parts
 from jaxcomp.compressors.base import Compressor
 from jaxcomp.kernels import topk as topk_kernels
-
-
-def scatter_decode(payload, n: int) -> jax.Array:
-  """float32 ``(n,)``: the payload's values scatter-added at its indices."""
-  return jnp.zeros((n,), jnp.float32).at[payload["indices"]].add(
-      payload["values"].astype(jnp.float32))
-
-
-def scatter_decode_sum(payloads, n: int) -> jax.Array:
-  """Sum of stacked payloads (leading axis: devices) in one scatter-add."""
-  return jnp.zeros((n,), jnp.float32).at[payloads["indices"].reshape(-1)].add(
-      payloads["values"].reshape(-1).astype(jnp.float32))
 
 
 def largest_eligible(x: jax.Array, eligible: jax.Array, cap: int):
@@ -55,17 +44,13 @@ class SparsePayload(Compressor):
     by default; compressors that quantize their values decode them here."""
     return payload["values"].astype(jnp.float32)
 
-  def _dense_values(self, payload):
-    return {"indices": payload["indices"], "values": self.values(payload)}
-
   def decode(self, payload, n, key):
-    del key
-    return scatter_decode(self._dense_values(payload), n)
+    """float32 ``(n,)``: the values scatter-added at their indices."""
+    return self.decode_parts(payload, (n,), key).dense()[0]
 
   def decode_sum(self, payloads, n, key):
     """Sum of stacked payloads (leading axis = devices) in one scatter-add."""
-    del key
-    return scatter_decode_sum(self._dense_values(payloads), n)
+    return self.decode_sum_parts(payloads, (n,), key)[0]
 
   def decode_parts(self, payload, part_sizes, key):
     """This device's payload as sparse parts (see
