@@ -5,9 +5,10 @@ default generator (threefry2x32, 20 rounds) costs about as much as the whole
 dense training step of the MLP in ``benchmarks/transform_overhead.py`` on one
 CPU core (``python benchmarks/dither_speed.py``: ``jax.random.uniform`` of
 1.86M float32 values 6.5 ms, this hash 0.47 ms, a copy 0.21 ms), and on the
-Pallas path the numbers would be written to memory and read back. Here element ``i``'s number
-is a hash of ``(seed, i)``: a fused elementwise expression in XLA, computable
-inside a kernel from the element's index, so both paths draw the same bits.
+Pallas path the numbers would be written to memory and read back. Here
+element ``i``'s number is a hash of ``(seed, i)``: a fused elementwise
+expression in XLA, computable inside a kernel from the element's index, so
+both paths draw the same bits.
 
 The hash: ``h = mix(mix(i * 0x9E3779B9 ^ s0) ^ s1)`` with ``mix`` the
 ``lowbias32`` integer finalizer (C. Wellons, "Prospecting for hash functions",

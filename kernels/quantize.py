@@ -172,10 +172,10 @@ def group_reduce(x: jax.Array, size: int, op: str, elementwise=None
   once, which XLA:CPU reduces faster although it writes it. The result is
   what a zero-padded view gives for the sum of squares and the maximum of
   magnitudes the quantizers take, up to float32 summation order (a maximum
-  is the same in any order). A sum over a group holding a NaN or an infinity is non-finite;
-  XLA:CPU's maximum skips NaN (making it see NaN costs two passes: ``tests/
-  test_memory_passes.py``), so only an infinity makes a maximum
-  non-finite."""
+  is the same in any order). A sum over a group holding a NaN or an
+  infinity is non-finite; XLA:CPU's maximum skips NaN (making it see NaN
+  costs two passes: ``tests/test_memory_passes.py``), so only an infinity
+  makes a maximum non-finite."""
   reduce = {"sum": jnp.sum, "max": jnp.max}[op]
   f = elementwise or (lambda v: v)
   n = x.shape[0]

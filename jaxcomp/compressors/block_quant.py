@@ -62,10 +62,6 @@ def _scales(x: jax.Array, block_size: int, top) -> jax.Array:
                                jnp.abs) / top
 
 
-def _per_element(scales: jax.Array, block_size: int, n: int) -> jax.Array:
-  return quantize.per_element(scales, block_size, n)
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class IntBlock(_Rounded):
@@ -146,7 +142,7 @@ class IntBlock(_Rounded):
     n = x.shape[0]
     levels = self._levels()
     scales = _scales(x, self.block_size, levels)
-    y = x.astype(jnp.float32) / _per_element(
+    y = x.astype(jnp.float32) / quantize.per_element(
         jnp.where(scales > 0, scales, 1.0), self.block_size, n)
     if self.rounding == "stochastic":
       q = jnp.floor(y + dither.uniform(key, n))
@@ -185,8 +181,8 @@ class IntBlock(_Rounded):
     shift = jnp.int32(32 - w)  # sign-extend the w-bit field
     q = lax.shift_right_arithmetic(
         lax.shift_left(c.astype(jnp.int32), shift), shift)
-    return q.astype(jnp.float32) * _per_element(payload["scales"],
-                                                self.block_size, n)
+    return q.astype(jnp.float32) * quantize.per_element(
+        payload["scales"], self.block_size, n)
 
   def payload_bytes(self, n: int) -> int:
     return (4 * bitpack.packed_words(n, self.wire_bits)
@@ -252,7 +248,7 @@ class FP8Block(_Rounded):
     n = x.shape[0]
     dtype, fmax = FP8_FORMATS[self.format]
     scales = _scales(x, self.block_size, jnp.float32(fmax))
-    y = x.astype(jnp.float32) / _per_element(
+    y = x.astype(jnp.float32) / quantize.per_element(
         jnp.where(scales > 0, scales, 1.0), self.block_size, n)
     y = jnp.clip(y, -fmax, fmax)  # max|x| / scale may round just above F
     near = y.astype(dtype)
@@ -273,7 +269,7 @@ class FP8Block(_Rounded):
     del key
     dtype, _ = FP8_FORMATS[self.format]
     v = lax.bitcast_convert_type(payload["values"], dtype).astype(jnp.float32)
-    return v * _per_element(payload["scales"], self.block_size, n)
+    return v * quantize.per_element(payload["scales"], self.block_size, n)
 
   def payload_bytes(self, n: int) -> int:
     return n + 4 * (-(-n // self.block_size))

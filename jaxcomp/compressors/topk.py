@@ -119,12 +119,13 @@ class TopK(SparsePayload):
   def values(self, payload):
     if self.value_bits is None:
       return super().values(payload)
-    return dequantize_values(payload, self.value_bits, payload["indices"].shape[-1])
+    return dequantize_values(payload, self.value_bits,
+                             payload["indices"].shape[-1])
 
   def payload_bytes(self, n: int) -> int:
-    k = self.k(n)
     if self.value_bits is None:
-      return 8 * k
+      return super().payload_bytes(n)
+    k = self.k(n)
     return 4 * k + 4 * bitpack.packed_words(k, self.value_bits) + 4
 
 
