@@ -219,6 +219,25 @@ def _computations(lines):
   return where, inside
 
 
+def _module(compiled: Any) -> tuple[list[str], dict[str, str]]:
+  """The lines of a compiled (or lowered) module's HLO text, or of HLO
+  text, and the result type of every named instruction."""
+  if isinstance(compiled, str):
+    text = compiled
+  elif hasattr(compiled, "compile"):  # jax.stages.Lowered
+    text = compiled.as_text(dialect="hlo")
+  else:
+    text = compiled.as_text()
+  text = re.sub(r"/\*.*?\*/", "", text)  # e.g. /*index=5*/ in long tuples
+  lines = text.splitlines()
+  shapes: dict[str, str] = {}
+  for line in lines:
+    m = _DEF_RE.match(line)
+    if m:
+      shapes[m.group(1)] = m.group(2)
+  return lines, shapes
+
+
 def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic:
   """Reads the collectives of a compiled (or lowered) JAX computation.
 
@@ -237,20 +256,8 @@ def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic
     A :class:`Traffic` with one :class:`CollectiveOp` per collective (async
     ``-start``/``-done`` pairs counted once).
   """
-  if isinstance(compiled, str):
-    text = compiled
-  elif hasattr(compiled, "compile"):  # jax.stages.Lowered
-    text = compiled.as_text(dialect="hlo")
-  else:
-    text = compiled.as_text()
-  text = re.sub(r"/\*.*?\*/", "", text)  # e.g. /*index=5*/ in long tuples
-  shapes: dict[str, str] = {}
-  for line in text.splitlines():
-    m = _DEF_RE.match(line)
-    if m:
-      shapes[m.group(1)] = m.group(2)
+  lines, shapes = _module(compiled)
   ops = []
-  lines = text.splitlines()
   where, branch_only = _computations(lines)
   for line, computation in zip(lines, where):
     m = _INSTR_RE.match(line)
@@ -380,17 +387,11 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   Returns:
     A :class:`MemoryPasses`.
   """
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  text = re.sub(r"/\*.*?\*/", "", text)
-  lines = text.splitlines()
+  lines, shapes = _module(compiled)
   where, branch_only = _computations(lines)
-  shapes: dict[str, str] = {}
   bodies: dict[str, list[str]] = {}
   inlined: set = set()  # fusion bodies and reducers: not top level
   for line, comp in zip(lines, where):
-    m = _DEF_RE.match(line)
-    if m:
-      shapes[m.group(1)] = m.group(2)
     bodies.setdefault(comp, []).append(line)
     for key, target in _CALLS_RE.findall(line):
       if key in ("calls", "to_apply"):
