@@ -45,6 +45,51 @@ def _zeros_like_typed(tree):
   return jax.tree.map(zeros, tree)
 
 
+def _shard_group(inner_state) -> int:
+  """Devices a ``compressed_mean(output="shard")`` in ``inner_state``
+  reduce-scatters over (the parameters are its flat shards); 1 without one."""
+  from jaxcomp import transform  # pylint: disable=g-import-not-at-top
+  from jaxcomp import wire  # pylint: disable=g-import-not-at-top
+  for c in transform.transform_configs(inner_state).values():
+    if c.get("output") == "shard":
+      return wire.devices(_mesh.axis_sizes(c["axis_name"]))
+  return 1
+
+
+def _as_acc(g, acc):
+  """The gradient leaf ``g`` in the accumulator's layout, float32: its own
+  shape, or (FSDP) flat, zero-padded to ``p * c`` and shaped ``(p, c)``."""
+  g = g.astype(jnp.float32)
+  if jnp.shape(g) == jnp.shape(acc):
+    return g
+  g = g.reshape(-1)
+  return jnp.pad(g, (0, acc.size - g.size)).reshape(acc.shape)
+
+
+def _from_acc(acc, g):
+  """The accumulator leaf back in the gradient leaf ``g``'s shape and dtype."""
+  if jnp.shape(acc) != jnp.shape(g):
+    acc = acc.reshape(-1)[:jnp.size(g)].reshape(jnp.shape(g))
+  return acc.astype(jnp.result_type(g))
+
+
+def _check_accumulator(acc, updates) -> None:
+  """Raises ValueError, naming the leaf, where a gradient leaf fits neither
+  the accumulator's shape nor (FSDP) its ``(p, c)`` layout: ``p`` chunks
+  of ``c = ceil(n / p)`` elements."""
+  def check(path, a, g):
+    if jnp.shape(a) == jnp.shape(g):
+      return
+    if jnp.ndim(a) == 2 and a.shape[1] == -(-jnp.size(g) // a.shape[0]):
+      return
+    raise ValueError(
+        f"multi_steps: the gradient leaf {jax.tree_util.keystr(path)} has shape "
+        f"{jnp.shape(g)} but the accumulator was initialised for "
+        f"{jnp.shape(a)}; initialise with the parameters the gradients are "
+        "taken of (or, under FSDP, with jaxcomp.fsdp.init)")
+  jax.tree_util.tree_map_with_path(check, acc, updates)
+
+
 class MultiStepsState(NamedTuple):
   """State of :func:`multi_steps`."""
 
@@ -72,6 +117,12 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
   result of the last), with the same step function: the ``emit`` step is
   every ``every_k``-th call.
 
+  Around an FSDP chain (``compressed_mean(..., output="shard")``,
+  :mod:`jaxcomp.fsdp`) the parameters are flat shards while the gradients
+  are whole: the accumulator then holds each device's whole gradient, flat
+  and zero-padded to ``(p, c)`` (``c`` the shard size): one whole-gradient
+  float32 buffer per device, as PyTorch FSDP's ``no_sync`` keeps.
+
   Args:
     tx: the inner transformation, compressed mean included.
     every_k: micro-steps per optimizer step, a Python integer >= 1.
@@ -82,7 +133,9 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
     A ``GradientTransformation`` whose state is :class:`MultiStepsState`.
 
   Raises:
-    ValueError: ``every_k`` is not an integer >= 1, or a bad ``axis_name``.
+    ValueError: ``every_k`` is not an integer >= 1, or a bad ``axis_name``;
+      at trace time, a gradient leaf whose shape the accumulator (made from
+      the parameters ``init`` got) cannot hold.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -106,20 +159,28 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
   _mesh.check_axis_name(axis_name)
 
   def init_fn(params):
-    acc = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    inner_state = tx.init(params)
+    # FSDP: the parameters are flat shards of c elements but the gradient
+    # is the whole parameters' (jaxcomp.fsdp); the accumulator holds each
+    # leaf flat, zero-padded to the shards' whole size, as (p, c).
+    p = _shard_group(inner_state) if _mesh.bound_axes() else 1
+    acc = jax.tree.map(
+        lambda x: jnp.zeros((p, jnp.size(x)) if p > 1 else jnp.shape(x),
+                            jnp.float32), params)
     if _mesh.bound_axes():
       acc = _mesh.to_varying(acc, axis_name)
     return MultiStepsState(mini_step=jnp.zeros((), jnp.int32),
                            gradient_step=jnp.zeros((), jnp.int32),
-                           acc_grads=acc, inner_state=tx.init(params))
+                           acc_grads=acc, inner_state=inner_state)
 
   def update_fn(updates, state, params=None):
-    acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32),
-                       state.acc_grads, updates)
+    _check_accumulator(state.acc_grads, updates)
+    acc = jax.tree.map(lambda a, g: a + _as_acc(g, a), state.acc_grads,
+                       updates)
     emit = state.mini_step == every_k - 1
 
     def run(inner_state):
-      mean = jax.tree.map(lambda a, g: (a / every_k).astype(g.dtype), acc,
+      mean = jax.tree.map(lambda a, g: _from_acc(a / every_k, g), acc,
                           updates)
       return tx.update(mean, inner_state, params)
 

@@ -226,8 +226,12 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; no jaxcomp
       transform in ``tx`` with ``output="shard"`` over ``shard_axis`` (the
-      optimizer would get whole gradients for shard-shaped parameters); a
-      ``jaxcomp.multi_steps`` in ``tx`` (not supported with shards yet).
+      optimizer would get whole gradients for shard-shaped parameters).
+
+  ``jaxcomp.multi_steps`` around ``tx`` accumulates the whole gradient per
+  device (flat, padded to the shards' whole size: one whole-gradient
+  float32 buffer per device, as PyTorch FSDP's ``no_sync`` keeps unsharded
+  gradients) and reduce-scatters once per ``every_k`` micro-steps.
   """
   shard_axis = axis_name if shard_axis is None else shard_axis
   shards, shapes = shard_params(params, mesh, shard_axis)
@@ -238,16 +242,7 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
 
 
 def _check_shard_outputs(opt_state, shard_axis) -> None:
-  from jaxcomp import combinators  # pylint: disable=g-import-not-at-top
   from jaxcomp import transform  # pylint: disable=g-import-not-at-top
-  is_ms = lambda x: isinstance(x, combinators.MultiStepsState)
-  if any(is_ms(x) for x in jax.tree.leaves(opt_state, is_leaf=is_ms)):
-    raise ValueError(
-        "jaxcomp.multi_steps cannot wrap an FSDP optimizer yet: its "
-        "accumulator is shaped like the parameters it is initialised with "
-        "(here flat shards) while the gradient it accumulates is the whole "
-        "parameters'; accumulate micro-batches inside the loss instead, or "
-        "train with replicated parameters")
   configs = transform.transform_configs(opt_state)
   shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
   if not shard:

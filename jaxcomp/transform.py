@@ -519,7 +519,9 @@ def compressed_mean(
     key = jax.random.key(seed)
     init_key = jax.random.fold_in(key, _INIT_STREAM)
     return CompressedMeanState(
-        config=jnp.asarray(digest, jnp.uint32),
+        # numpy, not jnp: readable while an init is traced (multi_steps
+        # looks for an output="shard" transform in its inner state).
+        config=np.asarray(digest, np.uint32),
         count=jnp.zeros((), jnp.int32),
         key=jax.random.key_data(key),
         feedback=tuple(fb.init(lay.bucket_sizes(b), axis_name)
@@ -644,7 +646,9 @@ def compressed_mean(
         residual_norm=_mesh.to_varying(jnp.sqrt(sq_residual), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(
-        config=jnp.asarray(digest, jnp.uint32), count=state.count + 1,
+        # numpy, not jnp: readable while an init is traced (multi_steps
+        # looks for an output="shard" transform in its inner state).
+        config=np.asarray(digest, np.uint32), count=state.count + 1,
         key=state.key, feedback=tuple(new_fb),
         exchange_state=tuple(new_exchange), stats=stats)
     return jax.tree.unflatten(treedef, mean_leaves), new_state

@@ -188,3 +188,19 @@ def test_inject_hyperparams_and_clip_by_global_norm_in_the_chain(mesh8):
   p, state, _ = _train(tx, mesh8, _batches(mesh8, 3))
   moved = np.asarray(p["w"]) - 0.1
   assert 0 < np.sqrt((moved ** 2).sum() + (np.asarray(p["b"]) ** 2).sum()) <= 0.03 + 1e-6
+
+
+def test_multi_steps_names_a_gradient_leaf_its_accumulator_cannot_hold(mesh8):
+  # A gradient of another shape than the parameters the accumulator was
+  # made for is refused at trace time, naming the leaf, not broadcast into
+  # the sum.
+  tx = jaxcomp.multi_steps(_chain("identity"), 2)
+  state, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+
+  def body(s):
+    g = {"w": jnp.ones((D, 3)), "b": jnp.ones((1,))}
+    return tx.update(jax.tree.map(lambda x: jaxcomp.to_varying(x, "data"), g),
+                     jaxcomp.to_local(s, specs))[0]["w"]
+
+  with pytest.raises(ValueError, match=r"gradient leaf \['b'\] has shape \(1,\).*\(3,\)"):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh8, in_specs=(specs,), out_specs=P()), state)

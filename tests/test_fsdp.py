@@ -306,6 +306,15 @@ def test_hsdp_compresses_the_shards_across_hosts(mesh2x4, name, kw):
     traffic = jaxcomp.collective_traffic(step.lower(*args).compile())
   across = [o for o in traffic.ops if o.group_size == 2]
   assert sum(o.operand_bytes for o in across) == float(slow.bytes_sent)
+  # The performance model's HSDP step sends what the statistics count.
+  from jaxcomp import perfmodel as pm
+  sizes = [math.prod(s) for s in SHAPES.values()]
+  prof = pm.ModelProfile("t", sizes, [0.0] * len(sizes), 0.0, 0.0)
+  link = pm.Link.from_bandwidth(1.0)
+  net = pm.Network(8, link, algorithm="hierarchical", workers_per_node=4, intra=link)
+  comp = jaxcomp.compressors.get(name, **kw)
+  pr = pm.predict(prof, comp, net, output="hsdp")
+  assert pr.bytes_per_worker == float(total.bytes_sent)
 
 
 def test_tensor_parallel_leaves_compress_their_local_shards():
@@ -474,5 +483,61 @@ def test_fsdp_in_the_combinators(mesh8):
   for k in SHAPES:
     np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(moved[k]))
   assert int(st.total_notfinite) == 1
-  with pytest.raises(ValueError, match="multi_steps cannot wrap an FSDP optimizer"):
-    fsdp.init(jaxcomp.multi_steps(inner, 2), _params(), mesh8)
+
+
+def test_multi_steps_accumulates_whole_gradients_for_shards(mesh8):
+  # jaxcomp.multi_steps around an FSDP chain: the accumulator holds each
+  # device's whole gradient (flat, padded to p * c), the exchange runs on
+  # the k-th micro-step only, and it returns the shard of the mean of the
+  # micro-steps' gradients.
+  tx = jaxcomp.multi_steps(optax.chain(
+      jaxcomp.compressed_mean("identity", "data", output="shard"), optax.sgd(1.0)), 2)
+  g1, g2 = _per_device_grads(1), _per_device_grads(2)
+  (u1, u2), st, specs = _shard_update(tx, mesh8, [g1, g2])
+  for k, shape in SHAPES.items():
+    assert specs.acc_grads[k] == P("data")
+    assert st.acc_grads[k].shape == (8, 8, -(-math.prod(shape) // 8))
+    np.testing.assert_array_equal(np.asarray(u1[k]), 0.0)
+  want = _padded_mean_shards(jax.tree.map(lambda a, b: (a + b) / 2, g1, g2))
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(u2[k]), -want[k], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(st.acc_grads[k]), 0.0)
+  assert int(st.gradient_step) == 1
+
+
+def test_multi_steps_fsdp_trains_as_replicated_multi_steps(mesh8):
+  # Two micro-batches per optimizer step, FSDP against replicated data
+  # parallelism, both through jaxcomp.multi_steps; and the traffic of the
+  # compiled FSDP step: the int8 reduce-scatter sits inside the branch of
+  # the k-th micro-step (the statistics count it once per two calls).
+  batches = [_batch(mesh8), jax.tree.map(lambda a: a[::-1] * 0.5, _batch(mesh8))]
+  batches[1] = jax.device_put(batches[1], NamedSharding(mesh8, P("data")))
+  mk = lambda out: jaxcomp.multi_steps(optax.chain(
+      jaxcomp.compressed_mean("identity", "data", output=out), optax.adam(1e-2)), 2)
+  tx, ref_tx = mk("shard"), mk("mean")
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+    shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
+    ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh8, "data")
+  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
+  ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  for i in range(6):
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+      shards, st, loss = step(shards, st, batches[i % 2])
+      ref, ref_st, ref_loss = ref_step(ref, ref_st, batches[i % 2])
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  got = fsdp.unshard_params(shards, shapes)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+  assert int(st.gradient_step) == 3
+
+  tx8 = jaxcomp.multi_steps(optax.chain(jaxcomp.compressed_mean(
+      "int8_block", "data", output="shard", rounding="stochastic"), optax.sgd(0.1)), 2)
+  shards, shapes, st, specs = fsdp.init(tx8, _params(), mesh8)
+  step = fsdp.make_train_step(_loss, tx8, shapes, mesh=mesh8, state_specs=specs,
+                              donate=False)
+  traffic = jaxcomp.collective_traffic(step.lower(shards, st, batches[0]).compile())
+  exchange = [o for o in traffic.ops if o.kind in ("reduce-scatter", "all-to-all")]
+  assert exchange and all(o.in_branch for o in exchange)
+  # The parameters' forward all-gathers run on every micro-step.
+  assert [o for o in traffic.ops if o.kind == "all-gather" and not o.in_branch]
