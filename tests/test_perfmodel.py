@@ -667,6 +667,39 @@ def test_sharded_steps_price_the_reduce_scatter_and_the_parameter_gathers():
     pm.predict(prof, compressors.get("powersgd"), net, output="shard")
 
 
+def test_hsdp_prices_exact_shards_inside_and_compressed_shards_across():
+  # 2 nodes of 4: the parameters gathered over the node's fast link, each
+  # bucket reduce-scattered there, then each device's shard all-reduced
+  # across nodes, the 4 devices of a node sharing its slow link.
+  from jaxcomp import collectives, compressors
+  g, sizes = 4, [1000, 40_000]
+  prof = _profile(sizes, [0.0, 0.0], fwd=0.0)
+  fast, slow = pm.Link(1e-6, 8 / 100e9), pm.Link(ALPHA, BETA)
+  net = pm.Network(8, slow, algorithm="hierarchical", workers_per_node=g, intra=fast)
+  shared = pm.Link(ALPHA, BETA * g)
+  c = [-(-n // g) for n in sizes]
+  gathers = sum(pm.allgather_time(4 * ci, g, fast) for ci in c)
+  rs = sum(pm.ring_time("reduce-scatter", 4 * g * ci, g, fast) for ci in c)
+  across = sum(pm.allreduce_time(4 * ci, 2, shared) for ci in c)
+  dense = pm.predict(prof, pm.DenseCompressor(), net, output="hsdp")
+  assert dense.comm_time == pytest.approx(gathers + rs + across)
+  assert dense.step_time == pytest.approx(gathers + rs + across)
+  assert dense.bytes_per_worker == sum(4 * g * ci + 4 * ci for ci in c)
+  # int8 blocks across nodes: the shard's exchange as the library lists it.
+  q = compressors.get("int8_block")
+  pr = pm.predict(prof, q, net, output="hsdp")
+  ts = [t for ci in c for t in collectives.Auto().pick(q, ci, 2).flat_transfers(
+      q, ci, {"hosts": 2})]
+  assert pr.comm_time == pytest.approx(
+      gathers + rs + sum(pm.transfer_time(t, pm.Network(2, shared)) for t in ts))
+  # On a slow link between nodes HSDP beats FSDP over all 8 devices, whose
+  # gathers and reduce-scatter cross it.
+  fsdp = pm.predict(prof, q, net, output="shard")
+  assert pr.step_time < fsdp.step_time
+  with pytest.raises(ValueError, match="hierarchical"):
+    pm.predict(prof, q, pm.Network(8, slow), output="hsdp")
+
+
 def test_diloco_amortizes_one_serial_exchange_over_its_interval():
   from jaxcomp import compressors
   prof = _profile([100_000, 2_000_000], [2e-3, 3e-3], fwd=4e-3, update=1e-3)

@@ -93,6 +93,9 @@ def test_whatif_codec_file(tmp_path, capsys):
     (["--codec", "/nonexistent/c.json"], "does not exist"),
     (["-c", "nosuch"], "unknown compressor"),
     (["--algorithm", "hierarchical", "-p", "12", "--workers-per-node", "8"], "dividing workers"),
+    (["--sharding", "hsdp"], "pass --algorithm hierarchical"),
+    (["--sharding", "fsdp", "-c", "powersgd"], "cannot use 'powersgd'"),
+    (["--sharding", "fsdp", "--diloco-every", "4"], "drop --sharding fsdp"),
 ])
 def test_whatif_bad_input(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -159,3 +162,27 @@ def cli_out(args):
   with contextlib.redirect_stdout(buf):
     cli.main(args)
   return buf.getvalue()
+
+
+def test_whatif_prices_fsdp_and_hsdp(capsys):
+  # The table's rows are jaxcomp.perfmodel.compare's with output="shard" /
+  # "hsdp"; over a slow link between nodes HSDP keeps the gathers and the
+  # reduce-scatter inside a node and beats FSDP.
+  args = ["whatif", "--profile", "gpt2-small", "-p", "16", "-b", "1", "--algorithm",
+          "hierarchical", "--workers-per-node", "8", "-c", "int8_block", *FAST]
+  rows = {}
+  for sharding, output in (("fsdp", "shard"), ("hsdp", "hsdp")):
+    out = cli_out(args + ["--sharding", sharding])
+    assert sharding.upper() in out
+    rows[sharding] = _table(out)
+    net = pm.Network(16, pm.Link.from_bandwidth(1, 50e-6), "hierarchical", 8,
+                     pm.Link.from_bandwidth(1200, 5e-6))
+    from jaxcomp import compressors
+    want = pm.compare(pm.builtin_profile("gpt2-small"),
+                      {"int8_block": compressors.get("int8_block")}, net,
+                      buckets="mgwfbp", output=output)
+    for name in ("dense", "int8_block"):
+      assert float(rows[sharding][name]["step_ms"]) == pytest.approx(
+          want[name].step_time * 1e3, abs=0.06)
+  assert (float(rows["hsdp"]["int8_block"]["step_ms"])
+          < float(rows["fsdp"]["int8_block"]["step_ms"]))

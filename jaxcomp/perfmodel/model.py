@@ -467,7 +467,16 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       ``compressed_mean(output="shard")``: each bucket reduce-scattered as
       ``Collective.reduce_scatter_transfers`` lists, and the parameters
       all-gathered in float32 before the forward pass, not overlapped; each
-      device decodes the ``p`` payloads of its chunk).
+      device decodes the ``p`` payloads of its chunk), or ``"hsdp"``
+      (hybrid sharding on a hierarchical ``network`` of ``g =
+      workers_per_node``: parameters sharded over a node's ``g`` devices and
+      all-gathered in float32 over ``intra`` before the forward pass; each
+      bucket reduce-scattered exactly in float32 inside the node, then
+      each device's ``ceil(n / g)``-element shard averaged across the
+      ``workers / g`` nodes with ``compressor``'s collective over ``link``,
+      the ``g`` devices of a node sharing it; as
+      ``chain(compressed_mean("identity", "devices", output="shard"),
+      compressed_mean(compressor, "hosts"))`` runs).
     sync_every: DiLoCo's ``H`` (:func:`jaxcomp.diloco`): the exchange (of
       the pseudo-gradient, the parameters' size) runs once every ``H``
       steps, after that step's local update, overlapping nothing; the
@@ -518,11 +527,36 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     return library
 
   shard = output == "shard"
-  if output not in ("mean", "shard"):
-    raise ValueError(f"output must be 'mean' or 'shard', got {output!r}")
+  hsdp = output == "hsdp"
+  if output not in ("mean", "shard", "hsdp"):
+    raise ValueError(f"output must be 'mean', 'shard' or 'hsdp', got {output!r}")
   if shard and not library.reduce_scatter:
     raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
                      "own exchange of whole tensors")
+  nets = {}
+  if hsdp:
+    if network.algorithm != "hierarchical":
+      raise ValueError(
+          "output='hsdp' shards inside a node and replicates across nodes: pass "
+          "Network(workers, link, algorithm='hierarchical', workers_per_node=g, "
+          "intra=Link(...))")
+    g = network.workers_per_node
+    hosts = p // g
+    # The g devices of a node exchange their shards across nodes at once,
+    # through the node's one link: each sees 1/g of its bandwidth.
+    nets = {"devices": costs.Network(g, network.intra),
+            "hosts": costs.Network(hosts, costs.Link(network.link.alpha,
+                                                     network.link.beta * g))}
+    group = {"hosts": hosts}
+
+    def resolved(n: int):  # pylint: disable=function-redefined
+      if isinstance(library, collectives.Auto):
+        return library.pick(payload, n, hosts)
+      return library
+
+  def shard_of(n: int) -> int:
+    """HSDP: elements of a device's shard of an ``n``-element bucket."""
+    return collectives.chunk_size(n, nets["devices"].workers)
 
   # Each bucket's transfers are read for its time, its codec and its bytes.
   @functools.lru_cache(maxsize=None)
@@ -530,13 +564,40 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     if shard:
       n = p * collectives.chunk_size(n, p)
       return library.reduce_scatter_transfers(payload, n, group)
+    if hsdp:
+      # The exact float32 reduce-scatter inside the node, then the shard's
+      # compressed mean across nodes.
+      g = nets["devices"].workers
+      inside = wire.transfers("reduce-scatter", [4 * g * shard_of(n)], "devices",
+                              {"devices": g}) if g > 1 else ()
+      c = shard_of(n)
+      # The shards are 1-D: a library compressor that treats shapes apart
+      # (PowerSGD without view="flat") is priced on a 1-D bucket.
+      across = (resolved(c).transfers(payload, ((c,),), group)
+                if _is_library(compressor)
+                else resolved(c).flat_transfers(payload, c, group))
+      return inside + tuple(across)
     return resolved(n).flat_transfers(payload, n, group)
 
   def bucket_comm(n: int) -> float:
-    return sum(costs.transfer_time(t, network) for t in transfers(n))
+    return sum(costs.transfer_time(t, nets.get(t.axis_name, network))
+               for t in transfers(n))
 
   def bucket_codec(n: int) -> tuple[float, float]:
     """(encode before the exchange, decode work after it), seconds."""
+    if hsdp:
+      c = shard_of(n)
+      cross = [t for t in transfers(n) if t.axis_name == "hosts"]
+      if isinstance(resolved(c), collectives.TwoPhase):
+        h = nets["hosts"].workers
+        cc = collectives.chunk_size(c, h)
+        dec = ((2 * h + (h if error_feedback else 0)) * codec.decode(cc)
+               + codec.encode(cc))
+        return h * codec.encode(cc), dec
+      summed = all(t.kind == "all-reduce" for t in cross)
+      decodes = ((1 if summed else nets["hosts"].workers)
+                 + (1 if error_feedback else 0))
+      return codec.encode(c), decodes * codec.decode(c)
     if shard:
       c = collectives.chunk_size(n, p)
       summed = all(t.kind == "reduce-scatter" for t in transfers(n))
@@ -566,6 +627,12 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     gathers = [g for n in sizes if n > 0 for g in wire.transfers(
         "all-gather", [4 * collectives.chunk_size(n, p)], "data", group)]
     t = comm_total = sum(costs.transfer_time(g, network) for g in gathers)
+  if hsdp and nets["devices"].workers > 1:
+    # HSDP gathers the parameters inside the node only.
+    g = nets["devices"].workers
+    gathers = [a for n in sizes if n > 0 for a in wire.transfers(
+        "all-gather", [4 * shard_of(n)], "devices", {"devices": g})]
+    t = comm_total = sum(costs.transfer_time(a, nets["devices"]) for a in gathers)
   t += profile.forward_time
   net_free = t
   arrivals = []  # per exchanged bucket: (collective done, its comm, its decode), s

@@ -24,7 +24,7 @@ DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                   network: costs.Network, workers: Sequence[int] = DEFAULT_WORKERS, *,
                   codecs=None, buckets="layer", overlap: bool | str = True,
-                  collective=None, sync_every: int = 1
+                  collective=None, sync_every: int = 1, output: str = "mean"
                   ) -> dict[int, dict[str, _model.Prediction]]:
   """``{p: compare(...)}`` for each worker count ``p`` (same links)."""
   out = {}
@@ -34,21 +34,22 @@ def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
       raise ValueError(f"workers={p} is not a multiple of workers_per_node={net.workers_per_node}")
     out[p] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
                             overlap=overlap, collective=collective,
-                            sync_every=sync_every)
+                            sync_every=sync_every, output=output)
   return out
 
 
 def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, Any],
                     network: costs.Network, gbps: Sequence[float], *, codecs=None,
                     buckets="layer", overlap: bool | str = True, collective=None,
-                    sync_every: int = 1) -> dict[float, dict[str, _model.Prediction]]:
+                    sync_every: int = 1, output: str = "mean"
+                    ) -> dict[float, dict[str, _model.Prediction]]:
   """``{gbps: compare(...)}``, the inter-worker link set to each bandwidth."""
   out = {}
   for g in gbps:
     net = network.with_link(costs.Link.from_bandwidth(g, network.link.alpha))
     out[g] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
                             overlap=overlap, collective=collective,
-                            sync_every=sync_every)
+                            sync_every=sync_every, output=output)
   return out
 
 
