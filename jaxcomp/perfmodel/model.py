@@ -523,7 +523,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   def resolved(n: int):
     """The collective that carries an ``n``-element bucket."""
     if isinstance(library, collectives.Auto):
-      return library.pick(payload, n, p)
+      return library.pick(payload, n, wire.devices(group))
     return library
 
   shard = output == "shard"
@@ -547,12 +547,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     nets = {"devices": costs.Network(g, network.intra),
             "hosts": costs.Network(hosts, costs.Link(network.link.alpha,
                                                      network.link.beta * g))}
-    group = {"hosts": hosts}
-
-    def resolved(n: int):  # pylint: disable=function-redefined
-      if isinstance(library, collectives.Auto):
-        return library.pick(payload, n, hosts)
-      return library
+    group = {"hosts": hosts}  # what resolved() picks for
 
   def shard_of(n: int) -> int:
     """HSDP: elements of a device's shard of an ``n``-element bucket."""
