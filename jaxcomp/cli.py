@@ -123,6 +123,10 @@ def _build_compressors(specs: Sequence[str]):
   out = {}
   for spec in specs:
     name, kwargs = parse_compressor_spec(spec)
+    if name == "demo":  # jaxcomp.demo: an optimizer, priced by its exchange
+      from jaxcomp import perfmodel
+      out[spec] = perfmodel.DeMoCompressor(**kwargs)
+      continue
     out[spec] = compressors.get(name, **kwargs)
   return out
 
@@ -308,7 +312,9 @@ def _add_whatif(sub):
                  default=5.0, help="hierarchical: latency inside a node, microseconds (default 5)")
   p.add_argument("--compressors", "-c", nargs="+", default=list(DEFAULT_COMPRESSORS),
                  metavar="NAME[:K=V,...]",
-                 help=f"compressors from jaxcomp.compressors (default: {' '.join(DEFAULT_COMPRESSORS)})")
+                 help="compressors from jaxcomp.compressors, or demo[:compression_topk=K,"
+                 "compression_chunk=C] (jaxcomp.demo's DCT top-k exchange, "
+                 f"perfmodel.DeMoCompressor) (default: {' '.join(DEFAULT_COMPRESSORS)})")
   p.add_argument("--codec", default="measure",
                  help="encode/decode time: 'measure' (micro-benchmark on this device, default), "
                  "'none', or a JSON file {compressor spec: CodecCost fields}")

@@ -279,6 +279,40 @@ def test_streaming_fragments_sync_on_staggered_steps(mesh8):
     lowcomm.init(jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=3), _params(), mesh8)
 
 
+def test_traffic_counts_each_fragments_syncs(mesh8):
+  # Streaming DiLoCo, H = 4, F = 2, int8 blocks: after 6 steps "w" synced
+  # twice (steps 2, 6) and "b" once (step 4); after 8, each twice. The
+  # bytes per sync are what the compiled sync branch sends (less the
+  # non-finite flags, which the statistics do not count).
+  tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=2, compressor="int8_block")
+  local, st, specs = lowcomm.init(tx, _params(), mesh8)
+  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
+  hlo = jaxcomp.collective_traffic(step.lower(local, st, _batches(mesh8, 1)[0]).compile())
+  per_interval = sum(o.operand_bytes for o in hlo.ops if o.in_branch) - 2 * 4
+  frag = [float(jaxcomp.get_stats(ex).bytes_sent) for ex in st.exchange_state]  # b, w
+  assert sum(frag) == per_interval
+  t0 = lowcomm.traffic(st)
+  assert (t0.steps, t0.syncs, t0.total_bytes, t0.reduction) == (0, (0, 0), 0.0, float("inf"))
+  batches = _batches(mesh8, 8)
+  for i, b in enumerate(batches):
+    local, st, _ = step(local, st, b)
+    if i == 5:
+      t6 = lowcomm.traffic(st)
+  assert t6.syncs == (1, 2)
+  assert t6.total_bytes == frag[0] + 2 * frag[1]
+  assert t6.bytes_per_step == t6.total_bytes / 6
+  t8 = lowcomm.traffic(st)
+  assert (t8.steps, t8.syncs) == (8, (2, 2))
+  assert t8.bytes_per_interval == per_interval
+  assert t8.bytes_per_step == per_interval / 4
+  dense = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+  assert t8.dense_bytes_per_step == dense
+  assert t8.reduction == dense / (per_interval / 4)
+  assert t8.total_wire_bytes > 0
+  with pytest.raises(ValueError, match="expected one diloco state"):
+    lowcomm.traffic((st, st))
+
+
 def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2)
   st, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")

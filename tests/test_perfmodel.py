@@ -721,3 +721,38 @@ def test_diloco_amortizes_one_serial_exchange_over_its_interval():
   assert out["int4"].speedup > 1.0
   with pytest.raises(ValueError, match="sync_every"):
     pm.predict(prof, c, net, sync_every=0)
+
+
+def test_demo_is_priced_by_its_dct_topk_all_gathers():
+  # jaxcomp.demo's exchange: per 64 x 64 chunk, 32 float32 values and 32
+  # int32 indices, all-gathered. For matrices whose sides are multiples of
+  # the chunk the flat pricing is exact (jaxcomp.lowcomm.demo_bytes counts
+  # from the shapes).
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxcomp import lowcomm, wire
+  shapes = [(128, 256), (64, 64), (192, 64)]
+  params = [jnp.zeros(s) for s in shapes]
+  d = pm.DeMoCompressor()
+  sizes = [a * b for a, b in shapes]
+  assert sum(d.payload_bytes(n) for n in sizes) == lowcomm.demo_bytes(params)
+  prof = _profile(sizes, [0.0] * 3, fwd=0.0)
+  net = pm.Network(8, LINK)
+  pr = pm.predict(prof, d, net, buckets="layer")
+  assert pr.collective == "allgather"
+  assert pr.bytes_per_worker == lowcomm.demo_bytes(params)
+  ts = [t for n in sizes for t in wire.transfers("all-gather", d.payload_arrays(n), "data",
+                                                 {"data": 8})]
+  assert pr.comm_time == pytest.approx(sum(pm.transfer_time(t, net) for t in ts))
+  assert len(ts) == 6  # values and indices: two messages per tensor
+  # Keeping every coefficient, decode inverts encode (orthonormal DCT).
+  full = pm.DeMoCompressor(compression_topk=64 * 64)
+  x = jax.random.normal(jax.random.key(0), (5000,))
+  np.testing.assert_allclose(np.asarray(full.decode(full.encode(x), 5000)), np.asarray(x),
+                             atol=1e-5)
+  # With the default 32 of 4096 it keeps the largest coefficients.
+  y = d.decode(d.encode(x), 5000)
+  assert y.shape == (5000,) and 0 < float(jnp.linalg.norm(y)) < float(jnp.linalg.norm(x))
+  with pytest.raises(ValueError, match="compression_topk must be an integer >= 1"):
+    pm.DeMoCompressor(compression_topk=0)

@@ -186,3 +186,20 @@ def test_whatif_prices_fsdp_and_hsdp(capsys):
           want[name].step_time * 1e3, abs=0.06)
   assert (float(rows["hsdp"]["int8_block"]["step_ms"])
           < float(rows["fsdp"]["int8_block"]["step_ms"]))
+
+
+def test_whatif_prices_demo(capsys):
+  # "demo" is jaxcomp.demo's exchange (perfmodel.DeMoCompressor): two
+  # all-gathered arrays per tensor, 64x fewer bytes than float32 at the
+  # defaults for chunk-multiple matrices.
+  out = cli_out(["whatif", "--profile", "gpt2-small", "-p", "16", "-b", "1", "-c", "demo",
+                 "demo:compression_topk=8", *FAST])
+  rows = _table(out)
+  assert rows["demo"]["collective"] == "allgather"
+  assert float(rows["demo:compression_topk=8"]["MB/worker"]) < float(rows["demo"]["MB/worker"])
+  want = pm.predict(pm.builtin_profile("gpt2-small"), pm.DeMoCompressor(),
+                    pm.Network(16, pm.Link.from_bandwidth(1, 50e-6)), buckets="mgwfbp")
+  assert float(rows["demo"]["MB/worker"]) == pytest.approx(want.bytes_per_worker / 1e6, abs=0.006)
+  with pytest.raises(SystemExit):
+    cli.main(["whatif", "-c", "demo:compression_topk=0", *FAST])
+  assert "compression_topk must be an integer >= 1" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from jaxcomp.perfmodel.mgwfbp import wfbp_finish_time
 from jaxcomp.perfmodel.model import CodecCost
 from jaxcomp.perfmodel.model import PricedCompressor
 from jaxcomp.perfmodel.model import bucket_transfers
+from jaxcomp.perfmodel.model import DeMoCompressor
 from jaxcomp.perfmodel.model import DenseCompressor
 from jaxcomp.perfmodel.model import IdealCompressor
 from jaxcomp.perfmodel.model import ModelProfile

@@ -104,6 +104,82 @@ class IdealCompressor:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeMoCompressor:
+  """:func:`jaxcomp.demo`'s exchange, for the model: every step, per
+  tensor, the ``compression_topk`` largest DCT coefficients of each
+  ``compression_chunk`` x ``compression_chunk`` chunk of the momentum,
+  all-gathered as float32 values and int32 indices (two messages).
+
+  The model sees flat buffers, not shapes: an ``n``-element buffer counts
+  as ``ceil(n / chunk**2)`` full chunks, exact for matrices whose sides
+  are multiples of the chunk (DeMo's chunk is the largest divisor of a
+  side up to ``compression_chunk``, so other shapes send more; 1-D tensors
+  are cut into ``1 x chunk`` chunks and send ``topk / chunk`` of
+  themselves). :func:`jaxcomp.lowcomm.demo_bytes` counts a model's exact
+  bytes from its shapes.
+
+  ``encode`` / ``decode`` (for :func:`measure_codec`) run DeMo's chunked
+  DCT and top-k on the buffer viewed as ``(n / chunk, chunk)``.
+
+  Reference: Peng, Quesnelle & Kingma, DeMo: Decoupled Momentum
+  Optimization <https://arxiv.org/abs/2411.19870>, 2024 (defaults: topk
+  32, chunk 64, from the reference implementation).
+  """
+
+  compression_topk: int = 32
+  compression_chunk: int = 64
+  linear: bool = False
+  name: str = "demo"
+
+  def __post_init__(self):
+    for f in ("compression_topk", "compression_chunk"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
+
+  def _per_chunk(self) -> tuple[int, int]:
+    c = self.compression_chunk * self.compression_chunk
+    return c, min(self.compression_topk, c)
+
+  def payload_arrays(self, n: int, dtype=None) -> tuple[int, int]:
+    """Bytes of the values and of the indices for an ``n``-element buffer."""
+    del dtype
+    c, k = self._per_chunk()
+    chunks = -(-int(n) // c)
+    return (4 * chunks * k, 4 * chunks * k)
+
+  def payload_bytes(self, n: int) -> int:
+    return sum(self.payload_arrays(n))
+
+  def _shape(self, n: int) -> tuple[int, int]:
+    c, _ = self._per_chunk()
+    rows = -(-int(n) // c) * self.compression_chunk
+    return rows, self.compression_chunk
+
+  def encode(self, x, key=None):
+    import jax.numpy as jnp
+    from jax import lax
+    from jaxcomp import lowcomm
+    del key
+    shape = self._shape(x.size)
+    x = jnp.pad(x.reshape(-1), (0, shape[0] * shape[1] - x.size)).reshape(shape)
+    ch = lowcomm._chunks(shape, self.compression_chunk, self.compression_topk)  # pylint: disable=protected-access
+    coef = lowcomm._dct_encode(x, ch)  # pylint: disable=protected-access
+    _, idx = lax.top_k(jnp.abs(coef), ch.k)
+    return jnp.take_along_axis(coef, idx, axis=-1), idx.astype(jnp.int32)
+
+  def decode(self, payload, n: int):
+    import jax.numpy as jnp
+    from jaxcomp import lowcomm
+    val, idx = payload
+    shape = self._shape(n)
+    ch = lowcomm._chunks(shape, self.compression_chunk, self.compression_topk)  # pylint: disable=protected-access
+    rows = jnp.arange(val.shape[0])[:, None]
+    coef = jnp.zeros((val.shape[0], ch.h * ch.w), jnp.float32).at[rows, idx].set(val)
+    return lowcomm._dct_decode(coef, ch, shape).reshape(-1)[:n]  # pylint: disable=protected-access
+
+
+@dataclasses.dataclass(frozen=True)
 class CodecCost:
   """Encode/decode time of a compressor, affine in the buffer size.
 
@@ -367,7 +443,8 @@ def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None
 
 
 def _payload_view(compressor, messages_per_bucket):
-  if _is_library(compressor):
+  if _is_library(compressor) or (hasattr(compressor, "payload_arrays")
+                                 and messages_per_bucket is None):
     if messages_per_bucket is not None:
       raise ValueError(
           "messages_per_bucket is for compressors outside jaxcomp.compressors: a "
