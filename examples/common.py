@@ -176,9 +176,12 @@ def stages(config, learning_rate):
   import optax
   kwargs = compressor_kwargs(config)
 
-  # FSDP runs (char_lm's --sharding fsdp) reduce-scatter into shards.
-  output = "shard" if getattr(config, "sharding", "replicated") == "fsdp" \
-      else "mean"
+  # FSDP runs (char_lm's --sharding fsdp) reduce-scatter into shards; HSDP
+  # runs reduce-scatter exactly over a host's devices, then average each
+  # shard across hosts with the compressor.
+  sharding = getattr(config, "sharding", "replicated")
+  output = "shard" if sharding == "fsdp" else "mean"
+  axis = "hosts" if sharding == "hsdp" else "data"
 
   diloco_every = getattr(config, "diloco_every", 0)
 
@@ -196,8 +199,11 @@ def stages(config, learning_rate):
           compressor=config.compressor,
           min_compress_size=config.min_compress_size,
           error_feedback=config.error_feedback, seed=config.seed, **kw)
+    inside = ([jaxcomp.compressed_mean("identity", "devices", output="shard")]
+              if sharding == "hsdp" else [])
     return optax.chain(
-        jaxcomp.compressed_mean(config.compressor, "data",
+        *inside,
+        jaxcomp.compressed_mean(config.compressor, axis,
                                 min_compress_size=config.min_compress_size,
                                 error_feedback=config.error_feedback,
                                 seed=config.seed, output=output, **kw),
@@ -217,14 +223,30 @@ def stages(config, learning_rate):
                                  config.ratio_warmup_steps)
 
 
-def stage_bytes(stages, params, mesh, sharded: bool = False):
+def stage_bytes(stages, params, mesh, sharded: bool | str = False):
   """Bytes one device sends per step in each stage (its transformation's
   statistics), for :func:`jaxcomp.combinators.bytes_over`; ``sharded``:
-  the stages reduce-scatter into FSDP shards of ``params``."""
+  the stages reduce-scatter into FSDP shards of ``params`` (True), or
+  ``"hsdp"``: into a host's shards, and the bytes are those sent across
+  hosts (the last compressed mean's)."""
   import jaxcomp
+  if sharded == "hsdp":
+    return [float(exchange_stats(jaxcomp.fsdp.init(
+        s.tx, params, mesh, ("hosts", "devices"), shard_axis="devices")[2],
+        "hsdp").bytes_sent) for s in stages]
   init = ((lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2]) if sharded
           else (lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0]))
   return [float(jaxcomp.get_stats(init(s.tx)).bytes_sent) for s in stages]
+
+
+def exchange_stats(opt_state, sharding: str = "replicated"):
+  """The statistics of the exchange a run compresses: every compressed
+  mean's (their total), or with ``sharding="hsdp"`` the one across hosts
+  (the exact reduce-scatter inside a host is not compressed)."""
+  import jaxcomp
+  if sharding == "hsdp":
+    return list(jaxcomp.get_stats(opt_state, by_path=True).values())[-1]
+  return jaxcomp.get_stats(opt_state)
 
 
 def print_traffic(result: dict[str, Any]) -> None:

@@ -213,3 +213,25 @@ def test_fsdp_and_diloco_runs_train_and_report_their_bytes_and_memory():
   assert dl["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
   with pytest.raises(ValueError, match="diloco_every"):
     train.train_and_evaluate(train.Config(diloco_every=3, sharding="fsdp", **kw))
+
+
+def test_hsdp_run_trains_as_replicated_and_reports_the_bytes_across_hosts():
+  # HSDP on 2 hosts x 4 devices: identity trains as replicated data
+  # parallelism; parameters take 1/4 of the replicated bytes per device;
+  # int8 blocks across hosts send a shard's int8 bytes (1/4 of the
+  # gradient, about 3.9x fewer than its float32).
+  kw = dict(TINY, epochs=1, steps_per_epoch=6)
+  rep = train.train_and_evaluate(train.Config(compressor="identity", **kw))
+  hs = train.train_and_evaluate(train.Config(sharding="hsdp", compressor="identity", **kw))
+  np.testing.assert_allclose(hs["epochs"][0]["valid_loss"],
+                             rep["epochs"][0]["valid_loss"], rtol=1e-5)
+  assert hs["param_bytes_per_device"] * 4 >= rep["param_bytes_per_device"]
+  assert hs["param_bytes_per_device"] * 4 < rep["param_bytes_per_device"] + 4 * 4 * 4 * 20
+  # Across hosts, dense: one float32 shard per device, a quarter of the model.
+  assert hs["bytes_per_step"] == pytest.approx(rep["bytes_per_step"] / 4, rel=0.01)
+  q = train.train_and_evaluate(train.Config(sharding="hsdp", compressor="int8_block",
+                                            rounding="stochastic", **kw))
+  assert 3.5 < q["compression"] < 4.0
+  assert q["bytes_per_step"] == pytest.approx(hs["bytes_per_step"] / q["compression"])
+  with pytest.raises(ValueError, match="hosts=3 must divide"):
+    train.train_and_evaluate(train.Config(sharding="hsdp", hosts=3, **kw))

@@ -23,7 +23,11 @@ class Config(CompressionConfig):
   max_train_bytes: int | None = 2_000_000  # a subset of the training files
   valid_windows: int = 256  # held-out windows of `context` predictions each
   sharding: str = "replicated"  # or "fsdp": parameters and optimizer state
-  #                               sharded over the devices (jaxcomp.fsdp)
+  #                               sharded over the devices (jaxcomp.fsdp); or
+  #                               "hsdp": sharded over a host's devices (exact
+  #                               reduce-scatter), the shards' compressed mean
+  #                               across `hosts`
+  hosts: int = 2  # hsdp: the devices split into this many simulated hosts
   param_compressor: str | None = None  # fsdp: compress the parameters'
   #                                      forward all-gather (e.g. "int8_block")
   diloco_every: int = 0  # > 0: DiLoCo, a compressed pseudo-gradient

@@ -28,10 +28,15 @@ def parse(argv=None):
                  default=defaults.optimizer,
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
-  p.add_argument("--sharding", choices=("replicated", "fsdp"),
+  p.add_argument("--sharding", choices=("replicated", "fsdp", "hsdp"),
                  default=defaults.sharding,
                  help="fsdp: parameters and optimizer state sharded over the "
-                 "devices, the gradient reduce-scattered (compressed)")
+                 "devices, the gradient reduce-scattered (compressed); hsdp: "
+                 "sharded over each host's devices (exact reduce-scatter "
+                 "there), the shards averaged across --hosts compressed")
+  p.add_argument("--hosts", type=int, default=defaults.hosts,
+                 help="with --sharding hsdp: simulated hosts the devices are "
+                 "split into (default 2)")
   p.add_argument("--param-compressor", default=None,
                  help="with --sharding fsdp: compress the parameters' forward "
                  "all-gather (ZeRO++'s qwZ), e.g. int8_block")
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
       batch_size=args.batch_size, context=args.context, d_model=args.d_model,
       num_layers=args.layers, num_heads=args.heads,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
-      lr_schedule=args.lr_schedule, sharding=args.sharding,
+      lr_schedule=args.lr_schedule, sharding=args.sharding, hosts=args.hosts,
       diloco_every=args.diloco_every, param_compressor=args.param_compressor,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "

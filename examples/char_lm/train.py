@@ -21,7 +21,7 @@ from examples.char_lm.config import Config
 __all__ = ["Config", "SHARDINGS", "learning_rate_schedule",
            "train_and_evaluate"]
 
-SHARDINGS = ("replicated", "fsdp")
+SHARDINGS = ("replicated", "fsdp", "hsdp")
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:
@@ -65,7 +65,11 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   With ``config.sharding == "fsdp"`` the parameters and the optimizer
   state are flat shards over the devices (:mod:`jaxcomp.fsdp`) and the
   compressed exchange is a reduce-scatter (``output="shard"``); the
-  returned ``params`` are whole.
+  returned ``params`` are whole. With ``"hsdp"`` the devices form a
+  ``(config.hosts, devices)`` mesh: the parameters are sharded over a
+  host's devices, the gradient reduce-scattered exactly there, and each
+  shard averaged across hosts with the compressor; the bytes and
+  compression reported are those across hosts.
 
   Raises:
     ValueError: ``batch_size`` is not a multiple of the device count, an
@@ -82,7 +86,12 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   length = config.context + 1  # inputs and next-character targets
   valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)
 
-  mesh = jax.make_mesh((n_dev,), ("data",))
+  hsdp = config.sharding == "hsdp"
+  if hsdp and (config.hosts < 1 or n_dev % config.hosts):
+    raise ValueError(f"hosts={config.hosts} must divide the device count {n_dev}")
+  axes = ("hosts", "devices") if hsdp else "data"
+  mesh = (jax.make_mesh((config.hosts, n_dev // config.hosts), axes) if hsdp
+          else jax.make_mesh((n_dev,), ("data",)))
   model = model_lib.CharTransformer(
       vocab_size=data_lib.VOCAB_SIZE, context=config.context,
       d_model=config.d_model, num_layers=config.num_layers,
@@ -102,12 +111,13 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     raise ValueError(f"sharding must be one of {SHARDINGS}, got "
                      f"{config.sharding!r}")
   fsdp = config.sharding == "fsdp"
-  if config.param_compressor and not fsdp:
-    raise ValueError("param_compressor needs sharding='fsdp'")
-  if config.diloco_every and (fsdp or config.ratio_warmup_steps):
+  if config.param_compressor and not (fsdp or hsdp):
+    raise ValueError("param_compressor needs sharding='fsdp' or 'hsdp'")
+  if config.diloco_every and (fsdp or hsdp or config.ratio_warmup_steps):
     raise ValueError("diloco_every runs with sharding='replicated' and no "
                      "ratio warm-up")
-  stage_bytes = common.stage_bytes(stages, params, mesh, sharded=fsdp)
+  stage_bytes = common.stage_bytes(stages, params, mesh,
+                                   sharded="hsdp" if hsdp else fsdp)
   if config.diloco_every:
     # Per-device parameters between syncs; evaluated at the synchronized
     # ones. An exchange happens every diloco_every steps.
@@ -116,14 +126,17 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                                              state_specs=specs)]
     stage_bytes = [b / config.diloco_every for b in stage_bytes]
     whole = lambda p, st: jaxcomp.lowcomm.synced_params(st)
-  elif fsdp:
-    # Parameters and optimizer state as flat shards over the devices; the
-    # gradient of the gathered parameters is reduce-scattered, compressed.
-    params, shapes, opt_state, specs = jaxcomp.fsdp.init(stages[0].tx, params,
-                                                         mesh)
+  elif fsdp or hsdp:
+    # Parameters and optimizer state as flat shards over the devices (HSDP:
+    # a host's devices); the gradient of the gathered parameters is
+    # reduce-scattered, compressed (HSDP: exactly, then compressed across).
+    shard_axis = "devices" if hsdp else axes
+    params, shapes, opt_state, specs = jaxcomp.fsdp.init(
+        stages[0].tx, params, mesh, axes, shard_axis=shard_axis)
     steps = [jaxcomp.fsdp.make_train_step(
-        loss_fn, st.tx, shapes, mesh=mesh, state_specs=specs,
-        param_compressor=config.param_compressor) for st in stages]
+        loss_fn, st.tx, shapes, mesh=mesh, state_specs=specs, axis_name=axes,
+        shard_axis=shard_axis, param_compressor=config.param_compressor)
+             for st in stages]
     whole = lambda p, st: jaxcomp.fsdp.unshard_params(p, shapes)
   else:
     opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
@@ -133,7 +146,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     whole = lambda p, st: p
   memory = {"param_bytes_per_device": jaxcomp.fsdp.state_bytes(params),
             "opt_state_bytes_per_device": jaxcomp.fsdp.state_bytes(opt_state)}
-  batch_sharding = NamedSharding(mesh, P("data"))
+  batch_sharding = NamedSharding(mesh, P(axes))
 
   rng = np.random.default_rng(config.seed)
 
@@ -180,7 +193,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                     "seconds": time.perf_counter() - t0})
     if config.max_steps is not None and done >= config.max_steps:
       break
-  stats = jaxcomp.get_stats(opt_state)
+  stats = common.exchange_stats(opt_state, config.sharding)
   per_sync = max(config.diloco_every, 1)  # DiLoCo: one exchange per sync
   return {
       "dataset": (f"CPython {corpus.python_version} stdlib: "
