@@ -1,19 +1,35 @@
-"""DiLoCo on the character LM: validation loss against bytes over the run.
+"""DiLoCo and DeMo on the character LM: validation loss against bytes over the run.
 
-Trains ``examples.char_lm`` (8 simulated CPU devices, the example's default
-model, Adam 3e-3 and steps) with dense data parallelism and with DiLoCo
-(``--diloco-every H``: Adam per device, a pseudo-gradient exchange every H
-steps, outer Nesterov SGD 0.7 / 0.9), its pseudo-gradients dense or
-compressed, and prints one row per run: validation loss, its difference to
-dense data parallelism's, bytes one device hands to collectives over the
-run and the factor fewer than dense.
+Trains ``examples.char_lm`` (8 simulated CPU devices) with dense data
+parallelism and with DiLoCo (``diloco_every=H``: the optimizer per device,
+a pseudo-gradient exchange every H steps, outer Nesterov SGD 0.7 / 0.9),
+its pseudo-gradients dense or compressed (4-bit blocks as Streaming DiLoCo
+and INTELLECT-1; top-k with 2-bit values and error feedback as SparseLoCo),
+Streaming DiLoCo (F fragments on a staggered schedule) and DeMo, and
+prints one row per run: validation loss, its difference to dense data
+parallelism's, bytes one device hands to collectives over the run and the
+factor fewer than dense.
+
+The example's defaults (300 steps, Adam 3e-3), the six rows of
+``benchmarks/results/diloco_char_lm.txt``::
 
   python benchmarks/diloco_char_lm.py --out benchmarks/results/diloco_char_lm.txt
+
+The 3600-step runs at docs/convergence.md's LM settings (momentum SGD 0.3,
+cosine), with a plot of validation loss against total bytes::
+
+  python benchmarks/diloco_char_lm.py --steps 3600 --optimizer momentum \\
+      --lr 0.3 --schedule cosine --runs dp h10 h50 h100 h50_int4 \\
+      h100_int4 h50_sparseloco h100_sparseloco stream_f4_h100_int4 demo \\
+      --jsonl benchmarks/results/diloco_char_lm_3600.jsonl --resume \\
+      --plot docs/convergence_lowcomm.png \\
+      --out benchmarks/results/diloco_char_lm_3600.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,42 +38,125 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples import xla_flags  # noqa: E402  (imports no jax)
 
-# (label, Config fields): dense data parallelism first, the baseline.
-RUNS = [
-    ("data parallel, dense", dict(compressor="identity")),
-    ("DiLoCo H=10, dense", dict(compressor="identity", diloco_every=10)),
-    ("DiLoCo H=10, int8 blocks 4-bit", dict(compressor="int8_block", bits=4,
-                                             diloco_every=10)),
-    ("DiLoCo H=10, top-k 5% + EF", dict(compressor="topk", ratio=0.05,
-                                         diloco_every=10)),
-    ("DiLoCo H=50, dense", dict(compressor="identity", diloco_every=50)),
-    ("DiLoCo H=50, int8 blocks 4-bit", dict(compressor="int8_block", bits=4,
-                                             diloco_every=50)),
-]
+_INT4 = dict(compressor="int8_block", bits=4)
+_SPARSELOCO = dict(compressor="topk", ratio=0.02, value_bits=2)
+# name: (label, Config fields). "dp" is the baseline of the relative columns.
+RUNS = {
+    "dp": ("data parallel, dense", dict(compressor="identity")),
+    "h10": ("DiLoCo H=10, dense", dict(compressor="identity", diloco_every=10)),
+    "h10_int4": ("DiLoCo H=10, int8 blocks 4-bit", dict(_INT4, diloco_every=10)),
+    "h10_topk5": ("DiLoCo H=10, top-k 5% + EF",
+                  dict(compressor="topk", ratio=0.05, diloco_every=10)),
+    "h50": ("DiLoCo H=50, dense", dict(compressor="identity", diloco_every=50)),
+    "h50_int4": ("DiLoCo H=50, int8 blocks 4-bit", dict(_INT4, diloco_every=50)),
+    "h100": ("DiLoCo H=100, dense", dict(compressor="identity", diloco_every=100)),
+    "h100_int4": ("DiLoCo H=100, int8 blocks 4-bit", dict(_INT4, diloco_every=100)),
+    "h50_sparseloco": ("DiLoCo H=50, top-k 2% 2-bit values + EF (SparseLoCo)",
+                       dict(_SPARSELOCO, diloco_every=50)),
+    "h100_sparseloco": ("DiLoCo H=100, top-k 2% 2-bit values + EF (SparseLoCo)",
+                        dict(_SPARSELOCO, diloco_every=100)),
+    "stream_f4_h100_int4": ("Streaming DiLoCo H=100 F=4, int8 blocks 4-bit",
+                            dict(_INT4, diloco_every=100, diloco_fragments=4)),
+    "demo": ("DeMo (topk 32 of 64x64 DCT chunks)", dict(optimizer="demo")),
+}
+DEFAULT_RUNS = ("dp", "h10", "h10_int4", "h10_topk5", "h50", "h50_int4")
+
+
+def _plot(rows, path: str, title: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  for r in rows:
+    ax.scatter(r["total_bytes"] / 1e6, r["valid_loss"], s=28)
+    ax.annotate(r["name"], (r["total_bytes"] / 1e6, r["valid_loss"]), fontsize=7,
+                xytext=(4, 3), textcoords="offset points")
+  base = next((r for r in rows if r["name"] == "dp"), None)
+  if base:
+    for pct, style in ((3, "--"), (5, ":")):
+      ax.axhline(base["valid_loss"] * (1 + pct / 100), color="gray", ls=style, lw=0.8,
+                 label=f"dense + {pct}%")
+      ax.axvline(base["total_bytes"] / 1e6 / (500 if pct == 3 else 2000), color="gray",
+                 ls=style, lw=0.8)
+    ax.legend(fontsize=8)
+  ax.set_xscale("log")
+  ax.set_xlabel("bytes per device over the run (MB)")
+  ax.set_ylabel("validation loss (nats/char)")
+  ax.set_title(title, fontsize=9)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(DEFAULT_RUNS),
+                  help="which rows to run (default: the six of the 300-step table)")
+  ap.add_argument("--steps", type=int, default=None,
+                  help="steps per run, one epoch (default: the example's 3 x 100)")
+  ap.add_argument("--optimizer", default=None,
+                  help="the (inner) optimizer (default: the example's, adam)")
+  ap.add_argument("--lr", type=float, default=None, help="its learning rate")
+  ap.add_argument("--schedule", default=None, help="constant or cosine")
+  ap.add_argument("--demo-lr", type=float, default=3e-3,
+                  help="DeMo's learning rate (its update is lr * sign)")
+  ap.add_argument("--jsonl", help="append each run's result here")
+  ap.add_argument("--resume", action="store_true",
+                  help="skip the runs already in --jsonl (same names)")
+  ap.add_argument("--plot", help="write validation loss against total bytes here")
   ap.add_argument("--out", default=None, help="also write the table here")
   args = ap.parse_args(argv)
   xla_flags.set_cpu_devices(8)
   from examples.char_lm import train  # pylint: disable=g-import-not-at-top
 
-  rows, base = [], None
-  for label, fields in RUNS:
+  base = {"progress": False}
+  if args.steps:
+    base.update(epochs=1, steps_per_epoch=args.steps)
+  for key, field in (("optimizer", "optimizer"), ("lr", "learning_rate"),
+                     ("schedule", "lr_schedule")):
+    if getattr(args, key) is not None:
+      base[field] = getattr(args, key)
+  done = {}
+  if args.resume and args.jsonl and os.path.exists(args.jsonl):
+    with open(args.jsonl) as f:
+      done = {r["name"]: r for r in map(json.loads, f)}
+  names = (["dp"] if "dp" not in args.runs else []) + list(args.runs)
+  results = []
+  for name in names:
+    label, fields = RUNS[name]
+    if name in done:
+      results.append(done[name])
+      continue
+    cfg = dict(base, **fields)
+    if name == "demo":
+      cfg["learning_rate"] = args.demo_lr
     t0 = time.perf_counter()
-    r = train.train_and_evaluate(train.Config(progress=False, **fields))
-    loss, total = r["epochs"][-1]["valid_loss"], r["bytes_per_step"] * r["steps"]
-    base = base or (loss, r["dense_bytes_per_step"] * r["steps"])
-    rows.append((label, f"{loss:.4f}", f"{100 * (loss / base[0] - 1):+.2f}%",
-                 f"{total:,.0f}", f"{base[1] / total:,.1f}x"))
-    print(f"{label}: {time.perf_counter() - t0:.0f} s ({r['steps']} steps)",
-          flush=True)
+    r = train.train_and_evaluate(train.Config(**cfg))
+    row = {"name": name, "label": label, "valid_loss": r["epochs"][-1]["valid_loss"],
+           "total_bytes": r["bytes_per_step"] * r["steps"],
+           "dense_total_bytes": r["dense_bytes_per_step"] * r["steps"],
+           "steps": r["steps"], "seconds": time.perf_counter() - t0,
+           "config": {k: v for k, v in cfg.items() if k != "progress"}}
+    results.append(row)
+    print(f"{label}: {row['seconds']:.0f} s ({r['steps']} steps), "
+          f"validation loss {row['valid_loss']:.4f}", flush=True)
+    if args.jsonl:
+      with open(args.jsonl, "a") as f:
+        f.write(json.dumps(row) + "\n")
+  dp = next(r for r in results if r["name"] == "dp")
   hdr = ("run", "validation loss", "vs dense", "bytes / device over the run",
-         "fewer than dense")
+         "fewer than dense", "wall s")
+  rows = [(r["label"], f"{r['valid_loss']:.4f}",
+           f"{100 * (r['valid_loss'] / dp['valid_loss'] - 1):+.2f}%",
+           f"{r['total_bytes']:,.0f}", f"{dp['dense_total_bytes'] / r['total_bytes']:,.1f}x",
+           f"{r['seconds']:.0f}") for r in results]
   text = "\n".join(["| " + " | ".join(hdr) + " |", "|" + " --- |" * len(hdr)]
                    + ["| " + " | ".join(r) + " |" for r in rows])
   print(text)
+  if args.plot:
+    _plot(results, args.plot, f"character LM, {dp['steps']} steps, 8 devices: "
+          "validation loss against bytes (targets: +3% at 500x, +5% at 2000x fewer)")
   if args.out:
     with open(args.out, "w") as f:
       f.write(f"$ python benchmarks/diloco_char_lm.py "

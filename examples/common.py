@@ -17,6 +17,7 @@ _HYPERPARAMETER_FIELDS = {
     "ratio": "ratio", "levels": "levels", "rank": "rank", "bits": "bits",
     "format": "format", "threshold": "threshold", "block_size": "block_size",
     "capacity_ratio": "ratio", "rounding": "rounding",
+    "value_bits": "value_bits",
 }
 _ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
@@ -35,6 +36,7 @@ class CompressionConfig:
   threshold: float = 1e-3  # threshold compressor's magnitude threshold
   block_size: int = 256  # int8_block / fp8_block elements per scale
   rounding: str = "nearest"  # int8_block / fp8_block: or "stochastic" (unbiased)
+  value_bits: int | None = None  # top-k: quantize the kept values (2, 4 or 8)
   error_feedback: bool | str | None = None  # None: on for biased ones
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
   ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
@@ -184,6 +186,7 @@ def stages(config, learning_rate):
   axis = "hosts" if sharding == "hsdp" else "data"
 
   diloco_every = getattr(config, "diloco_every", 0)
+  fragments = getattr(config, "diloco_fragments", 1)
 
   def make_tx(ratio=None):
     kw = kwargs if ratio is None else dict(kwargs, ratio=ratio)
@@ -196,6 +199,7 @@ def stages(config, learning_rate):
       # the compressed mean carries the pseudo-gradient every H steps.
       return jaxcomp.diloco(
           optimizer(config.optimizer, learning_rate), sync_every=diloco_every,
+          fragments=fragments,
           compressor=config.compressor,
           min_compress_size=config.min_compress_size,
           error_feedback=config.error_feedback, seed=config.seed, **kw)

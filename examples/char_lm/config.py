@@ -30,5 +30,6 @@ class Config(CompressionConfig):
   hosts: int = 2  # hsdp: the devices split into this many simulated hosts
   param_compressor: str | None = None  # fsdp: compress the parameters'
   #                                      forward all-gather (e.g. "int8_block")
+  diloco_fragments: int = 1  # Streaming DiLoCo's fragments (diloco_every > 0)
   diloco_every: int = 0  # > 0: DiLoCo, a compressed pseudo-gradient
   #                        exchange every this many steps (jaxcomp.diloco)
