@@ -67,6 +67,8 @@ def add_compression_flags(p: argparse.ArgumentParser, defaults) -> None:
                  help="threshold compressor's magnitude threshold")
   p.add_argument("--block-size", type=int, default=d.block_size,
                  help="int8_block / fp8_block elements per scale")
+  p.add_argument("--value-bits", type=int, choices=(2, 4, 8), default=d.value_bits,
+                 help="top-k: send the kept values as this many bits (SparseLoCo: 2)")
   p.add_argument("--rounding", choices=("nearest", "stochastic"),
                  default=d.rounding,
                  help="int8_block / fp8_block rounding (stochastic: unbiased, "
@@ -140,7 +142,7 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       compressor=args.compressor, ratio=args.ratio, levels=args.levels,
       rank=args.rank, bits=args.bits, format=args.format,
       threshold=args.threshold, block_size=args.block_size,
-      rounding=args.rounding, error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
+      rounding=args.rounding, value_bits=args.value_bits, error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
       min_compress_size=args.min_compress_size,
       ratio_warmup_steps=args.ratio_warmup_steps,

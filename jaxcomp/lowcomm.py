@@ -54,12 +54,16 @@ class DiLoCoState(NamedTuple):
   exchange_state: tuple  # per fragment: the compressed mean's (error
   #                        feedback per device)
   synced: Any  # like the parameters, bool scalars: the leaf synced last step
+  pending: tuple = ()  # overlap_steps > 0: per fragment, the averaged
+  #                      pseudo-gradient received at its last sync and not
+  #                      yet applied (invariant); () otherwise
 
 
 def diloco(inner: optax.GradientTransformation,
            outer: optax.GradientTransformation | None = None, *,
            sync_every: int, compressor: str = "identity",
            axis_name: AxisName = "data", fragments: int = 1,
+           overlap_steps: int = 0, merge: float = 0.5,
            **compressed_mean_kwargs) -> optax.GradientTransformation:
   """DiLoCo: ``sync_every`` local steps of ``inner``, then an ``outer``
   step on the compressed mean of the pseudo-gradients.
@@ -102,6 +106,19 @@ def diloco(inner: optax.GradientTransformation,
       ``1 / fragments`` of the model and the peak bandwidth drops by that
       factor (each fragment has its own outer-optimizer and exchange
       state). Default 1: DiLoCo.
+    overlap_steps: Streaming DiLoCo's ``tau``: a fragment's averaged
+      pseudo-gradient is applied ``overlap_steps`` steps after its exchange,
+      so the exchange can overlap that many steps of compute. With it the
+      pseudo-gradient is taken from the step's incoming parameters (before
+      that step's inner update), so nothing in the step waits for the
+      collective, and when the outer update lands the local fragment
+      becomes ``merge * local + (1 - merge) * anchor`` (the paper's
+      mixing, ``alpha``). Default 0: the exchange and the outer step in the
+      same step, every device set to the new anchor. Must be below
+      ``sync_every``.
+    merge: the local parameters' weight when a delayed outer update lands
+      (``overlap_steps > 0`` only), in ``[0, 1]``; default 0.5, the
+      paper's; 0 sets every device to the new anchor.
     **compressed_mean_kwargs: the rest of :func:`jaxcomp.compressed_mean`'s
       arguments (``error_feedback``, ``collective``, ``bucketing``,
       hyperparameters such as ``ratio`` or ``bits``, ...).
@@ -112,7 +129,9 @@ def diloco(inner: optax.GradientTransformation,
 
   Raises:
     ValueError: ``sync_every`` not an integer >= 1, ``fragments`` not in
-      ``[1, sync_every]`` (or, in ``init``, more than the leaves), or what
+      ``[1, sync_every]`` (or, in ``init``, more than the leaves),
+      ``overlap_steps`` not in ``[0, sync_every)``, ``merge`` not in
+      ``[0, 1]``, or what
       :func:`jaxcomp.compressed_mean` raises for its arguments.
 
   Example:
@@ -137,6 +156,14 @@ def diloco(inner: optax.GradientTransformation,
       or not 1 <= fragments <= sync_every):
     raise ValueError(f"fragments must be an integer in [1, sync_every="
                      f"{sync_every}], got {fragments=!r}")
+  if (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, numbers.Integral)
+      or not 0 <= overlap_steps < sync_every):
+    raise ValueError(f"overlap_steps must be an integer in [0, sync_every="
+                     f"{sync_every}), got {overlap_steps=!r}: a fragment's "
+                     "outer update must land before its next exchange")
+  if isinstance(merge, bool) or not isinstance(merge, numbers.Real) or not 0 <= merge <= 1:
+    raise ValueError(f"merge must be a number in [0, 1], got {merge=!r}")
+  tau = int(overlap_steps)
   mean = transform.compressed_mean(compressor, axis_name,
                                    **compressed_mean_kwargs)
   # Fragment j syncs offsets[j] steps before the interval's end (Streaming
@@ -172,7 +199,48 @@ def diloco(inner: optax.GradientTransformation,
         anchor=anchor,
         outer_state=tuple(outer.init([a_leaves[i] for i in g]) for g in frags),
         exchange_state=tuple(mean.init([p_leaves[i] for i in g]) for g in frags),
-        synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params))
+        synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params),
+        pending=tuple([jnp.zeros(jnp.shape(a_leaves[i]), jnp.result_type(a_leaves[i]))
+                       for i in g] for g in frags) if tau else ())
+
+  def delayed(j, g, sync, state, p_leaves, l_leaves, updates, anchor):
+    """Fragment ``j`` with ``overlap_steps = tau > 0``: on its sync step,
+    the exchange of ``anchor - params`` (the incoming parameters) into
+    ``pending``; ``tau`` steps later, the outer step on it and the merge.
+    Returns the fragment's anchor, outer, exchange and pending state, its
+    leaves' updates, and whether its outer update landed this step."""
+    step = state.step
+
+    def exchange(args):
+      exchange_state, pending = args
+      pseudo = [(anchor[i] - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
+                for i in g]
+      avg, exchange_state = mean.update(pseudo, exchange_state,
+                                        [p_leaves[i] for i in g])
+      return exchange_state, [a.astype(x.dtype) for a, x in zip(avg, pending)]
+
+    exchange_state, pending = lax.cond(
+        sync, exchange, lambda args: args,
+        (state.exchange_state[j], list(state.pending[j])))
+    # The sync tau steps ago (never before the first one).
+    landed = ((step + 1 + offsets[j] - tau) % sync_every == 0) & (step >= tau)
+
+    def land(args):
+      anchor_g, outer_state = args
+      outer_updates, outer_state = outer.update(
+          list(state.pending[j]), outer_state, anchor_g)
+      anchor_g = optax.apply_updates(anchor_g, outer_updates)
+      m = jnp.float32(merge)
+      ups = [((m * l_leaves[i] + (1 - m) * a) - p_leaves[i]).astype(
+          jnp.result_type(p_leaves[i])) for a, i in zip(anchor_g, g)]
+      return ups, (anchor_g, outer_state)
+
+    def keep(args):
+      return [updates[i] for i in g], args
+
+    ups, (anchor_g, outer_state) = lax.cond(
+        landed, land, keep, ([anchor[i] for i in g], state.outer_state[j]))
+    return anchor_g, outer_state, exchange_state, pending, ups, landed
 
   def update_fn(grads, state, params=None):
     if params is None:
@@ -193,9 +261,18 @@ def diloco(inner: optax.GradientTransformation,
     updates = treedef.flatten_up_to(inner_updates)
     anchor = treedef.flatten_up_to(state.anchor)
     synced = [None] * len(p_leaves)
-    outer_states, exchange_states = [], []
+    outer_states, exchange_states, pendings = [], [], []
     for j, g in enumerate(groups(p_leaves)):
       sync = (state.step + 1 + offsets[j]) % sync_every == 0
+      if tau:
+        (anchor_g, outer_state, exchange_state, pending, ups,
+         landed) = delayed(j, g, sync, state, p_leaves, l_leaves, updates, anchor)
+        pendings.append(pending)
+        for i, u, a in zip(g, ups, anchor_g):
+          updates[i], anchor[i], synced[i] = u, a, landed & (merge == 0)
+        outer_states.append(outer_state)
+        exchange_states.append(exchange_state)
+        continue
 
       def run(args, g=g):
         anchor_g, outer_state, exchange_state = args
@@ -224,7 +301,8 @@ def diloco(inner: optax.GradientTransformation,
     return unflat(updates), DiLoCoState(
         step=state.step + 1, inner_state=inner_state, anchor=unflat(anchor),
         outer_state=tuple(outer_states),
-        exchange_state=tuple(exchange_states), synced=unflat(synced))
+        exchange_state=tuple(exchange_states), synced=unflat(synced),
+        pending=tuple(pendings))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -114,29 +114,101 @@ def test_pseudo_gradient_exchange_is_exact_or_bounded(mesh8, compressor, kw, bou
       assert err <= bound * np.abs(pseudo).max() + 1e-7, (k, err)
 
 
-def test_resume_mid_interval_is_bit_exact(mesh8, tmp_path):
-  batches = _batches(mesh8, 5)
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_resume_mid_interval_is_bit_exact(mesh8, tmp_path, overlap):
+  # overlap_steps=1: the checkpoint falls between an exchange (step 3) and
+  # its landing (step 4), with the averaged pseudo-gradient pending.
+  batches = _batches(mesh8, 5 + overlap)
   tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="topk",
-                      ratio=0.2)
+                      ratio=0.2, overlap_steps=overlap)
   local, st, specs = lowcomm.init(tx, _params(), mesh8)
   step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
-  for b in batches[:2]:  # mid-interval: 2 of 3
+  cut = 3 if overlap else 2  # mid-interval, or with an update pending
+  for b in batches[:cut]:
     local, st, _ = step(local, st, b)
+  if overlap:
+    assert np.abs(np.asarray(st.pending[0][0])).max() > 0
   ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
-  ckpt.save(2, {"params": local, "opt_state": st})
+  ckpt.save(cut, {"params": local, "opt_state": st})
   a, a_st = local, st
-  for b in batches[2:]:
+  for b in batches[cut:]:
     a, a_st, _ = step(a, a_st, b)
   fresh, fresh_st, _ = lowcomm.init(tx, _params(), mesh8)
   _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
   r, r_st = restored["params"], restored["opt_state"]
-  for b in batches[2:]:
+  for b in batches[cut:]:
     r, r_st, _ = step(r, r_st, b)
   for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _delayed_reference(targets, w0, *, steps, h, tau, merge, lr, outer_lr, offsets):
+  """Streaming DiLoCo with delayed outer updates, in numpy: one leaf per
+  fragment, loss_d(w) = 0.5 |w - t_d|^2, inner and outer plain SGD."""
+  p, frags = targets.shape[0], len(offsets)
+  local = np.repeat(w0[None], p, 0).astype(np.float64)
+  anchor = w0.astype(np.float64).copy()
+  pending = np.zeros_like(anchor)
+  cols = np.array_split(np.arange(w0.size), frags)  # one leaf = one fragment
+  history = []
+  for step in range(steps):
+    incoming = local.copy()
+    local = local - lr * (local - targets)
+    for j, c in enumerate(cols):
+      landed = (step + 1 + offsets[j] - tau) % h == 0 and step >= tau
+      if landed:
+        anchor[c] = anchor[c] - outer_lr * pending[c]
+        local[:, c] = merge * local[:, c] + (1 - merge) * anchor[c]
+      if (step + 1 + offsets[j]) % h == 0:
+        pending[c] = (anchor[c] - incoming[:, c]).mean(0)
+    history.append(local.copy())
+  return history, anchor
+
+
+@pytest.mark.parametrize("fragments,tau,merge", [(1, 1, 0.5), (2, 2, 0.0), (2, 1, 0.25)])
+def test_delayed_outer_updates_follow_the_reference(mesh8, fragments, tau, merge):
+  # Streaming DiLoCo's overlap: each fragment's exchange (of the step's
+  # incoming parameters) lands tau steps later, merged with the local
+  # parameters. Checked against a numpy reference on a quadratic whose
+  # gradient is w - t_d on device d.
+  h, steps, n = 4, 11, 6
+  targets = np.asarray(jax.random.normal(jax.random.key(5), (8, 2 * n)), np.float32)
+  w0 = np.linspace(-1, 1, 2 * n).astype(np.float32)
+  params = {"a": jnp.asarray(w0[:n]), "b": jnp.asarray(w0[n:])}
+  if fragments == 1:
+    params = {"a": jnp.asarray(w0)}
+
+  def loss(p, t):
+    w = jnp.concatenate([p[k] for k in sorted(p)])
+    return 0.5 * jnp.sum((w - t[0]) ** 2)
+
+  tx = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(0.7), sync_every=h, fragments=fragments,
+                      overlap_steps=tau, merge=merge)
+  local, st, specs = lowcomm.init(tx, params, mesh8)
+  step = lowcomm.make_train_step(loss, tx, mesh=mesh8, state_specs=specs)
+  t = jax.device_put(targets, NamedSharding(mesh8, P("data")))
+  offsets = [j * h // fragments for j in range(fragments)]
+  want, want_anchor = _delayed_reference(targets, w0, steps=steps, h=h, tau=tau, merge=merge,
+                                         lr=0.1, outer_lr=0.7, offsets=offsets)
+  for i in range(steps):
+    local, st, _ = step(local, st, t)
+    got = np.concatenate([np.asarray(local[k]) for k in sorted(local)], axis=1)
+    np.testing.assert_allclose(got, want[i], rtol=1e-5, atol=1e-6, err_msg=f"step {i}")
+  anchor = lowcomm.synced_params(st)
+  np.testing.assert_allclose(np.concatenate([np.asarray(anchor[k]) for k in sorted(anchor)]),
+                             want_anchor, rtol=1e-5, atol=1e-6)
+  # The collectives run in the exchange branches only; landing sends nothing.
+  fresh, st0, _ = lowcomm.init(tx, params, mesh8)
+  traffic = jaxcomp.collective_traffic(step.lower(fresh, st0, t).compile())
+  branch = sum(o.operand_bytes for o in traffic.ops if o.in_branch)
+  assert branch == 4 * 2 * n + 4 * fragments  # each fragment once, with its flag
+
+
 def test_diloco_refuses_bad_input():
+  with pytest.raises(ValueError, match="overlap_steps must be an integer in \\[0, sync_every=4\\)"):
+    jaxcomp.diloco(optax.sgd(0.1), sync_every=4, overlap_steps=4)
+  with pytest.raises(ValueError, match="merge must be a number in \\[0, 1\\]"):
+    jaxcomp.diloco(optax.sgd(0.1), sync_every=4, overlap_steps=1, merge=1.5)
   with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
     jaxcomp.diloco(optax.sgd(0.1), sync_every=0)
   with pytest.raises(ValueError, match="ratio"):

@@ -40,6 +40,9 @@ def parse(argv=None):
   p.add_argument("--param-compressor", default=None,
                  help="with --sharding fsdp: compress the parameters' forward "
                  "all-gather (ZeRO++'s qwZ), e.g. int8_block")
+  p.add_argument("--diloco-fragments", type=int, default=defaults.diloco_fragments,
+                 help="with --diloco-every: Streaming DiLoCo's fragments, synced "
+                 "on staggered steps")
   p.add_argument("--diloco-every", type=int, default=defaults.diloco_every,
                  help="> 0: DiLoCo, the optimizer per device and a compressed "
                  "pseudo-gradient exchange every this many steps")
@@ -63,7 +66,8 @@ def main(argv=None) -> int:
       num_layers=args.layers, num_heads=args.heads,
       learning_rate=args.learning_rate, optimizer=args.optimizer,
       lr_schedule=args.lr_schedule, sharding=args.sharding, hosts=args.hosts,
-      diloco_every=args.diloco_every, param_compressor=args.param_compressor,
+      diloco_every=args.diloco_every, diloco_fragments=args.diloco_fragments,
+      param_compressor=args.param_compressor,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {common.exchange_name(args)}", flush=True)
