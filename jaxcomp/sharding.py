@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
 
 from jaxcomp._mesh import AxisName
 from jaxcomp._mesh import check_axis_name
@@ -104,6 +105,26 @@ def _leaf_specs(spec, tree) -> list:
       is_leaf=_is_spec), is_leaf=_is_spec)
 
 
+def _refuse_per_device_combinators(state) -> None:
+  """Raises ValueError where ``optax.apply_if_finite`` wraps a jaxcomp
+  transform: it decides on each device's own gradient, so devices could
+  disagree about running the exchange (JAX refuses to trace it, with a cond
+  type error that does not say why)."""
+  from jaxcomp import transform  # pylint: disable=g-import-not-at-top
+  is_aif = lambda x: isinstance(x, optax.ApplyIfFiniteState)
+  for x in jax.tree.leaves(state, is_leaf=is_aif):
+    if not is_aif(x):
+      continue
+    has_mean = lambda y: isinstance(y, transform.CompressedMeanState)
+    if any(has_mean(y) for y in jax.tree.leaves(x.inner_state, is_leaf=has_mean)):
+      raise ValueError(
+          "optax.apply_if_finite wraps a jaxcomp.compressed_mean: it checks each "
+          "device's own gradient, so the devices could disagree about running "
+          "the exchange; use jaxcomp.apply_if_finite(inner, axis_name, "
+          "max_consecutive_errors), which decides on every device's gradient "
+          "together (or compressed_mean's own nonfinite='skip', the default)")
+
+
 def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
                 grads=None):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
@@ -118,7 +139,9 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   found = []
 
   def probe(p):
-    found.append(jax.tree.map(varying_axes, init_fn(p)))
+    st = init_fn(p)
+    _refuse_per_device_combinators(st)
+    found.append(jax.tree.map(varying_axes, st))
     return jnp.zeros((), jnp.float32)
 
   jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(params_spec,),

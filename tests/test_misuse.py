@@ -81,3 +81,18 @@ def test_state_placement_says_when_the_update_cannot_be_traced(mesh8):
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.adam(1e-3))
   with pytest.warns(RuntimeWarning, match="could not be traced to place"):
     jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+
+
+def test_optax_apply_if_finite_around_the_exchange_names_the_replacement(mesh8):
+  # optax.apply_if_finite decides per device; around a compressed mean JAX
+  # would refuse the step with a cond type error about manual axis types.
+  # init_sharded (and everything built on it) says what to use instead.
+  params = {"w": jnp.ones((16,))}
+  inner = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"use jaxcomp\.apply_if_finite\(inner, axis_name"):
+    jaxcomp.init_sharded(optax.apply_if_finite(inner, 3), params, mesh8, "data")
+  # Around the optimizer alone (after the exchange) it is fine: every
+  # device sees the same averaged gradient.
+  tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
+                   optax.apply_if_finite(optax.sgd(0.1), 3))
+  jaxcomp.init_sharded(tx, params, mesh8, "data")
