@@ -467,6 +467,16 @@ class CompressedValueAndGrad:
     batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
       averaged over ``axis_name`` too.
+    shapes: FSDP: the parameters' shapes from
+      :func:`jaxcomp.fsdp.shard_params`. ``params`` are then the global flat
+      shards (``P(shard_axis)``), gathered for ``loss_fn``; ``transform``
+      reduce-scatters (``compressed_mean(..., output="shard")``) and the
+      gradient returned is the mean's flat shards, placed like the
+      parameters, so an optimizer initialised on the shards keeps its
+      moments sharded as well (``jax.jit`` partitions its elementwise
+      update).
+    shard_axis: FSDP: the axis the parameters are sharded over (default
+      ``axis_name``; HSDP: the fast axis).
 
   Raises:
     ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
@@ -474,19 +484,42 @@ class CompressedValueAndGrad:
 
   def __init__(self, loss_fn: Callable, transform, mesh, *,
                axis_name: AxisName = "data", batch_spec: Any = None,
-               has_aux: bool = False):
+               has_aux: bool = False, shapes=None,
+               shard_axis: AxisName | None = None):
     _check_mesh_axes(mesh, axis_name)
     self.transform, self.mesh, self.axis_name = transform, mesh, axis_name
     self.batch_spec = P(axis_name) if batch_spec is None else batch_spec
-    self._grad = per_device_value_and_grad(loss_fn, axis_name,
-                                           has_aux=has_aux)
+    self.shapes = shapes
+    self.shard_axis = axis_name if shard_axis is None else shard_axis
+    if shapes is None:
+      self._grad = per_device_value_and_grad(loss_fn, axis_name,
+                                             has_aux=has_aux)
+      self.params_spec = P()
+    else:
+      from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
+      self._grad = fsdp.value_and_grad(loss_fn, shapes, axis_name,
+                                       shard_axis=self.shard_axis,
+                                       has_aux=has_aux)
+      self.params_spec = P(self.shard_axis)
     self.specs = None
 
   def init(self, params):
     """The transform's state for ``params``, placed on the mesh (per-device
-    leaves with a leading device axis, see :func:`init_sharded`)."""
+    leaves with a leading device axis, see :func:`init_sharded`). FSDP
+    (``shapes`` given): ``params`` are the flat shards of
+    :func:`jaxcomp.fsdp.shard_params`.
+
+    Raises:
+      ValueError: with ``shapes``, no ``compressed_mean(...,
+        output="shard")`` over ``shard_axis`` in the transform.
+    """
+    grads = None if self.shapes is None else self.shapes
     state, self.specs = init_sharded(self.transform, params, self.mesh,
-                                     self.axis_name)
+                                     self.axis_name,
+                                     params_spec=self.params_spec, grads=grads)
+    if self.shapes is not None:
+      from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
+      fsdp._check_shard_outputs(state, self.shard_axis)  # pylint: disable=protected-access
     return state
 
   def __call__(self, params, state, batch):
@@ -505,14 +538,17 @@ class CompressedValueAndGrad:
       return (out, mean), to_global(state, self.specs)
 
     return jax.shard_map(
-        body, mesh=self.mesh, in_specs=(P(), self.specs, self.batch_spec),
-        out_specs=((P(), P()), self.specs))(params, state, batch)
+        body, mesh=self.mesh,
+        in_specs=(self.params_spec, self.specs, self.batch_spec),
+        out_specs=((P(), self.params_spec), self.specs))(params, state, batch)
 
 
 def compressed_value_and_grad(loss_fn: Callable, transform, mesh, *,
                               axis_name: AxisName = "data",
                               batch_spec: Any = None,
-                              has_aux: bool = False) -> CompressedValueAndGrad:
+                              has_aux: bool = False, shapes=None,
+                              shard_axis: AxisName | None = None
+                              ) -> CompressedValueAndGrad:
   """:class:`CompressedValueAndGrad`: the averaged gradient of ``loss_fn``
   through ``transform``'s compressed exchange, for ``jax.jit`` steps.
 
@@ -541,4 +577,5 @@ def compressed_value_and_grad(loss_fn: Callable, transform, mesh, *,
     16.0
   """
   return CompressedValueAndGrad(loss_fn, transform, mesh, axis_name=axis_name,
-                                batch_spec=batch_spec, has_aux=has_aux)
+                                batch_spec=batch_spec, has_aux=has_aux,
+                                shapes=shapes, shard_axis=shard_axis)

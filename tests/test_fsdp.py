@@ -563,3 +563,45 @@ def test_fsdp_gloo_reports_predictions_from_a_saved_run():
     measured, predicted = float(r[3]), float(r[5])
     assert 0.5 < predicted / measured < 2.0, r
   assert "fitted across processes" in run.stdout
+
+
+def test_compressed_value_and_grad_in_a_jit_step_on_shards(mesh8):
+  # The jit-step idiom with FSDP: the gradient line takes the shards and
+  # returns the mean's shards; the optimizer runs outside shard_map on
+  # global sharded arrays, and its moments stay sharded (1/8 per device).
+  # It trains as jaxcomp.fsdp.make_train_step does.
+  batch = _batch(mesh8)
+  shards, shapes = fsdp.shard_params(_params(), mesh8)
+  grad_fn = jaxcomp.compressed_value_and_grad(
+      _loss, jaxcomp.compressed_mean("identity", "data", output="shard"), mesh8,
+      shapes=shapes)
+  comp_state = grad_fn.init(shards)
+  optimizer = optax.adam(1e-2)
+  opt_state = optimizer.init(shards)
+
+  @jax.jit
+  def train_step(params, opt_state, comp_state, batch):
+    (loss, grads), comp_state = grad_fn(params, comp_state, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, comp_state, loss
+
+  tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
+                   optax.adam(1e-2))
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+    ref, _, st, specs = fsdp.init(tx, _params(), mesh8)
+  ref_step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
+  with jax.numpy_dtype_promotion("standard"):
+    for _ in range(5):
+      shards, opt_state, comp_state, loss = train_step(shards, opt_state, comp_state, batch)
+      ref, st, ref_loss = ref_step(ref, st, batch)
+      np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(shards[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+    assert shards[k].sharding.spec == P("data")
+  mu = opt_state[0].mu
+  assert fsdp.state_bytes(mu) == sum(4 * -(-math.prod(s) // 8) for s in SHAPES.values())
+  # A replicated-output transform is refused at init, naming the fix.
+  bad = jaxcomp.compressed_value_and_grad(
+      _loss, jaxcomp.compressed_mean("identity", "data"), mesh8, shapes=shapes)
+  with pytest.raises(ValueError, match="output='shard'"):
+    bad.init(shards)
