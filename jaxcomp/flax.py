@@ -49,24 +49,60 @@ class Optimizer(nnx.Optimizer):
     wrt: the variables to optimise (``nnx.Param``), as ``nnx.Optimizer``.
     mesh: the device mesh.
     axis_name: the data-parallel axis (or tuple of axes).
+    fsdp: shard the parameters (FSDP / ZeRO-3, :mod:`jaxcomp.fsdp`): each
+      ``wrt`` variable of ``model`` is replaced, in place, by its flat
+      shard over ``shard_axis`` (as PyTorch FSDP swaps a module's
+      parameters for flat shards); :func:`train_step` gathers them for the
+      loss and ``tx`` (with a ``compressed_mean(..., output="shard")``)
+      reduce-scatters the gradient, so parameters and optimizer state take
+      ``1 / p`` of the memory per device. Evaluate with
+      :func:`unsharded` (a copy of the model with whole parameters).
+    shard_axis: with ``fsdp``: the axis to shard over (default
+      ``axis_name``; HSDP: the fast axis inside a host).
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``.
+    ValueError: ``axis_name`` is not an axis of ``mesh``; with ``fsdp``, no
+      ``compressed_mean(..., output="shard")`` over ``shard_axis`` in ``tx``.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
-               axis_name: AxisName = "data"):
+               axis_name: AxisName = "data", fsdp: bool = False,
+               shard_axis: AxisName | None = None):
     # What nnx.Optimizer.__init__ does, with the state from init_sharded.
     self.graph = None
     self.step = nnx_optimizer.OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
     params = nnx.as_pure(nnx.state(model, wrt))
-    state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+    shard_axis = axis_name if shard_axis is None else shard_axis
+    shapes = None
+    if fsdp:
+      from jaxcomp import fsdp as fsdp_lib  # pylint: disable=g-import-not-at-top
+      shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
+                                                   shard_axis=shard_axis)
+      nnx.update(model, shards)
+    else:
+      state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
     self.opt_state = nnx.data(nnx_optimizer.to_opt_state(state))
     self.wrt = wrt
     self.mesh = nnx.static(mesh)
     self.axis_name = nnx.static(axis_name)
     self.specs = nnx.static(_Static(specs))
+    self.shapes = nnx.static(_Static(shapes))  # FSDP: the whole shapes
+    self.shard_axis = nnx.static(shard_axis)
+
+
+def unsharded(model, optimizer: Optimizer):
+  """A copy of ``model`` with whole parameters (replicated on the mesh),
+  for evaluation or export, from an FSDP :class:`Optimizer`'s model (whose
+  ``wrt`` variables hold flat shards); ``model`` itself is unchanged. A
+  model that is not sharded is returned as a copy too."""
+  from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
+  copy = nnx.clone(model)
+  shapes = optimizer.shapes.tree
+  if shapes is not None:
+    shards = nnx.as_pure(nnx.state(copy, optimizer.wrt))
+    nnx.update(copy, fsdp.unshard_params(shards, shapes))
+  return copy
 
 
 class _Static:
@@ -117,6 +153,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     mesh, axis = optimizer.mesh, optimizer.axis_name
     specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
     bspec = P(axis) if batch_spec is None else batch_spec
+    shapes = optimizer.shapes.tree
+    pspec = P() if shapes is None else P(optimizer.shard_axis)
 
     def body(params, keys, rest, opt_state, batch):
       index = lax.axis_index(axis)
@@ -128,8 +166,12 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
         *_, new_rest = nnx.split(model, wrt, nnx.RngKey, ...)
         return out[0] if has_aux else out, (out, nnx.as_pure(new_rest))
 
+      whole = params
+      if shapes is not None:  # FSDP: the gradient of the gathered parameters
+        from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
+        whole = fsdp.gather_params(params, shapes, optimizer.shard_axis)
       (_, (out, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-          _mesh.to_varying(params, axis))
+          _mesh.to_varying(whole, axis))
       new_rest = jax.tree.map(
           lambda x: lax.pmean(x, axis)
           if jnp.issubdtype(x.dtype, jnp.floating) else x, new_rest)
@@ -140,8 +182,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
               sharding.to_global(opt_state, specs), out)
 
     f = jax.shard_map(body, mesh=mesh,
-                      in_specs=(P(), P(), P(), specs, bspec),
-                      out_specs=(P(), P(), specs, P()))
+                      in_specs=(pspec, P(), P(), specs, bspec),
+                      out_specs=(pspec, P(), specs, P()))
     return jax.jit(f, donate_argnums=(0, 2, 3))
 
   def prepare(model, optimizer):
@@ -158,8 +200,9 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     if key not in compiled:
       compiled[key] = build(graphdef, optimizer)
     rep = NamedSharding(optimizer.mesh, P())
-    params, keys, rest = jax.device_put(
-        (nnx.as_pure(params), nnx.as_pure(keys), nnx.as_pure(rest)), rep)
+    keys, rest = jax.device_put((nnx.as_pure(keys), nnx.as_pure(rest)), rep)
+    params = jax.device_put(nnx.as_pure(params), rep if optimizer.shapes.tree is None
+                            else NamedSharding(optimizer.mesh, P(optimizer.shard_axis)))
     return compiled[key], (params, keys, rest, nnx.as_pure(optimizer.opt_state))
 
   def step(model, optimizer, batch):

@@ -77,6 +77,60 @@ def test_nnx_identity_equals_full_batch_training(mesh8):
   assert int(opt.step[...]) == 3
 
 
+def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
+  """fsdp=True: the model's parameters become flat shards (1/8 per device),
+  the step gathers them, reduce-scatters the gradient and updates the
+  shards; with identity it trains as nnx.Optimizer on the whole batch, and
+  unsharded() gives back a whole model for evaluation."""
+  batch = _batch(mesh8)
+  model = MLP(nnx.Rngs(0))
+  ref = MLP(nnx.Rngs(0))
+  tx = optax.sgd(0.1, momentum=0.9)
+  opt = jaxcomp.flax.Optimizer(
+      model, optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"), tx),
+      wrt=nnx.Param, mesh=mesh8, fsdp=True)
+  kernel = nnx.state(model, nnx.Param)["lin"]["kernel"][...]
+  assert kernel.shape == (8 * 12,) and kernel.sharding.spec == P("data")
+  ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  step = jaxcomp.flax.train_step(_loss)
+  host = jax.device_get(batch)
+  for _ in range(3):
+    loss = step(model, opt, batch)
+    ref_loss, grads = nnx.value_and_grad(_loss)(ref, host)
+    ref_opt.update(ref, grads)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+  full = jaxcomp.flax.unsharded(model, opt)
+  for a, b in zip(jax.tree.leaves(nnx.state(full, nnx.Param)),
+                  jax.tree.leaves(nnx.state(ref, nnx.Param))):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  x = host[0]
+  np.testing.assert_allclose(np.asarray(nnx.merge(*nnx.split(full))(x)),
+                             np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
+  # Parameters and momentum are shards: 1/8 of the parameters per device
+  # (each leaf padded to a multiple of 8; the state adds the scalar config,
+  # count, key and statistics).
+  from jaxcomp import fsdp
+  shard_bytes = 4 * sum(-(-n // 8) for n in (96, 16, 48, 3))
+  assert fsdp.state_bytes(nnx.state(model, nnx.Param)) == shard_bytes
+  momentum = opt.opt_state[1][0].trace
+  assert fsdp.state_bytes(nnx.state(momentum)) == shard_bytes
+  # BatchNorm's statistics (not optimised) stay whole; the model trains.
+  bn = MLP(nnx.Rngs(0), bn=True)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+    bn_opt = jaxcomp.flax.Optimizer(
+        bn, optax.chain(jaxcomp.compressed_mean("int8_block", "data", output="shard",
+                                                rounding="stochastic"), optax.adam(1e-2)),
+        wrt=nnx.Param, mesh=mesh8, fsdp=True)
+    losses = [float(step(bn, bn_opt, batch)) for _ in range(5)]
+  assert losses[-1] < losses[0]
+  assert nnx.state(bn, nnx.BatchStat)["bn"]["mean"][...].shape == (16,)
+  with pytest.raises(ValueError, match="output='shard'"):
+    jaxcomp.flax.Optimizer(MLP(nnx.Rngs(0)), optax.chain(
+        jaxcomp.compressed_mean("identity", "data"), tx), wrt=nnx.Param, mesh=mesh8,
+        fsdp=True)
+
+
 def test_nnx_batchnorm_is_averaged_and_dropout_differs_per_device(mesh8):
   batch = _batch(mesh8)
   model = MLP(nnx.Rngs(0, dropout=1), bn=True, dropout=0.5)
