@@ -12,7 +12,9 @@ instead and run the step per device under ``jax.shard_map``:
   with its own dropout keys, averages the BatchNorm statistics (and every
   other floating non-parameter state) over the devices after the step, as
   Flax's ImageNet example syncs ``batch_stats``, and updates the model and
-  the optimizer in place.
+  the optimizer in place. With ``Optimizer(..., fsdp=True)`` the model's
+  parameters are flat shards (:mod:`jaxcomp.fsdp`), gathered inside the
+  step; :func:`unsharded` gives a whole copy.
 * Linen: :func:`create_train_state` (a ``flax.training.train_state.
   TrainState`` with the state placed per device) and
   :func:`train_state_step`, which wraps a per-device ``step(state, batch)``
