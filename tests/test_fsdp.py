@@ -605,3 +605,33 @@ def test_compressed_value_and_grad_in_a_jit_step_on_shards(mesh8):
       _loss, jaxcomp.compressed_mean("identity", "data"), mesh8, shapes=shapes)
   with pytest.raises(ValueError, match="output='shard'"):
     bad.init(shards)
+
+
+def test_compiled_step_holds_a_pth_of_parameters_and_state(mesh8):
+  # From the compiled steps' memory analysis (per device): the arguments
+  # (parameters, Adam's two moments, the batch share, scalars) of the FSDP
+  # step are 1/8 of the replicated step's, up to the batch and scalars.
+  params = {"w": jnp.ones((256, 256)), "b": jnp.ones((256,))}
+
+  def loss(p, x):
+    return jnp.mean((x @ p["w"] + p["b"][None]) ** 2)
+
+  x = jax.device_put(jnp.ones((16, 256)), NamedSharding(mesh8, P("data")))
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
+    tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
+                     optax.adam(1e-3))
+    shards, shapes, st, specs = fsdp.init(tx, params, mesh8)
+    step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs)
+    sharded = step.lower(shards, st, x).compile().memory_analysis()
+    rtx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-3))
+    rst, rspecs = jaxcomp.init_sharded(rtx, params, mesh8, "data")
+    rstep = jaxcomp.make_train_step(loss, rtx, mesh=mesh8, state_specs=rspecs)
+    rep = rstep.lower(jax.device_put(params, NamedSharding(mesh8, P())), rst, x
+                      ).compile().memory_analysis()
+  n = 256 * 256 + 256
+  batch = 2 * 256 * 4  # this device's 2 rows
+  assert sharded.argument_size_in_bytes >= 3 * 4 * n // 8 + batch
+  assert sharded.argument_size_in_bytes < 3 * 4 * n // 8 + batch + 4096  # + scalars
+  assert rep.argument_size_in_bytes >= 3 * 4 * n + batch
+  ratio = (rep.argument_size_in_bytes - batch) / (sharded.argument_size_in_bytes - batch)
+  assert 7.5 < ratio <= 8.0, ratio
