@@ -405,10 +405,16 @@ def init(tx, params, mesh, axis_name: AxisName = "data"):
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     axis_name: AxisName = "data", batch_spec: Any = None,
-                    has_aux: bool = False, donate: bool = True) -> Callable:
+                    has_aux: bool = False, donate: bool = True,
+                    per_device_loss: bool = False) -> Callable:
   """The DiLoCo train step, compiled: per device, its own gradient of its
   own parameters, ``tx``'s update (a sync every ``sync_every`` steps), the
   loss averaged.
+
+  ``per_device_loss=True`` returns each device's own loss (shape ``(p,)``)
+  instead of averaging it: the steps between syncs then run no collective
+  at all, not even the loss's scalar all-reduce, so no device waits for
+  another between syncs (what a run over slow or uneven links wants).
 
   Returns:
     ``step(local_params, opt_state, batch) -> (local_params, opt_state,
@@ -426,13 +432,16 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     st = _find(opt_state)
     params = jax.tree.map(lambda a, x, y: jnp.where(y, a.astype(x.dtype), x),
                           st.anchor, params, st.synced)
-    return (jax.tree.map(lambda x: x[None], params), opt_state,
-            jax.tree.map(lambda v: lax.pmean(v, axis_name), out))
+    out = jax.tree.map(
+        (lambda v: v[None]) if per_device_loss
+        else (lambda v: lax.pmean(v, axis_name)), out)
+    return jax.tree.map(lambda x: x[None], params), opt_state, out
 
   step = sharding.shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,
       batch_spec=P(axis_name) if batch_spec is None else batch_spec,
-      params_spec=P(axis_name))
+      params_spec=P(axis_name),
+      out_aux_spec=P(axis_name) if per_device_loss else P())
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 

@@ -73,6 +73,13 @@ def test_devices_drift_between_syncs_and_meet_at_each(mesh8):
   branch = [o for o in traffic.ops if o.in_branch]
   assert sum(o.operand_bytes for o in branch) == 4 * n + 4  # pseudo-gradient + non-finite flag
   assert sum(o.operand_bytes for o in traffic.ops if not o.in_branch) == 4  # the loss
+  # per_device_loss: the steps between syncs run no collective at all.
+  quiet = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs,
+                                  per_device_loss=True)
+  traffic = jaxcomp.collective_traffic(quiet.lower(local, st2, _batches(mesh8, 1)[0]).compile())
+  assert not [o for o in traffic.ops if not o.in_branch]
+  _, _, losses = quiet(local, st2, _batches(mesh8, 1)[0])
+  assert losses.shape == (8,)
 
 
 @pytest.mark.parametrize("compressor,kw,bound", [
