@@ -455,19 +455,23 @@ def _sign_plan(n: int, block_rows: int) -> _Plan:
 
 
 def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
-  """Flat ``v`` as float32 ``(num_groups, group)`` rows and the grid.
+  """Flat ``v`` as ``(num_groups, group)`` rows and the grid.
 
-  A float32 ``v`` whose size is a multiple of ``8 * group`` (whole (8, group)
-  TMA tiles) is only reshaped (free) and the last block may be partial (TMA
-  zero-fills the rows past the end on load and drops them on store). Any
-  other input is converted and zero-padded once: to whole tiles, or to whole
-  blocks in interpret mode (whose reads past the end are not zeros).
+  A float32, bfloat16 or float16 ``v`` whose size is a multiple of ``8 *
+  group`` (whole (8, group) TMA tiles) is only reshaped (free), in its own
+  dtype: the kernel converts it to float32 in registers, so 16-bit inputs
+  are read in place, half the bytes of a float32 copy. The last block may
+  be partial (TMA zero-fills the rows past the end on load and drops them on
+  store). Any other input is converted to float32 and zero-padded once: to
+  whole tiles, or to whole blocks in interpret mode (whose reads past the
+  end are not zeros; there whole blocks are read in place too).
   """
   n = v.size
   flat = v.reshape(-1)
   per_block = plan.block_groups * plan.group
   tile = 8 * plan.group
-  if flat.dtype == jnp.float32 and n % tile == 0 and n and not interpret:
+  whole = n % per_block == 0 if interpret else n % tile == 0
+  if flat.dtype in _IN_PLACE and whole and n:
     padded = n
   else:
     grid = max(1, -(-n // per_block))
@@ -478,16 +482,23 @@ def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
           -(-num_groups // plan.block_groups))
 
 
-def _groups_spec(plan: _Plan, interpret: bool):
-  """BlockSpec of ``block_groups`` rows of a ``(num_groups, group)`` float32
-  array; column slices of 32 of it are ``(block_groups, 32)`` tiles."""
+# Input dtypes the kernels read in place (converted to float32 in registers).
+_IN_PLACE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _groups_spec(plan: _Plan, interpret: bool, dtype=jnp.float32):
+  """BlockSpec of ``block_groups`` rows of a ``(num_groups, group)`` array
+  (float32, or 16-bit floats read in place); column slices of 32 of it are
+  ``(block_groups, 32)`` tiles: 128 bytes wide for float32, 64 for 16-bit
+  types (the swizzle follows the tile's width in bytes)."""
   shape = (plan.block_groups, plan.group)
   index_map = lambda i: (i, 0)
   if interpret:
     return pl.BlockSpec(shape, index_map)
   return plgpu.BlockSpec(
       shape, index_map,
-      transforms=(plgpu.TilingTransform((8, ROW)), plgpu.SwizzleTransform(128)))
+      transforms=(plgpu.TilingTransform((8, ROW)),
+                  plgpu.SwizzleTransform(ROW * jnp.dtype(dtype).itemsize)))
 
 
 SEED_WORDS = 32  # the seed travels as 128 bytes: TMA copies whole warpgroups
@@ -518,7 +529,7 @@ def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
   o_ref = refs.pop(0)
   stat_ref = refs.pop(0) if plan.in_kernel else None
   b, g = plan.block_groups, plan.group_rows
-  xs = [_select.wgmma(x_ref[:, pl.ds(ROW * k, ROW)], interpret)
+  xs = [_select.wgmma(x_ref[:, pl.ds(ROW * k, ROW)], interpret).astype(jnp.float32)
         for k in range(g)]
 
   def row_total(values, reduce, combine):
@@ -586,7 +597,7 @@ def _quantize_pack_call(x_groups, row_mult, u_groups, seed, *, mode, bits,
   source = "array" if u_groups is not None else (
       "seed" if seed is not None else None)
   operands = [x_groups]
-  in_specs = [_groups_spec(plan, interpret)]
+  in_specs = [_groups_spec(plan, interpret, x_groups.dtype)]
   if row_mult is not None:
     operands.append(row_mult)
     in_specs.append(_select.vector_spec(plan.block_groups))

@@ -6,8 +6,8 @@ inputs whose length is a whole number of the kernel's (8, bucket) tiles the
 targets hold: ``x`` is read once, by the kernel; no ``n``-sized XLA op runs
 before or after it (no transpose of the codes, no pad, no concatenate, no
 reduction for norms / scales, no multiplier vector); no random numbers are
-materialized. Inputs that are not whole tiles (or not float32) pay one
-conversion / padding copy; the test prints what remains for them (run with
+materialized; bfloat16 and float16 inputs of whole tiles are read in place
+too. Inputs that are not whole tiles pay one conversion / padding copy; the test prints what remains for them (run with
 ``-s``) and checks that it is only that copy.
 """
 
@@ -70,6 +70,20 @@ def test_whole_tiles_read_x_once_and_nothing_n_sized_around(name):
   assert s.after == [], info  # no transpose of the codes, no slice
   assert s.random == [], info  # no rng op, no n-sized counter iota
   assert s.other_kernel_operands == 0, info  # no uniform array, no multipliers
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", sorted(_paths(N_TILED)))
+def test_16_bit_whole_tiles_are_read_in_place(name, dtype):
+  """bfloat16 and float16 inputs of whole tiles go to the kernel in their
+  own dtype (64-byte swizzled tiles, converted to float32 in registers): no
+  conversion copy before it, half the bytes of reading a float32 copy."""
+  s = _structure(name, N_TILED, dtype)
+  info = f"{name} n={N_TILED} {jnp.dtype(dtype).name}: {s.summary()}"
+  print(info)
+  assert s.kernels == 1 and s.kernel_reads_of_x == 1, info
+  assert s.x_reads == [] and s.before == [] and s.after == [], info
+  assert s.random == [] and s.other_kernel_operands == 0, info
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -352,6 +352,25 @@ class TestKernelsCompiled:
     np.testing.assert_array_equal(words, ref_words)
     np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
 
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  def test_16_bit_inputs_read_in_place_equal_their_float32_values(self, dtype):
+    """Whole tiles (whole blocks in interpret mode) of bfloat16 / float16
+    go to the kernel in their own dtype and are converted in registers: the
+    words and statistics equal those of the same values in float32, bit for
+    bit (the conversion is exact)."""
+    n = 1 << 16
+    x = _normal(n, dtype, seed=7)
+    xf = x.astype(jnp.float32)
+    seed = dither.seed_of(jax.random.key(1))
+    kw = dict(config=QCFG, interpret=self.INTERPRET)
+    for f in (lambda v: quantize.sign_pack(v, **kw),
+              lambda v: quantize.int8_block_quantize(v, block_size=256, **kw),
+              lambda v: quantize.int8_block_quantize(v, block_size=256, seed=seed, **kw),
+              lambda v: quantize.qsgd_quantize(v, levels=7, bucket_size=128, seed=seed,
+                                               **kw)):
+      for got, want in zip(f(x), f(xf)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
   def test_qsgd_uint32_bits_and_zero_bucket(self):
     n = 700
     x = _normal(n, jnp.float32).at[:256].set(0.0)  # two all-zero buckets
