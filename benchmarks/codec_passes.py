@@ -6,7 +6,9 @@ and ``decode(payload, n, key)`` on the default backend and counts, with
 :func:`jaxcomp.hlo.memory_passes`, the bytes of buffers of at least ``n / 4``
 elements read and written, in passes of ``4 n`` bytes. Conditional branches
 (fallbacks most steps skip) are shown apart. Also prints whether any
-``jax.random`` draw is gradient-sized::
+``jax.random`` draw is gradient-sized, and the operations per grid block
+inside each Pallas kernel (:func:`jaxcomp.kernels.structure.kernel_ops`, a
+proxy for its compute)::
 
   python benchmarks/codec_passes.py
   python benchmarks/codec_passes.py --n 1863690 --specs topk:ratio=0.01 qsgd
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
                   help="buffer elements (default: the MLP of "
                        "benchmarks/transform_overhead.py)")
   ap.add_argument("--specs", nargs="+", default=DEFAULT_SPECS)
+  ap.add_argument("--no-kernels", action="store_true",
+                  help="leave out the Pallas kernels' operation counts")
   args = ap.parse_args(argv)
   sys.path.insert(0, REPO)
   import jax
@@ -72,7 +76,37 @@ def main(argv=None) -> int:
       cells.append(f"{mp.passes(4 * n):5.2f} [{mp.branch_passes(4 * n):5.2f}]")
     draws = list(_random_sizes(jax.make_jaxpr(enc)(x, key).jaxpr))
     print(f"{spec:<32}{cells[0]:>16}{cells[1]:>16}{max(draws, default=0):>10}")
+  if not args.no_kernels:
+    _kernel_ops(n)
   return 0
+
+
+def _kernel_ops(n: int) -> None:
+  """The Pallas kernels' operations per grid block (their bodies' jaxprs,
+  traced in interpret mode): the compute proxy of the structural model."""
+  import jax
+  import jax.numpy as jnp
+  from jaxcomp.kernels import quantize, structure, topk
+  x = jax.ShapeDtypeStruct((n,), jnp.float32)
+  seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  cfg = quantize.DEFAULT_CONFIG
+  kernels = {
+      "sign_pack": (lambda v: quantize.sign_pack(v, config=cfg, interpret=True), (x,)),
+      "qsgd levels 7, bucket 128": (lambda v, s: quantize.qsgd_quantize(
+          v, levels=7, bucket_size=128, seed=s, config=cfg, interpret=True), (x, seed)),
+      "int8 block 256": (lambda v: quantize.int8_block_quantize(
+          v, block_size=256, config=cfg, interpret=True), (x,)),
+      "int8 block 256 stochastic": (lambda v, s: quantize.int8_block_quantize(
+          v, block_size=256, seed=s, config=cfg, interpret=True), (x, seed)),
+      "top-k 1% (mask pass)": (lambda v: topk.topk(v, max(1, n // 100), interpret=True),
+                               (x,)),
+  }
+  print("\nPallas kernels, operations per grid block (interpret-mode jaxpr): "
+        "ops, element-ops, input elements per block, element-ops per input element")
+  for name, (f, a) in kernels.items():
+    for k in structure.kernel_ops(f, *a):
+      print(f"{name:<28}{k.name + (' [branch]' if k.in_branch else ''):<28}{k.ops:>6}"
+            f"{k.element_ops:>10}{k.block_input_elements:>8}{k.per_input_element:>8.1f}")
 
 
 if __name__ == "__main__":

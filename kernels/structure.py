@@ -262,3 +262,75 @@ def export_structure(fn, *args, x_arg: int = 0) -> Structure:
   for d in args[x_arg].shape:
     n *= d
   return analyze(exported.mlir_module(), n, x_arg)
+
+
+@dataclasses.dataclass
+class KernelOps:
+  """Operations inside one Pallas kernel, per grid block (a proxy for its
+  compute), counted from the kernel body's jaxpr in interpret mode (the
+  same kernel function; the compiled path adds only layout casts).
+
+  Attributes:
+    name: the kernel's name.
+    ops: primitive operations in the body (nested ones included; ``jit``
+      wrappers are not counted, their contents are).
+    element_ops: the elements those operations produce, summed: vector
+      work per block.
+    block_input_elements: elements of the largest input block (``x``'s).
+    by_primitive: ``{primitive: element_ops}``.
+    in_branch: the call sits in a branch of a conditional (a fallback).
+  """
+  name: str
+  ops: int
+  element_ops: int
+  block_input_elements: int
+  by_primitive: dict
+  in_branch: bool = False
+
+  @property
+  def per_input_element(self) -> float:
+    """Element operations per input element: work per byte read, roughly."""
+    return self.element_ops / max(1, self.block_input_elements)
+
+
+def kernel_ops(fn, *args) -> list[KernelOps]:
+  """Counts the operations of each ``pallas_call`` in ``fn(*args)`` (traced
+  with ``jax.make_jaxpr``; call the kernels with ``interpret=True`` so that
+  they appear as ``pallas_call`` with their body's jaxpr)."""
+  import math  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.extend.core  # pylint: disable=g-import-not-at-top
+
+  def calls(jaxpr, branch=False):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        yield eqn, branch
+      inner = branch or eqn.primitive.name == "cond"
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from calls(sub, inner)
+
+  def count(jaxpr, by):
+    n = 0
+    for eqn in jaxpr.eqns:
+      subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+      if eqn.primitive.name not in ("jit", "pjit") or not subs:
+        n += 1
+        by[eqn.primitive.name] += sum(
+            math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+      for sub in subs:
+        n += count(sub, by)
+    return n
+
+  out = []
+  for eqn, branch in calls(jax.make_jaxpr(fn)(*args).jaxpr):
+    by = collections.Counter()
+    ops = count(eqn.params["jaxpr"], by)
+    gm = eqn.params["grid_mapping"]
+    size = max(math.prod(getattr(d, "block_size", d) for d in bm.block_shape)
+               for bm in gm.block_mappings[:gm.num_inputs])
+    name = eqn.params.get("name") or getattr(
+        eqn.params.get("name_and_src_info"), "name", "kernel")
+    out.append(KernelOps(name=name, ops=ops, element_ops=sum(by.values()),
+                         block_input_elements=size, by_primitive=dict(by),
+                         in_branch=branch))
+  return out

@@ -173,3 +173,29 @@ def test_topk_reads_x_once_outside_its_fallback(n):
   assert s.random == [] and s.other_kernel_operands == 0, info
   for op in ("sort", "transpose", "concatenate"):
     assert s.count("before", op) == 0 and s.count("after", op) == 0, info
+
+
+def test_kernel_operation_counts():
+  """Operations per block inside the kernels (their interpret-mode jaxprs):
+  the in-kernel dither of stochastic rounding adds work over nearest
+  rounding, sign packing does the least, and top-k's mask pass runs on
+  every call while its radix count kernel sits in the fallback branch."""
+  x = S((N_TILED,), jnp.float32)
+  cfg = quantize.QuantizeConfig(block_rows=64)
+  one = lambda f, *a: structure.kernel_ops(f, *a)
+  sign, = one(lambda v: quantize.sign_pack(v, config=cfg, interpret=True), x)
+  near, = one(lambda v: quantize.int8_block_quantize(
+      v, block_size=256, config=cfg, interpret=True), x)
+  stoch, = one(lambda v, s: quantize.int8_block_quantize(
+      v, block_size=256, seed=s, config=cfg, interpret=True), x, SEED)
+  print({k.name: round(k.per_input_element, 1) for k in (sign, near)},
+        "stochastic", round(stoch.per_input_element, 1))
+  assert near.block_input_elements == 64 * 256 == stoch.block_input_elements
+  assert sign.per_input_element < near.per_input_element < stoch.per_input_element
+  assert stoch.by_primitive.get("shift_right_logical", 0) > 0  # the hash
+  assert near.by_primitive.get("shift_right_logical", 0) == 0
+  from jaxcomp.kernels import topk
+  ks = structure.kernel_ops(lambda v: topk.topk(v, N_TILED // 100, interpret=True), x)
+  every = [k for k in ks if not k.in_branch]
+  assert [k.name for k in every] == ["jaxcomp_topk_mask"]
+  assert any(k.name == "jaxcomp_topk_count" and k.in_branch for k in ks)
