@@ -67,7 +67,7 @@ def resolve_implementation(implementation: str | None, *, op: str | None = None,
       compile there), and on an NVIDIA GPU the path measured faster for
       ``op`` at ``n`` elements of ``dtype`` with the current kernels (none
       yet: see ``MEASURED_PALLAS_OPS``).
-    op: ``"sign"``, ``"qsgd"``, ``"int8"``, ``"topk"`` or ``"sampled_topk"``.
+    op: ``"sign"``, ``"qsgd"``, ``"int8"``, ``"fp8"``, ``"topk"`` or ``"sampled_topk"``.
     n: element count of the input.
     dtype: the input's dtype.
 

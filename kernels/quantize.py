@@ -30,10 +30,10 @@ Wire formats (what the compressors put on the wire; the Pallas kernels and the
 Non-finite inputs (for direct calls: ``jaxcomp.compressed_mean`` screens
 non-finite gradients before any encode). Every bucket or block without one
 is unaffected, bit for bit. A QSGD bucket holding a NaN or an infinity gets
-a non-finite norm on every path; an int8 block holding an infinity gets an
-infinite scale; the codes of those are unspecified, and decoding them gives
-non-finite values, so the failure shows. An int8 block holding a NaN but
-no infinity is unspecified (XLA's maximum may skip the NaN: its scale can
+a non-finite norm on every path; an int8 or fp8 block holding an infinity
+gets an infinite scale; the codes of those are unspecified, and decoding
+them gives non-finite values, so the failure shows. An int8 or fp8 block
+holding a NaN but no infinity is unspecified (XLA's maximum may skip the NaN: its scale can
 stay finite). Sign packing gives a NaN bit 0 (``NaN < 0`` is false) and a
 non-finite scale. Tested for the kernels against the references.
 
@@ -369,6 +369,120 @@ def int8_block_dequantize_reference(q: jax.Array, scales: jax.Array, *,
   return y.reshape(-1)[:n]
 
 
+# fp8 formats: name -> (mantissa bits, exponent bias, largest finite value,
+# NaN code without its sign, dtype).
+FP8_FORMATS = {
+    "e4m3": (3, 7, 448.0, 0x7F, jnp.float8_e4m3fn),
+    "e5m2": (2, 15, 57344.0, 0x7E, jnp.float8_e5m2),
+}
+
+
+def _fp8_format(fmt: str):
+  if fmt not in FP8_FORMATS:
+    raise ValueError(f"format must be one of {sorted(FP8_FORMATS)}, got {fmt=!r}")
+  return FP8_FORMATS[fmt]
+
+
+def _fp8_code(y: jax.Array, fmt: str) -> jax.Array:
+  """uint32 fp8 codes (0..255) of float32 ``y`` (``|y|`` at most the
+  format's largest finite value, or NaN), rounded to nearest even with
+  integer operations only, as ``y.astype(float8)`` rounds: the sign from
+  ``y``'s sign bit (``-0.0`` keeps it), NaN to the format's NaN."""
+  mant, bias, _, nan, _ = _fp8_format(fmt)
+  u = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  sign = (u >> jnp.uint32(31)) << jnp.uint32(7)
+  a = u & jnp.uint32(0x7FFFFFFF)
+  shift = 23 - mant
+  # Normal fp8 numbers: round the float32 mantissa to `mant` bits (a carry
+  # moves into the exponent), then rebias the exponent.
+  r = (a + jnp.uint32((1 << (shift - 1)) - 1)
+       + ((a >> jnp.uint32(shift)) & jnp.uint32(1))) >> jnp.uint32(shift)
+  normal = r - jnp.uint32((127 - bias) << mant)
+  # Below the smallest normal: multiples of 2**(1 - bias - mant), to even
+  # (2**mant of them is the smallest normal's code).
+  af = jax.lax.bitcast_convert_type(a, jnp.float32)
+  sub = jnp.round(af * jnp.float32(2.0 ** (bias - 1 + mant))).astype(jnp.uint32)
+  mag = jnp.where(a >= jnp.uint32((128 - bias) << 23), normal, sub)
+  return jnp.where(y != y, sign | jnp.uint32(nan), sign | mag)
+
+
+def _fp8_value(code: jax.Array, fmt: str) -> jax.Array:
+  """float32 value of finite uint32 fp8 codes (exact)."""
+  mant, bias, _, _, _ = _fp8_format(fmt)
+  mag = code & jnp.uint32(0x7F)
+  e = mag >> jnp.uint32(mant)
+  m = mag & jnp.uint32((1 << mant) - 1)
+  normal = jax.lax.bitcast_convert_type(
+      ((e + jnp.uint32(127 - bias)) << jnp.uint32(23)) | (m << jnp.uint32(23 - mant)),
+      jnp.float32)
+  sub = m.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - mant))
+  v = jnp.where(e > 0, normal, sub)
+  return jnp.where((code & jnp.uint32(0x80)) > 0, -v, v)
+
+
+def _fp8_stochastic(y, near, u, fmt: str) -> jax.Array:
+  """Stochastic rounding from the nearest code ``near``: the neighbour one
+  step away in magnitude (towards ``y``) with probability ``|y - near| /
+  gap``, which makes it unbiased. The gap between neighbours is a power of
+  two, so the probability is ``|y - near|`` times its exact reciprocal
+  (exponent bits ``254 - e``), the same number a division gives."""
+  near_f = _fp8_value(near, fmt)
+  away = jnp.abs(near_f) < jnp.abs(y)
+  mag = (near & jnp.uint32(0x7F)).astype(jnp.int32)
+  mag = jnp.clip(mag + jnp.where(away, 1, -1), 0, 0x7F).astype(jnp.uint32)
+  other = mag | jnp.where(y < 0, jnp.uint32(0x80), jnp.uint32(0))
+  gap = jnp.abs(_fp8_value(other, fmt) - near_f)
+  inv = jax.lax.bitcast_convert_type(
+      jnp.uint32(254 << 23) - jax.lax.bitcast_convert_type(
+          jnp.where(gap > 0, gap, jnp.float32(1)), jnp.uint32), jnp.float32)
+  p_other = jnp.where(gap > 0, jnp.abs(y - near_f) * inv, jnp.float32(0))
+  out = jnp.where(u < p_other, other, near)
+  return jnp.where(y != y, near, out)
+
+
+def fp8_block_quantize_reference(
+    x: jax.Array, *, block_size: int, format: str = "e4m3",  # pylint: disable=redefined-builtin
+    stochastic_uniform: jax.Array | None = None,
+    seed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """fp8 block quantization in XLA: ``(codes uint8 (n,), scales float32
+  (ceil(n / block_size),))``.
+
+  Per block ``scale = max|x| / F`` (``F``: 448 for e4m3, 57344 for e5m2);
+  ``y = x * (1 / scale)`` (0 in a block of zeros), clipped to ``[-F, F]``
+  and converted by XLA (``astype(float8)``, nearest even), or rounded
+  stochastically to one of its two fp8 neighbours with ``stochastic_uniform``
+  (``n`` floats in [0, 1)) or ``seed`` (uint32 ``(2,)``, element ``i``
+  drawing ``dither.to_unit(dither.hash_bits(seed, i))``).
+
+  Raises:
+    ValueError: unknown ``format``; both ``stochastic_uniform`` and
+      ``seed``; bad ``block_size``.
+  """
+  _check_size("block_size", block_size)
+  mant, bias, fmax, _, dtype = _fp8_format(format)
+  del mant, bias
+  xf = x.reshape(-1).astype(jnp.float32)
+  n = xf.shape[0]
+  scales = group_reduce(xf, block_size, "max", jnp.abs) / jnp.float32(fmax)
+  y = xf * per_element(_int8_multiplier(scales), block_size, n)
+  y = jnp.clip(y, -fmax, fmax)  # max|x| / scale may round just above F
+  near = jax.lax.bitcast_convert_type(y.astype(dtype), jnp.uint8)
+  u = _dither_source(n, stochastic_uniform, seed, required=False)
+  if u is None:
+    return near, scales
+  # XLA's own conversions for the values; the neighbour and probability as
+  # the kernel takes them.
+  near32 = near.astype(jnp.uint32)
+  near_f = jax.lax.bitcast_convert_type(near, dtype).astype(jnp.float32)
+  away = jnp.abs(near_f) < jnp.abs(y)
+  mag = jnp.clip((near32 & 0x7F).astype(jnp.int32) + jnp.where(away, 1, -1), 0, 0x7F)
+  other = (mag.astype(jnp.uint32) | jnp.where(y < 0, jnp.uint32(0x80), jnp.uint32(0)))
+  other_f = jax.lax.bitcast_convert_type(other.astype(jnp.uint8), dtype).astype(jnp.float32)
+  gap = jnp.abs(other_f - near_f)
+  p_other = jnp.where(gap > 0, jnp.abs(y - near_f) / jnp.where(gap > 0, gap, 1.0), 0.0)
+  return jnp.where(u < p_other, other, near32).astype(jnp.uint8), scales
+
+
 # ----------------------------------------------------------------------------
 # Pallas (Mosaic GPU) kernel.
 # ----------------------------------------------------------------------------
@@ -546,9 +660,10 @@ def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
     norms = _kernel_sqrt(row_total([v * v for v in xs], jnp.sum, jnp.add))
     stat_ref[...] = norms
     m = _qsgd_multiplier(norms, levels)
-  elif plan.in_kernel:  # int8
+  elif plan.in_kernel:  # int8, fp8
+    top = FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
     scales = row_total([jnp.abs(v) for v in xs], jnp.max,
-                       jnp.maximum) / jnp.float32(127)
+                       jnp.maximum) / jnp.float32(top)
     stat_ref[...] = scales
     m = _int8_multiplier(scales)
   else:
@@ -575,6 +690,13 @@ def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
       r = jnp.abs(x) * m
       level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
       codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
+    elif mode.startswith("fp8"):
+      fmt = mode[4:]
+      fmax = FP8_FORMATS[fmt][2]
+      y = jnp.clip(x * m, -fmax, fmax)
+      codes = _fp8_code(y, fmt)
+      if source:
+        codes = _fp8_stochastic(y, codes, u, fmt)
     else:  # int8
       y = x * m
       q = _floor_to_int(y + u) if source else jnp.round(y).astype(jnp.int32)
@@ -674,7 +796,8 @@ def _quantize(x, *, mode, bits, levels, group, multiplier, uniform, seed,
   if mode == "qsgd":
     stat = jnp.sqrt(group_reduce(xf, group, "sum", jnp.square))
   else:
-    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(127)
+    top = FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
+    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(top)
   plan = _Plan(group=ROW, block_groups=config.block_rows, in_kernel=False)
   xg, grid = _to_groups(x, plan, interpret)
   ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]
@@ -796,6 +919,45 @@ def int8_block_quantize(
   return q[:padded], scales
 
 
+def fp8_block_quantize(
+    x: jax.Array, *, block_size: int, format: str = "e4m3",  # pylint: disable=redefined-builtin
+    stochastic_uniform: jax.Array | None = None,
+    seed: jax.Array | None = None,
+    config: QuantizeConfig = DEFAULT_CONFIG,
+    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Pallas fp8 block quantization: the ``(codes, scales)`` of
+  :func:`fp8_block_quantize_reference` bit for bit, in one pass over ``x``
+  (block maxima, the multiplier and the fp8 rounding in registers; the
+  rounding with integer operations, as XLA's conversion rounds; the
+  stochastic numbers hashed in the kernel from the seed).
+
+  Args:
+    x: float array of ``n`` elements.
+    block_size: elements per scale, a multiple of 32.
+    format: ``"e4m3"`` or ``"e5m2"``.
+    stochastic_uniform, seed, config, interpret: as in
+      :func:`int8_block_quantize`.
+
+  Returns:
+    ``(codes uint8 (n,), scales float32 (ceil(n / block_size),))``. Non-
+    finite inputs follow the module's contract for int8 blocks: a block
+    holding an infinity gets a non-finite scale, one holding only a NaN is
+    unspecified, every other block is unaffected.
+
+  Raises:
+    ValueError: unknown ``format``, ``block_size`` not a multiple of 32,
+      both ``stochastic_uniform`` and ``seed``, a bad ``seed``.
+  """
+  _fp8_format(format)
+  words, scales = _quantize(
+      x, mode=f"fp8_{format}", bits=8, levels=0, group=block_size,
+      multiplier=_int8_multiplier, uniform=stochastic_uniform, seed=seed,
+      config=config, interpret=interpret)
+  num_blocks = -(-x.size // block_size)
+  codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+  return codes[:x.size], scales[:num_blocks]
+
+
 # ----------------------------------------------------------------------------
 # Dispatch by implementation.
 # ----------------------------------------------------------------------------
@@ -819,6 +981,17 @@ def sign_pack_auto(x, *, implementation: str | None = None):
                                     dtype=x.dtype) == "pallas":
     return sign_pack(x)
   return sign_pack_reference(x)
+
+
+def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylint: disable=redefined-builtin
+                            implementation: str | None = None):
+  """fp8 block quantization through the kernel or the reference; pass
+  ``seed`` for stochastic rounding."""
+  if _select.resolve_implementation(implementation, op="fp8", n=x.size,
+                                    dtype=x.dtype) == "pallas":
+    return fp8_block_quantize(x, block_size=block_size, format=format, seed=seed)
+  return fp8_block_quantize_reference(x, block_size=block_size, format=format,
+                                      seed=seed)
 
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,

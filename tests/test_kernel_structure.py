@@ -43,9 +43,17 @@ def _paths(n, dtype=jnp.float32):
           x, block_size=256, seed=s), (x, SEED)),
       "int8_stochastic_b128": (lambda x, s: quantize.int8_block_quantize(
           x, block_size=128, seed=s), (x, SEED)),
+      "fp8_e4m3_nearest_b256": (lambda x: quantize.fp8_block_quantize(
+          x, block_size=256), (x,)),
+      "fp8_e5m2_stochastic_b128": (lambda x, s: quantize.fp8_block_quantize(
+          x, block_size=128, format="e5m2", seed=s), (x, SEED)),
       # The compressors' encode on the Pallas path, from a JAX key.
       "QSGD.encode": (lambda x, k: qsgd.QSGD(implementation="pallas").encode(
           x, jax.random.wrap_key_data(k)), (x, KEY)),
+      "FP8Block.encode_stochastic": (
+          lambda x, k: block_quant.FP8Block(
+              rounding="stochastic", implementation="pallas").encode(
+                  x, jax.random.wrap_key_data(k)), (x, KEY)),
       "IntBlock.encode_stochastic": (
           lambda x, k: block_quant.IntBlock(
               rounding="stochastic", implementation="pallas").encode(

@@ -189,16 +189,6 @@ class IntBlock(_Rounded):
             + 4 * (-(-n // self.block_size)))
 
 
-def _fp8_neighbour_away(bits_u8: jax.Array, away: jax.Array,
-                        negative: jax.Array) -> jax.Array:
-  """The fp8 bit pattern one step from ``bits_u8`` in magnitude (up where
-  ``away``, else down), with the sign of ``negative``."""
-  mag = (bits_u8 & jnp.uint8(0x7F)).astype(jnp.int32)
-  mag = jnp.clip(mag + jnp.where(away, 1, -1), 0, 0x7F)
-  sign = jnp.where(negative, 0x80, 0)
-  return (mag | sign).astype(jnp.uint8)
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class FP8Block(_Rounded):
@@ -207,7 +197,7 @@ class FP8Block(_Rounded):
   Per block of ``block_size`` elements (the last one may be partial),
   ``scale = max|x| / F`` with ``F`` the format's largest finite value (448 for
   e4m3 = ``float8_e4m3fn``, 57344 for e5m2), and each element is
-  ``x / scale`` cast to fp8: round to nearest even (``"nearest"``), or
+  ``x * (1 / scale)`` cast to fp8: round to nearest even (``"nearest"``), or
   ``"stochastic"``: rounded to one of its two fp8 neighbours with
   probabilities that make it unbiased (independent per device). Relative
   error of nearest rounding: at most ``2**-4`` (e4m3) / ``2**-3`` (e5m2) of
@@ -223,9 +213,14 @@ class FP8Block(_Rounded):
     format: ``"e4m3"`` or ``"e5m2"``.
     block_size: elements per scale, >= 1.
     rounding: ``"nearest"`` or ``"stochastic"``.
+    implementation: ``"pallas"`` (the one-pass fp8 block kernel of
+      :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
+      ``"xla"`` (its reference, the same codes bit for bit), or None (XLA
+      until a GPU measures the kernel, see ``jaxcomp.kernels._select``).
 
   Raises:
-    ValueError: unknown ``format`` or ``rounding``, ``block_size`` < 1.
+    ValueError: unknown ``format``, ``rounding`` or ``implementation``,
+      ``block_size`` < 1.
 
   References:
     Micikevicius et al., FP8 Formats for Deep Learning
@@ -236,6 +231,7 @@ class FP8Block(_Rounded):
   format: str = "e4m3"
   block_size: int = 256
   rounding: str = "nearest"
+  implementation: str | None = None
 
   def __post_init__(self):
     if self.format not in FP8_FORMATS:
@@ -243,26 +239,16 @@ class FP8Block(_Rounded):
           f"format must be one of {sorted(FP8_FORMATS)}, got {self.format=!r}")
     _check_block(self.block_size)
     _check_rounding(self.rounding)
+    check_implementation(self.implementation)
 
   def encode(self, x, key):
-    n = x.shape[0]
-    dtype, fmax = FP8_FORMATS[self.format]
-    scales = _scales(x, self.block_size, jnp.float32(fmax))
-    y = x.astype(jnp.float32) / quantize.per_element(
-        jnp.where(scales > 0, scales, 1.0), self.block_size, n)
-    y = jnp.clip(y, -fmax, fmax)  # max|x| / scale may round just above F
-    near = y.astype(dtype)
-    bits = lax.bitcast_convert_type(near, jnp.uint8)
-    if self.rounding == "stochastic":
-      near_f = near.astype(jnp.float32)
-      away = jnp.abs(near_f) < jnp.abs(y)
-      other = _fp8_neighbour_away(bits, away, y < 0)
-      other_f = lax.bitcast_convert_type(other, dtype).astype(jnp.float32)
-      gap = jnp.abs(other_f - near_f)
-      p_other = jnp.where(gap > 0, jnp.abs(y - near_f) / jnp.where(
-          gap > 0, gap, 1.0), 0.0)
-      u = dither.uniform(key, n)
-      bits = jnp.where(u < p_other, other, bits)
+    # The fp8 block kernel or its XLA reference (by implementation): the
+    # same codes; stochastic rounding draws dither.uniform(key, n) from the
+    # seed (inside the kernel on the Pallas path).
+    seed = dither.seed_of(key) if self.rounding == "stochastic" else None
+    bits, scales = quantize.fp8_block_quantize_auto(
+        x, block_size=self.block_size, format=self.format, seed=seed,
+        implementation=self.implementation)
     return {"values": bits, "scales": scales}
 
   def decode(self, payload, n, key):
