@@ -186,8 +186,6 @@ def main(argv=None) -> int:
                   help="the target is data parallelism's loss at this step")
   ap.add_argument("--sync-every", type=int, default=25, help="DiLoCo's H")
   ap.add_argument("--d-model", type=int, default=64)
-  ap.add_argument("--report", metavar="JSON",
-                  help="print the table from a run's --json instead of running")
   netns.add_cluster_flags(ap, port=13191, timeout=3600.0)
   args = ap.parse_args(argv)
   if args.worker:
@@ -195,17 +193,13 @@ def main(argv=None) -> int:
     return 0
   if args.target_step % args.eval_every or args.target_step > args.steps:
     ap.error("--target-step must be a multiple of --eval-every, at most --steps")
-  if args.report:
-    with open(args.report) as f:
-      results = json.load(f)
-  else:
-    results = netns.run_links(
-        "diloco_gloo", args, args.nproc, os.path.abspath(__file__),
-        ["--nproc", str(args.nproc), "--steps", str(args.steps), "--eval-every",
-         str(args.eval_every), "--sync-every", str(args.sync_every), "--d-model",
-         str(args.d_model)], cwd=REPO)
-    if isinstance(results, int):
-      return results
+  results = netns.results_or_run(
+      "diloco_gloo", args, args.nproc, os.path.abspath(__file__),
+      ["--nproc", str(args.nproc), "--steps", str(args.steps), "--eval-every",
+       str(args.eval_every), "--sync-every", str(args.sync_every), "--d-model",
+       str(args.d_model)], cwd=REPO)
+  if isinstance(results, int):
+    return results
   print(f"{args.nproc} processes x 1 CPU device over gloo, character LM d_model "
         f"{args.d_model}, global batch 32, Adam 3e-3; DiLoCo H={args.sync_every}; "
         f"target: data parallelism's validation loss at step {args.target_step}")

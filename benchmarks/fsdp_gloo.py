@@ -244,9 +244,6 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
   ap.add_argument("--nproc", type=int, choices=(2, 4), default=2,
                   help="processes (hosts), two CPU devices each")
-  ap.add_argument("--report", metavar="JSON",
-                  help="print the table (predictions included) from a run's --json "
-                  "instead of running (the other options must match that run's)")
   ap.add_argument("--qwz", action="store_true",
                   help="int8 blocks for the compressed runs' parameter gather")
   netns.add_cluster_flags(ap, port=13171, timeout=900.0)
@@ -254,16 +251,12 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args)
     return 0
-  if args.report:
-    with open(args.report) as f:
-      results = json.load(f)
-  else:
-    results = netns.run_links(
-        "fsdp_gloo", args, args.nproc, os.path.abspath(__file__),
-        ["--steps", str(args.steps), "--nproc", str(args.nproc)]
-        + (["--qwz"] if args.qwz else []), cwd=REPO)
-    if isinstance(results, int):
-      return results
+  results = netns.results_or_run(
+      "fsdp_gloo", args, args.nproc, os.path.abspath(__file__),
+      ["--steps", str(args.steps), "--nproc", str(args.nproc)]
+      + (["--qwz"] if args.qwz else []), cwd=REPO)
+  if isinstance(results, int):
+    return results
   print(f"{args.nproc} processes x {DEVICES} CPU devices over gloo, MLP 784-1024-1024-10, "
         f"global batch {GLOBAL_BATCH}, median of {args.steps} steps on process 0"
         + ("; compressed runs gather the parameters in int8 blocks (qwZ)" if args.qwz else ""))

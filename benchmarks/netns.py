@@ -276,6 +276,9 @@ def add_cluster_flags(ap, *, port: int, timeout: float) -> None:
                   help="the namespaces' /24 (default derived from the pid)")
   ap.add_argument("--timeout", type=float, default=timeout, help="seconds per link")
   ap.add_argument("--json", help="also write the raw results here")
+  ap.add_argument("--report", metavar="JSON",
+                  help="print the table from a run's --json instead of running "
+                  "(the other options must match that run's)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
   ap.add_argument("--coordinator", help=argparse.SUPPRESS)
@@ -307,6 +310,17 @@ def run_links(name: str, args, nproc: int, script: str, extra: Sequence[str], *,
         print(f"{link}: {e}", file=sys.stderr)
         return 1
   return results
+
+
+def results_or_run(name: str, args, nproc: int, script: str, extra: Sequence[str],
+                   *, cwd: str):
+  """``{link: result}`` from a saved run (``args.report``, a ``--json``
+  file) or from :func:`run_links` (an exit code where that fails)."""
+  if getattr(args, "report", None):
+    import json  # pylint: disable=g-import-not-at-top
+    with open(args.report) as f:
+      return json.load(f)
+  return run_links(name, args, nproc, script, extra, cwd=cwd)
 
 
 def report(header, rows, results, json_path: str | None) -> int:

@@ -52,6 +52,21 @@ def test_plain_nnx_optimizer_names_the_helper(mesh8):
                   wrt=nnx.Param)
 
 
+def _train_beside_nnx_optimizer(model, opt, ref, tx, batch, steps=3):
+  """``steps`` of jaxcomp.flax.train_step on ``model`` beside nnx.Optimizer
+  on ``ref`` with the whole batch on one device; the losses must agree.
+  Returns the step function."""
+  ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  step = jaxcomp.flax.train_step(_loss)
+  host = jax.device_get(batch)
+  for _ in range(steps):
+    loss = step(model, opt, batch)
+    ref_loss, grads = nnx.value_and_grad(_loss)(ref, host)
+    ref_opt.update(ref, grads)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+  return step
+
+
 def test_nnx_identity_equals_full_batch_training(mesh8):
   """The identity exchange trains exactly as nnx.Optimizer does on the whole
   batch on one device (the mean of equal shards' mean losses)."""
@@ -62,14 +77,7 @@ def test_nnx_identity_equals_full_batch_training(mesh8):
   opt = jaxcomp.flax.Optimizer(
       model, optax.chain(jaxcomp.compressed_mean("identity", "data"), tx),
       wrt=nnx.Param, mesh=mesh8)
-  ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-  step = jaxcomp.flax.train_step(_loss)
-  host = jax.device_get(batch)
-  for _ in range(3):
-    loss = step(model, opt, batch)
-    ref_loss, grads = nnx.value_and_grad(_loss)(ref, host)
-    ref_opt.update(ref, grads)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+  _train_beside_nnx_optimizer(model, opt, ref, tx, batch)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(ref, nnx.Param))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
@@ -91,20 +99,13 @@ def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
       wrt=nnx.Param, mesh=mesh8, fsdp=True)
   kernel = nnx.state(model, nnx.Param)["lin"]["kernel"][...]
   assert kernel.shape == (8 * 12,) and kernel.sharding.spec == P("data")
-  ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-  step = jaxcomp.flax.train_step(_loss)
-  host = jax.device_get(batch)
-  for _ in range(3):
-    loss = step(model, opt, batch)
-    ref_loss, grads = nnx.value_and_grad(_loss)(ref, host)
-    ref_opt.update(ref, grads)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+  step = _train_beside_nnx_optimizer(model, opt, ref, tx, batch)
   full = jaxcomp.flax.unsharded(model, opt)
   for a, b in zip(jax.tree.leaves(nnx.state(full, nnx.Param)),
                   jax.tree.leaves(nnx.state(ref, nnx.Param))):
     assert a.shape == b.shape
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  x = host[0]
+  x = jax.device_get(batch)[0]
   np.testing.assert_allclose(np.asarray(nnx.merge(*nnx.split(full))(x)),
                              np.asarray(ref(x)), rtol=1e-5, atol=1e-6)
   # Parameters and momentum are shards: 1/8 of the parameters per device
