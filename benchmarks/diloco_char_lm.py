@@ -45,7 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from examples import xla_flags  # noqa: E402  (imports no jax)
 
 _INT4 = dict(compressor="int8_block", bits=4)
-_SPARSELOCO = dict(compressor="topk", ratio=0.02, value_bits=2)
+# SparseLoCo: error feedback in place of the outer momentum (outer SGD 1.0).
+_SPARSELOCO = dict(compressor="topk", ratio=0.02, value_bits=2,
+                   diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
 # name: (label, Config fields). "dp" is the baseline of the relative columns.
 RUNS = {
     "dp": ("data parallel, dense", dict(compressor="identity")),
@@ -57,9 +59,9 @@ RUNS = {
     "h50_int4": ("DiLoCo H=50, int8 blocks 4-bit", dict(_INT4, diloco_every=50)),
     "h100": ("DiLoCo H=100, dense", dict(compressor="identity", diloco_every=100)),
     "h100_int4": ("DiLoCo H=100, int8 blocks 4-bit", dict(_INT4, diloco_every=100)),
-    "h50_sparseloco": ("DiLoCo H=50, top-k 2% 2-bit values + EF (SparseLoCo)",
+    "h50_sparseloco": ("DiLoCo H=50, top-k 2% 2-bit values + EF, outer SGD 1.0 (SparseLoCo)",
                        dict(_SPARSELOCO, diloco_every=50)),
-    "h100_sparseloco": ("DiLoCo H=100, top-k 2% 2-bit values + EF (SparseLoCo)",
+    "h100_sparseloco": ("DiLoCo H=100, top-k 2% 2-bit values + EF, outer SGD 1.0 (SparseLoCo)",
                         dict(_SPARSELOCO, diloco_every=100)),
     "stream_f4_h100_int4": ("Streaming DiLoCo H=100 F=4, int8 blocks 4-bit",
                             dict(_INT4, diloco_every=100, diloco_fragments=4)),

@@ -199,8 +199,12 @@ def stages(config, learning_rate):
     if diloco_every:
       # DiLoCo (char_lm's --diloco-every): the optimizer runs per device,
       # the compressed mean carries the pseudo-gradient every H steps.
+      mom = getattr(config, "diloco_outer_momentum", 0.9)
+      outer = optax.sgd(getattr(config, "diloco_outer_lr", 0.7),
+                        momentum=mom or None, nesterov=bool(mom))
       return jaxcomp.diloco(
-          optimizer(config.optimizer, learning_rate), sync_every=diloco_every,
+          optimizer(config.optimizer, learning_rate), outer,
+          sync_every=diloco_every,
           fragments=fragments,
           compressor=config.compressor,
           min_compress_size=config.min_compress_size,

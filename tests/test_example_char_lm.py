@@ -211,6 +211,11 @@ def test_fsdp_and_diloco_runs_train_and_report_their_bytes_and_memory():
   assert dl["bytes_per_step"] == pytest.approx(rep["bytes_per_step"] / 3)
   untrained = train.train_and_evaluate(train.Config(max_steps=0, **kw))
   assert dl["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
+  # SparseLoCo's outer step (SGD 1.0, no momentum) is another run.
+  plain = train.train_and_evaluate(train.Config(
+      diloco_every=3, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw))
+  assert plain["epochs"][0]["valid_loss"] != dl["epochs"][0]["valid_loss"]
+  assert plain["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
   with pytest.raises(ValueError, match="diloco_every"):
     train.train_and_evaluate(train.Config(diloco_every=3, sharding="fsdp", **kw))
 

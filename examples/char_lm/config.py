@@ -31,5 +31,8 @@ class Config(CompressionConfig):
   param_compressor: str | None = None  # fsdp: compress the parameters'
   #                                      forward all-gather (e.g. "int8_block")
   diloco_fragments: int = 1  # Streaming DiLoCo's fragments (diloco_every > 0)
+  diloco_outer_lr: float = 0.7  # DiLoCo's outer SGD (the paper's Nesterov 0.7
+  diloco_outer_momentum: float = 0.9  # / 0.9; SparseLoCo: 1.0 / 0, error
+  #                                     feedback in place of the momentum)
   diloco_every: int = 0  # > 0: DiLoCo, a compressed pseudo-gradient
   #                        exchange every this many steps (jaxcomp.diloco)
