@@ -406,7 +406,10 @@ tx = optax.chain(jaxcomp.compressed_mean("topk", ("hosts", "devices"),
 try:
   jaxcomp.init_sharded(tx, params, mesh, ("hosts", "devices"))
 except distributed.AgreementError as e:
-  print("AGREEMENT", e, flush=True)
+  # One write: gloo's C++ log lines share the pipe, and print's separate
+  # writes of "AGREEMENT", " " and the message were seen split by one.
+  sys.stdout.write(f"AGREEMENT {e}\n")
+  sys.stdout.flush()
   sys.exit(3)
 print("agreed", flush=True)
 """
