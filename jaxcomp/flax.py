@@ -91,6 +91,8 @@ class Optimizer(nnx.Optimizer):
     self.specs = nnx.static(_Static(specs))
     self.shapes = nnx.static(_Static(shapes))  # FSDP: the whole shapes
     self.shard_axis = nnx.static(shard_axis)
+    # Where the parameters live: replicated, or (FSDP) flat shards.
+    self.params_spec = nnx.static(P(shard_axis) if fsdp else P())
 
 
 def unsharded(model, optimizer: Optimizer):
@@ -155,8 +157,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     mesh, axis = optimizer.mesh, optimizer.axis_name
     specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
     bspec = P(axis) if batch_spec is None else batch_spec
-    shapes = optimizer.shapes.tree
-    pspec = P() if shapes is None else P(optimizer.shard_axis)
+    shapes, pspec = optimizer.shapes.tree, optimizer.params_spec
 
     def body(params, keys, rest, opt_state, batch):
       index = lax.axis_index(axis)
@@ -203,8 +204,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       compiled[key] = build(graphdef, optimizer)
     rep = NamedSharding(optimizer.mesh, P())
     keys, rest = jax.device_put((nnx.as_pure(keys), nnx.as_pure(rest)), rep)
-    params = jax.device_put(nnx.as_pure(params), rep if optimizer.shapes.tree is None
-                            else NamedSharding(optimizer.mesh, P(optimizer.shard_axis)))
+    params = jax.device_put(nnx.as_pure(params),
+                            NamedSharding(optimizer.mesh, optimizer.params_spec))
     return compiled[key], (params, keys, rest, nnx.as_pure(optimizer.opt_state))
 
   def step(model, optimizer, batch):

@@ -432,10 +432,8 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     st = _find(opt_state)
     params = jax.tree.map(lambda a, x, y: jnp.where(y, a.astype(x.dtype), x),
                           st.anchor, params, st.synced)
-    out = jax.tree.map(
-        (lambda v: v[None]) if per_device_loss
-        else (lambda v: lax.pmean(v, axis_name)), out)
-    return jax.tree.map(lambda x: x[None], params), opt_state, out
+    return (jax.tree.map(lambda x: x[None], params), opt_state,
+            sharding.step_loss(out, axis_name, per_device_loss))
 
   step = sharding.shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,

@@ -421,10 +421,8 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   def step_fn(params, opt_state, batch):
     out, grads = grad_fn(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    out = jax.tree.map(
-        (lambda v: v[None]) if per_device_loss
-        else (lambda v: jax.lax.pmean(v, axis_name)), out)
-    return optax.apply_updates(params, updates), opt_state, out
+    return (optax.apply_updates(params, updates), opt_state,
+            step_loss(out, axis_name, per_device_loss))
 
   step = shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,
@@ -432,6 +430,15 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
       params_spec=params_spec,
       out_aux_spec=P(axis_name) if per_device_loss else P())
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def step_loss(out, axis_name: AxisName, per_device_loss: bool):
+  """Inside a train step: the loss (and aux) averaged over ``axis_name``, or
+  with ``per_device_loss`` each device's own with a leading axis, to be
+  returned with ``out_aux_spec=P(axis_name)`` (no collective)."""
+  return jax.tree.map(
+      (lambda v: v[None]) if per_device_loss
+      else (lambda v: jax.lax.pmean(v, axis_name)), out)
 
 
 class CompressedValueAndGrad:
@@ -513,10 +520,10 @@ class CompressedValueAndGrad:
       ValueError: with ``shapes``, no ``compressed_mean(...,
         output="shard")`` over ``shard_axis`` in the transform.
     """
-    grads = None if self.shapes is None else self.shapes
     state, self.specs = init_sharded(self.transform, params, self.mesh,
                                      self.axis_name,
-                                     params_spec=self.params_spec, grads=grads)
+                                     params_spec=self.params_spec,
+                                     grads=self.shapes)
     if self.shapes is not None:
       from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
       fsdp._check_shard_outputs(state, self.shard_axis)  # pylint: disable=protected-access

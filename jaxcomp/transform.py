@@ -452,6 +452,9 @@ def compressed_mean(
       "nonfinite": nonfinite, "seed": seed, "output": output}.items()}
   digest = _config_digest(config)
   _CONFIGS[digest] = config
+  # numpy, not jnp: readable while an init is traced (multi_steps looks for
+  # an output="shard" transform in its inner state).
+  config_array = np.asarray(digest, np.uint32)
 
   def layout(tree, what: str, shards: bool = False) -> _Layout:
     """``shards``: ``tree`` holds flat parameter shards (``output="shard"``'s
@@ -519,9 +522,7 @@ def compressed_mean(
     key = jax.random.key(seed)
     init_key = jax.random.fold_in(key, _INIT_STREAM)
     return CompressedMeanState(
-        # numpy, not jnp: readable while an init is traced (multi_steps
-        # looks for an output="shard" transform in its inner state).
-        config=np.asarray(digest, np.uint32),
+        config=config_array,
         count=jnp.zeros((), jnp.int32),
         key=jax.random.key_data(key),
         feedback=tuple(fb.init(lay.bucket_sizes(b), axis_name)
@@ -646,9 +647,7 @@ def compressed_mean(
         residual_norm=_mesh.to_varying(jnp.sqrt(sq_residual), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     new_state = CompressedMeanState(
-        # numpy, not jnp: readable while an init is traced (multi_steps
-        # looks for an output="shard" transform in its inner state).
-        config=np.asarray(digest, np.uint32), count=state.count + 1,
+        config=config_array, count=state.count + 1,
         key=state.key, feedback=tuple(new_fb),
         exchange_state=tuple(new_exchange), stats=stats)
     return jax.tree.unflatten(treedef, mean_leaves), new_state

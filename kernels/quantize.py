@@ -383,6 +383,12 @@ def _fp8_format(fmt: str):
   return FP8_FORMATS[fmt]
 
 
+def _block_top(mode: str) -> float:
+  """The value a block's ``max|x|`` maps to: 127 for int8, the fp8 format's
+  largest finite value for ``"fp8_<format>"``."""
+  return FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
+
+
 def _fp8_code(y: jax.Array, fmt: str) -> jax.Array:
   """uint32 fp8 codes (0..255) of float32 ``y`` (``|y|`` at most the
   format's largest finite value, or NaN), rounded to nearest even with
@@ -459,8 +465,7 @@ def fp8_block_quantize_reference(
       ``seed``; bad ``block_size``.
   """
   _check_size("block_size", block_size)
-  mant, bias, fmax, _, dtype = _fp8_format(format)
-  del mant, bias
+  _, _, fmax, _, dtype = _fp8_format(format)
   xf = x.reshape(-1).astype(jnp.float32)
   n = xf.shape[0]
   scales = group_reduce(xf, block_size, "max", jnp.abs) / jnp.float32(fmax)
@@ -661,9 +666,8 @@ def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
     stat_ref[...] = norms
     m = _qsgd_multiplier(norms, levels)
   elif plan.in_kernel:  # int8, fp8
-    top = FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
     scales = row_total([jnp.abs(v) for v in xs], jnp.max,
-                       jnp.maximum) / jnp.float32(top)
+                       jnp.maximum) / jnp.float32(_block_top(mode))
     stat_ref[...] = scales
     m = _int8_multiplier(scales)
   else:
@@ -796,8 +800,7 @@ def _quantize(x, *, mode, bits, levels, group, multiplier, uniform, seed,
   if mode == "qsgd":
     stat = jnp.sqrt(group_reduce(xf, group, "sum", jnp.square))
   else:
-    top = FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
-    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(top)
+    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(_block_top(mode))
   plan = _Plan(group=ROW, block_groups=config.block_rows, in_kernel=False)
   xg, grid = _to_groups(x, plan, interpret)
   ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]

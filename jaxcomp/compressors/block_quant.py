@@ -19,11 +19,8 @@ from jaxcomp.kernels import quantize
 
 INT_BITS = (2, 4, 8)
 ROUNDINGS = ("nearest", "stochastic")
-FP8_FORMATS = {
-    # name: (dtype, largest finite value)
-    "e4m3": (jnp.float8_e4m3fn, 448.0),
-    "e5m2": (jnp.float8_e5m2, 57344.0),
-}
+# name: (dtype, largest finite value), from the kernels' table.
+FP8_FORMATS = {name: (f[4], f[2]) for name, f in quantize.FP8_FORMATS.items()}
 
 
 def _check_block(block_size) -> None:

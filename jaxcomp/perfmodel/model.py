@@ -639,10 +639,9 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     if hsdp:
       # The exact float32 reduce-scatter inside the node, then the shard's
       # compressed mean across nodes.
-      g = nets["devices"].workers
-      inside = wire.transfers("reduce-scatter", [4 * g * shard_of(n)], "devices",
+      g, c = nets["devices"].workers, shard_of(n)
+      inside = wire.transfers("reduce-scatter", [4 * g * c], "devices",
                               {"devices": g}) if g > 1 else ()
-      c = shard_of(n)
       # The shards are 1-D: a library compressor that treats shapes apart
       # (PowerSGD without view="flat") is priced on a 1-D bucket.
       across = (resolved(c).transfers(payload, ((c,),), group)
@@ -658,18 +657,10 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   def bucket_codec(n: int) -> tuple[float, float]:
     """(encode before the exchange, decode work after it), seconds."""
     if hsdp:
-      c = shard_of(n)
-      cross = [t for t in transfers(n) if t.axis_name == "hosts"]
-      if isinstance(resolved(c), collectives.TwoPhase):
-        h = nets["hosts"].workers
-        cc = collectives.chunk_size(c, h)
-        dec = ((2 * h + (h if error_feedback else 0)) * codec.decode(cc)
-               + codec.encode(cc))
-        return h * codec.encode(cc), dec
-      summed = all(t.kind == "all-reduce" for t in cross)
-      decodes = ((1 if summed else nets["hosts"].workers)
-                 + (1 if error_feedback else 0))
-      return codec.encode(c), decodes * codec.decode(c)
+      # The shard's compressed mean across the nodes (the exact
+      # reduce-scatter inside the node has no codec).
+      return mean_codec(shard_of(n), nets["hosts"].workers,
+                        [t for t in transfers(n) if t.axis_name == "hosts"])
     if shard:
       c = collectives.chunk_size(n, p)
       summed = all(t.kind == "reduce-scatter" for t in transfers(n))
@@ -677,14 +668,20 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       # for a reduce-scatter), and error feedback the p own chunk payloads.
       dec = (1 if summed else p) + (p if error_feedback else 0)
       return p * codec.encode(c), dec * codec.decode(c)
+    return mean_codec(n, p, transfers(n))
+
+  def mean_codec(n: int, workers: int, ts) -> tuple[float, float]:
+    """The codec of an ``n``-element bucket's mean over ``workers`` by its
+    collective, whose transfers are ``ts``."""
     if isinstance(resolved(n), collectives.TwoPhase):
-      c = collectives.chunk_size(n, p)
+      c = collectives.chunk_size(n, workers)
       # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
       # the gathered chunks, and (error feedback) the p own chunk payloads.
-      dec = (2 * p + (p if error_feedback else 0)) * codec.decode(c) + codec.encode(c)
-      return p * codec.encode(c), dec
-    summed = all(t.kind == "all-reduce" for t in transfers(n))
-    decodes = (1 if summed else p) + (1 if error_feedback else 0)
+      dec = ((2 * workers + (workers if error_feedback else 0)) * codec.decode(c)
+             + codec.encode(c))
+      return workers * codec.encode(c), dec
+    summed = all(t.kind == "all-reduce" for t in ts)
+    decodes = (1 if summed else workers) + (1 if error_feedback else 0)
     return codec.encode(n), decodes * codec.decode(n)
 
   plan = bucket_plan(buckets, profile,
@@ -694,17 +691,14 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     error_feedback = bool(getattr(compressor, "biased", False))
   comm_total = codec_total = sent = 0.0
   t = 0.0
-  if shard and p > 1:
-    # The forward pass waits for the parameters' all-gathers (float32).
-    gathers = [g for n in sizes if n > 0 for g in wire.transfers(
-        "all-gather", [4 * collectives.chunk_size(n, p)], "data", group)]
-    t = comm_total = sum(costs.transfer_time(g, network) for g in gathers)
-  if hsdp and nets["devices"].workers > 1:
-    # HSDP gathers the parameters inside the node only.
-    g = nets["devices"].workers
+  # The forward pass waits for the parameters' all-gathers (float32): over
+  # every worker (FSDP), or inside the node only (HSDP).
+  axis, gather_net = ("devices", nets["devices"]) if hsdp else ("data", network)
+  if (shard or hsdp) and gather_net.workers > 1:
+    w = gather_net.workers
     gathers = [a for n in sizes if n > 0 for a in wire.transfers(
-        "all-gather", [4 * shard_of(n)], "devices", {"devices": g})]
-    t = comm_total = sum(costs.transfer_time(a, nets["devices"]) for a in gathers)
+        "all-gather", [4 * collectives.chunk_size(n, w)], axis, {axis: w})]
+    t = comm_total = sum(costs.transfer_time(a, gather_net) for a in gathers)
   t += profile.forward_time
   net_free = t
   arrivals = []  # per exchanged bucket: (collective done, its comm, its decode), s
