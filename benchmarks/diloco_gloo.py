@@ -54,6 +54,7 @@ def worker(args) -> None:
   sys.path.insert(0, REPO)
   import jaxcomp
   from jaxcomp import distributed, lowcomm
+  from jaxcomp.perfmodel import codec as pm_codec
   from examples.char_lm import data as data_lib
   from examples.char_lm import model as model_lib
   distributed.initialize_from_env(args.coordinator, args.nproc, args.rank,
@@ -141,14 +142,7 @@ def worker(args) -> None:
 
   rng = np.random.default_rng(args.rank)
   w = data_lib.random_windows(corpus.train, batch // args.nproc, context + 1, rng)
-  local_step(lp, ost, w)
-  lt = []
-  for _ in range(50):
-    t0 = time.perf_counter()
-    lp, ost, l = local_step(lp, ost, w)
-    float(l)
-    lt.append(time.perf_counter() - t0)
-  out["compute_step_s"] = statistics.median(lt)
+  out["compute_step_s"] = pm_codec.time_fn(local_step, lp, ost, w, repeats=50)
   if args.rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
   jax.distributed.shutdown()

@@ -150,16 +150,22 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
   body = jax.jit(jax.shard_map(
       lambda p, x, y: jax.tree.map(lambda a: a[None], local_step(p, x, y)),
       mesh=lmesh, in_specs=(P(), P("local"), P("local")), out_specs=P("local")))
+  def together(tag, call, runs):
+    """Median time of ``call()`` over ``runs`` calls, each started by every
+    process at once (a barrier before it), after one untimed call and
+    leaving out the first two timed ones."""
+    jax.block_until_ready(call())
+    ts = []
+    for i in range(runs + 2):
+      multihost_utils.sync_global_devices(f"{tag}{i}")
+      t0 = time.perf_counter()
+      jax.block_until_ready(call())
+      ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[2:])
+
   xs = jax.device_put(local[0][:per_device * DEVICES])
   ys = jax.device_put(local[1][:per_device * DEVICES])
-  jax.block_until_ready(body(params, xs, ys))
-  times = []
-  for i in range(args.steps + 2):
-    multihost_utils.sync_global_devices(f"local{i}")
-    t0 = time.perf_counter()
-    jax.block_until_ready(body(params, xs, ys))
-    times.append(time.perf_counter() - t0)
-  local_s = statistics.median(times[2:])
+  local_s = together("local", lambda: body(params, xs, ys), args.steps)
 
   def allreduce_time(axis, n):
     spec = P(("hosts", "devices"))
@@ -167,35 +173,22 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
                                  process_local=True)
     f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
                               in_specs=spec, out_specs=spec))
-    jax.block_until_ready(f(x))
-    ts = []
-    for i in range(7):
-      multihost_utils.sync_global_devices(f"ar{axis}{n}{i}")
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(x))
-      ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[2:])
+    return together(f"ar{axis}{n}", lambda: f(x), 5)
 
   links = {axis: {"small_s": allreduce_time(axis, 1), "big_s": allreduce_time(axis, 1 << 20),
                   "group": int(mesh.shape[axis])} for axis in ("hosts", "devices")}
   codec = pm.measure_codec(compressors.get("int8_block", rounding="stochastic"))
-  return {"profile": {"layer_sizes": list(prof.layer_sizes),
-                      "backward_times": list(prof.backward_times),
-                      "forward_time": prof.forward_time, "update_time": prof.update_time},
-          "local_step_s": local_s, "links": links, "codec": codec.to_dict()}
+  return {"profile": prof.to_dict(), "local_step_s": local_s, "links": links,
+          "codec": codec.to_dict()}
 
 
 def _predict(measured) -> dict:
   """The model's step time for each run of RUNS from one link's measurements."""
   from jaxcomp import compressors, wire
   from jaxcomp import perfmodel as pm
-  pr = measured["profile"]
-  one = pm.ModelProfile("mlp", pr["layer_sizes"], pr["backward_times"],
-                        pr["forward_time"], pr["update_time"])
-  scale = measured["local_step_s"] / one.compute_time
-  prof = pm.ModelProfile("mlp", one.layer_sizes,
-                         [t * scale for t in one.backward_times],
-                         one.forward_time * scale, one.update_time * scale)
+  # (The runs saved before the profile's name was kept have none.)
+  one = pm.ModelProfile.from_dict({"name": "mlp", **measured["profile"]})
+  prof = one.scaled(measured["local_step_s"] / one.compute_time)
 
   def fit(m, sharing=1):
     # small: 2 (p - 1) start-ups; big: the same plus the ring's bytes, of
