@@ -233,20 +233,21 @@ def stages(config, learning_rate):
                                  config.ratio_warmup_steps)
 
 
-def stage_bytes(stages, params, mesh, sharded: bool | str = False):
+def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
   """Bytes one device sends per step in each stage (its transformation's
-  statistics), for :func:`jaxcomp.combinators.bytes_over`; ``sharded``:
-  the stages reduce-scatter into FSDP shards of ``params`` (True), or
-  ``"hsdp"``: into a host's shards, and the bytes are those sent across
-  hosts (the last compressed mean's)."""
+  statistics, :func:`exchange_stats`), for
+  :func:`jaxcomp.combinators.bytes_over`; ``sharding``: ``"replicated"``,
+  ``"fsdp"`` (the stages reduce-scatter into flat shards of ``params``) or
+  ``"hsdp"`` (into a host's shards; the bytes are those sent across
+  hosts)."""
   import jaxcomp
-  if sharded == "hsdp":
-    return [float(exchange_stats(jaxcomp.fsdp.init(
-        s.tx, params, mesh, ("hosts", "devices"), shard_axis="devices")[2],
-        "hsdp").bytes_sent) for s in stages]
-  init = ((lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2]) if sharded
-          else (lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0]))
-  return [float(jaxcomp.get_stats(init(s.tx)).bytes_sent) for s in stages]
+  init = {
+      "replicated": lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0],
+      "fsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2],
+      "hsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh, ("hosts", "devices"),
+                                           shard_axis="devices")[2],
+  }[sharding]
+  return [float(exchange_stats(init(s.tx), sharding).bytes_sent) for s in stages]
 
 
 def exchange_stats(opt_state, sharding: str = "replicated"):
