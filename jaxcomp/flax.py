@@ -35,6 +35,7 @@ from flax import nnx
 from flax.nnx.training import optimizer as nnx_optimizer
 
 from jaxcomp import _mesh
+from jaxcomp import lowcomm
 from jaxcomp import sharding
 from jaxcomp._mesh import AxisName
 
@@ -62,9 +63,17 @@ class Optimizer(nnx.Optimizer):
     shard_axis: with ``fsdp``: the axis to shard over (default
       ``axis_name``; HSDP: the fast axis inside a host).
 
+  With a :func:`jaxcomp.diloco` in ``tx``, each device trains its own copy
+  of the parameters between syncs: the optimizer keeps them in ``local``
+  (each leaf with a leading device axis, sharded ``P(axis_name)``, saved
+  with the optimizer's state), and after every step the model holds the
+  synchronized parameters (:func:`jaxcomp.lowcomm.synced_params`: what
+  evaluation uses; between syncs, those of the last sync).
+
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; with ``fsdp``, no
-      ``compressed_mean(..., output="shard")`` over ``shard_axis`` in ``tx``.
+      ``compressed_mean(..., output="shard")`` over ``shard_axis`` in
+      ``tx``, or a :func:`jaxcomp.diloco` in it.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
@@ -84,6 +93,13 @@ class Optimizer(nnx.Optimizer):
       nnx.update(model, shards)
     else:
       state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+    # DiLoCo: each device's own parameters, beside the model's synchronized
+    # ones.
+    local = None
+    if lowcomm.holds_diloco(state):  # (fsdp.init refuses DiLoCo)
+      local = nnx_optimizer.to_opt_state(
+          lowcomm.per_device_copies(params, mesh, axis_name))
+    self.local = nnx.data(local)
     self.opt_state = nnx.data(nnx_optimizer.to_opt_state(state))
     self.wrt = wrt
     self.mesh = nnx.static(mesh)
@@ -118,7 +134,8 @@ class _Static:
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
-               batch_spec: Any = None) -> Callable:
+               batch_spec: Any = None,
+               per_device_loss: bool = False) -> Callable:
   """The NNX data-parallel train step with compression, compiled.
 
   ``step(model, optimizer, batch)`` runs, under ``jax.shard_map`` over the
@@ -138,6 +155,14 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is
       averaged over the devices.
     batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+    per_device_loss: return each device's own loss (and aux), with a
+      leading device axis, instead of their mean: no collective for it
+      (with :func:`jaxcomp.diloco` and a model without BatchNorm, the steps
+      between syncs then run none at all).
+
+  With a :func:`jaxcomp.diloco` in the optimizer's ``tx``, each device
+  differentiates and updates its own parameters (``optimizer.local``), and
+  the model is set to the synchronized parameters after the step.
 
   Returns:
     ``step(model, optimizer, batch) -> loss`` (or ``(loss, aux)``), the
@@ -159,9 +184,13 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     bspec = P(axis) if batch_spec is None else batch_spec
     shapes, pspec = optimizer.shapes.tree, optimizer.params_spec
 
-    def body(params, keys, rest, opt_state, batch):
+    diloco = optimizer.local is not None
+
+    def body(params, local, keys, rest, opt_state, batch):
       index = lax.axis_index(axis)
       step_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+      if diloco:  # this device's own parameters
+        params = jax.tree.map(lambda x: x[0], local)
 
       def loss_of(p):
         model = nnx.merge(graphdef, p, step_keys, rest)
@@ -180,14 +209,21 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
           if jnp.issubdtype(x.dtype, jnp.floating) else x, new_rest)
       updates, opt_state = tx.update(grads, sharding.to_local(opt_state, specs),
                                      params)
-      out = jax.tree.map(lambda v: lax.pmean(v, axis), out)
-      return (optax.apply_updates(params, updates), new_rest,
-              sharding.to_global(opt_state, specs), out)
+      out = sharding.step_loss(out, axis, per_device_loss)
+      params = optax.apply_updates(params, updates)
+      if diloco:
+        local = jax.tree.map(lambda x: x[None],
+                             lowcomm.snap_to_anchor(params, opt_state))
+        params = lowcomm.synced_params(opt_state)
+      return (params, local, new_rest, sharding.to_global(opt_state, specs),
+              out)
 
+    lspec = P(axis) if diloco else P()
+    ospec = P(axis) if per_device_loss else P()
     f = jax.shard_map(body, mesh=mesh,
-                      in_specs=(pspec, P(), P(), specs, bspec),
-                      out_specs=(pspec, P(), specs, P()))
-    return jax.jit(f, donate_argnums=(0, 2, 3))
+                      in_specs=(pspec, lspec, P(), P(), specs, bspec),
+                      out_specs=(pspec, lspec, P(), specs, ospec))
+    return jax.jit(f, donate_argnums=(0, 1, 3, 4))
 
   def prepare(model, optimizer):
     if not hasattr(optimizer, "specs"):
@@ -206,12 +242,16 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     keys, rest = jax.device_put((nnx.as_pure(keys), nnx.as_pure(rest)), rep)
     params = jax.device_put(nnx.as_pure(params),
                             NamedSharding(optimizer.mesh, optimizer.params_spec))
-    return compiled[key], (params, keys, rest, nnx.as_pure(optimizer.opt_state))
+    local = nnx.as_pure(optimizer.local)
+    return compiled[key], (params, local, keys, rest,
+                           nnx.as_pure(optimizer.opt_state))
 
   def step(model, optimizer, batch):
     f, args = prepare(model, optimizer)
-    params, rest, opt_state, out = f(*args, batch)
+    params, local, rest, opt_state, out = f(*args, batch)
     nnx.update(model, params, rest)
+    if local is not None:
+      nnx.update(optimizer.local, nnx.state(local))
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
     optimizer.step[...] += 1
     return out

@@ -226,7 +226,8 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; no jaxcomp
       transform in ``tx`` with ``output="shard"`` over ``shard_axis`` (the
-      optimizer would get whole gradients for shard-shaped parameters).
+      optimizer would get whole gradients for shard-shaped parameters); a
+      :func:`jaxcomp.diloco` in ``tx``.
 
   ``jaxcomp.multi_steps`` around ``tx`` accumulates the whole gradient per
   device (flat, padded to the shards' whole size: one whole-gradient
@@ -242,7 +243,13 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
 
 
 def _check_shard_outputs(opt_state, shard_axis) -> None:
-  from jaxcomp import transform  # pylint: disable=g-import-not-at-top
+  from jaxcomp import lowcomm, transform  # pylint: disable=g-import-not-at-top
+  if lowcomm.holds_diloco(opt_state):
+    raise ValueError(
+        "tx holds jaxcomp.diloco, which FSDP cannot shard: DiLoCo keeps one "
+        "whole copy of the parameters per device between syncs. Train it "
+        "replicated (jaxcomp.lowcomm.init, or jaxcomp.flax.Optimizer without "
+        "fsdp=True)")
   configs = transform.transform_configs(opt_state)
   shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
   if not shard:

@@ -1,5 +1,7 @@
 """DiLoCo with compressed pseudo-gradients (jaxcomp.diloco)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -399,3 +401,116 @@ def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
   params = jax.device_put(_params(), NamedSharding(mesh8, P()))
   with pytest.raises(ValueError, match="lowcomm.init and step with"):
     step(params, st, _batches(mesh8, 1)[0])
+
+
+# -- DiLoCo in the user's idioms: a jit step, NNX, Orbax --------------------
+
+
+def test_local_step_inside_a_users_jit_step_is_make_train_step(mesh8):
+  """lowcomm.local_step called inside the user's own jax.jit step (beside
+  their own use of the synchronized parameters) runs what make_train_step
+  runs: the same parameters, state and losses, bit for bit."""
+  tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="int8_block",
+                      bits=4)
+  batches = _batches(mesh8, 5)
+  _, ref_st, _, ref_hist = _run(tx, mesh8, batches)
+  local_step = lowcomm.local_step(_loss, tx, mesh8)
+  local, st = local_step.init(_params())
+
+  @jax.jit
+  def train_step(local, st, batch):
+    local, st, loss = local_step(local, st, batch)
+    shared = lowcomm.synced_params(st)  # e.g. an evaluation of the shared model
+    return local, st, loss, _loss(shared, batch)
+
+  for b, (ref_w, ref_loss) in zip(batches, ref_hist):
+    local, st, loss, shared_loss = train_step(local, st, b)
+    np.testing.assert_array_equal(np.asarray(local["w"]), ref_w)
+    assert float(loss) == ref_loss and np.isfinite(float(shared_loss))
+  for x, y in zip(jax.tree.leaves(st), jax.tree.leaves(ref_st)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="init"):
+    lowcomm.local_step(_loss, tx, mesh8)(local, st, batches[0])
+  with pytest.raises(ValueError, match="compressed_value_and_grad"):
+    lowcomm.local_step(_loss, optax.chain(jaxcomp.compressed_mean("identity", "data"),
+                                          optax.sgd(0.1)), mesh8).init(_params())
+
+
+def _nnx_model():
+  from flax import nnx
+
+  class Net(nnx.Module):
+
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(13, 7, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.lin(x))
+
+  return Net(nnx.Rngs(0))
+
+
+def _nnx_loss(model, batch):
+  x, y = batch
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
+  """jaxcomp.flax.Optimizer with jaxcomp.diloco: each device steps its own
+  copy (optimizer.local), the model holds the synchronized parameters
+  (changing only on sync steps), both equal to lowcomm.make_train_step on
+  the same function; with per_device_loss no collective runs between
+  syncs; an Orbax checkpoint mid-interval resumes bit-exactly."""
+  from flax import nnx
+  import jaxcomp.flax
+  tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=3)
+  model = _nnx_model()
+  graphdef, params0 = nnx.split(model, nnx.Param)
+  params0 = nnx.as_pure(params0)
+  opt = jaxcomp.flax.Optimizer(model, tx, wrt=nnx.Param, mesh=mesh8)
+  assert opt.local["lin"]["kernel"][...].shape == (8, 13, 7)
+  step = jaxcomp.flax.train_step(_nnx_loss)
+  fn_loss = lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b)
+  ref_local, ref_st, specs = lowcomm.init(tx, params0, mesh8)
+  ref_step = lowcomm.make_train_step(fn_loss, tx, mesh=mesh8, state_specs=specs)
+  batches = _batches(mesh8, 5)
+  prev = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
+  for i, b in enumerate(batches[:4]):
+    loss = step(model, opt, b)
+    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, b)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    w_local = np.asarray(opt.local["lin"]["kernel"][...])
+    np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
+                               rtol=1e-6, atol=1e-7)
+    w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
+    np.testing.assert_allclose(w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
+                               rtol=1e-6, atol=1e-7)
+    synced = (i + 1) % 3 == 0
+    assert np.array_equal(w_model, prev) != synced, i  # moves on syncs only
+    prev = w_model
+    assert all(np.array_equal(w_local[0], w_local[d]) for d in range(8)) == synced, i
+    if synced:
+      np.testing.assert_array_equal(w_local[0], w_model)
+  # per_device_loss: no collective outside the sync's branch.
+  quiet = jaxcomp.flax.train_step(_nnx_loss, per_device_loss=True)
+  traffic = jaxcomp.collective_traffic(quiet.lower(model, opt, batches[4]).compile())
+  assert traffic.ops and not [o for o in traffic.ops if not o.in_branch]
+  # Orbax, mid-interval (one step after the sync): resume bit-exactly.
+  ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
+  ckpt.save(4, {"model": nnx.as_pure(nnx.state(model)),
+                "opt": nnx.as_pure(nnx.state(opt))})
+  assert quiet(model, opt, batches[4]).shape == (8,)
+  fresh = _nnx_model()
+  fresh_opt = jaxcomp.flax.Optimizer(fresh, tx, wrt=nnx.Param, mesh=mesh8)
+  _, restored = ckpt.restore({"model": nnx.as_pure(nnx.state(fresh)),
+                              "opt": nnx.as_pure(nnx.state(fresh_opt))})
+  nnx.update(fresh, restored["model"])
+  nnx.update(fresh_opt, restored["opt"])
+  quiet(fresh, fresh_opt, batches[4])
+  for x, y in zip(jax.tree.leaves(nnx.as_pure(nnx.state(opt))),
+                  jax.tree.leaves(nnx.as_pure(nnx.state(fresh_opt)))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with warnings.catch_warnings(), pytest.raises(
+      ValueError, match="diloco, which FSDP cannot shard"):
+    warnings.simplefilter("ignore", RuntimeWarning)  # the trace that placed it
+    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh8, fsdp=True)
