@@ -158,9 +158,79 @@ def row_iota(block_rows: int, interpret: bool) -> jax.Array:
       jax.lax.broadcasted_iota(jnp.uint32, (block_rows, ROW), 0), interpret)
 
 
+# The block the kernel body being traced runs on, where blocked_call maps
+# it (a persistent grid); None: the grid step is the block.
+_current_block: list = [None]
+
+
 def block_index(interpret: bool) -> jax.Array:
-  """int32 number of the grid step running (the block of :func:`blocked_call`)."""
+  """int32 number of the block running (the operands' block of
+  :func:`blocked_call`: on a persistent grid, not the CUDA block)."""
+  if _current_block[0] is not None:
+    return _current_block[0]
   return pl.program_id(0) if interpret else jax.lax.axis_index("blocks")
+
+
+# A persistent grid launches this many CUDA blocks (one per SM: an H100
+# SXM's 132 where no GPU says otherwise, e.g. when exporting on a CPU)
+# when there are more blocks than that.
+DEFAULT_SM_COUNT = 132
+# Blocks in flight per CUDA block of a persistent grid (emit_pipeline's
+# stages): up to this many, as many as fit SHARED_BYTES.
+MAX_PIPELINE_STAGES = 3
+SHARED_BYTES = 227 * 1024 - 2048  # an H100 block's opt-in dynamic shared
+#                                   memory, less room for barriers/alignment
+
+
+def pipeline_stages(step_bytes: int, steps: int) -> int:
+  """Stages of a persistent grid's pipeline whose one step holds
+  ``step_bytes`` of blocks in shared memory (each stage buffers one step):
+  as many as fit :data:`SHARED_BYTES`, at most :data:`MAX_PIPELINE_STAGES`
+  and ``steps``, at least 1."""
+  return max(1, min(MAX_PIPELINE_STAGES, steps, SHARED_BYTES // max(1, step_bytes)))
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the default NVIDIA GPU, else
+  :data:`DEFAULT_SM_COUNT`."""
+  if nvidia_gpu():
+    count = getattr(jax.devices()[0], "core_count", None)
+    if isinstance(count, int) and count > 0:
+      return count
+  return DEFAULT_SM_COUNT
+
+
+class PersistentGrid:
+  """Blocks ``0..grid-1`` spread over ``workers`` persistent workers (CUDA
+  blocks): worker ``w``'s step ``i`` runs block ``min(w + i * workers,
+  grid - 1)``. The last worker steps past the end repeat the last block;
+  the kernels here write each block's outputs from that block's inputs
+  only, so the repeat writes the same values again."""
+
+  def __init__(self, grid: int, workers: int):
+    self.grid, self.workers = grid, workers
+    self.steps = -(-grid // workers)
+
+  def block(self, worker, step):
+    return jnp.minimum(worker + step * self.workers, self.grid - 1)
+
+  def spec(self, spec, worker):
+    """``spec`` with its index map taking the worker's step."""
+    index_map = spec.index_map
+    return dataclasses.replace(
+        spec, index_map=lambda i: index_map(self.block(worker, i)))
+
+
+# Interpret mode runs a persistent grid of this many workers where set (a
+# test of the GPU path's block order on a CPU); None: the plain grid.
+INTERPRET_WORKERS: int | None = None
+
+
+def persistent_grid(grid: int, workers: int | None = None):
+  """The :class:`PersistentGrid` for ``grid`` blocks, or None where there
+  are no more blocks than workers (default :func:`sm_count`)."""
+  workers = sm_count() if workers is None else workers
+  return PersistentGrid(grid, workers) if grid > workers else None
 
 
 def compiler_params():
@@ -190,30 +260,67 @@ def zero_like(like: jax.Array, dtype) -> jax.Array:
 
 
 def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,
-                 interpret: bool, name: str):
+                 interpret: bool, name: str, workers: int | None = None):
   """A kernel over a 1-D grid of ``grid`` blocks, as ``pl.pallas_call`` has it.
 
   ``kernel(*in_block_refs, *out_block_refs)`` sees one block of each operand
-  per grid step, cut by the ``BlockSpec``s (index maps take the block number).
+  per grid step, cut by the ``BlockSpec``s (index maps take the block number;
+  :func:`block_index` gives it inside ``kernel``).
 
   * ``interpret=True``: ``pl.pallas_call(..., interpret=True)`` (any backend).
   * Otherwise Mosaic GPU through its public kernel API, which JAX 0.11
     requires (``pl.pallas_call`` no longer lowers Mosaic GPU compiler
-    parameters there): ``plgpu.kernel`` launches one CUDA block per grid
-    step and ``plgpu.emit_pipeline`` copies each operand's block between
-    global and shared memory with TMA around ``kernel``.
+    parameters there), on a persistent grid when there are more blocks than
+    ``workers`` (default :func:`sm_count`): ``plgpu.kernel`` launches one
+    CUDA block per SM, and each runs ``plgpu.emit_pipeline`` over its share
+    of the blocks (:class:`PersistentGrid`) with up to
+    :data:`MAX_PIPELINE_STAGES` blocks in flight (as many as fit shared
+    memory, :func:`pipeline_stages`), so TMA copies the next blocks into
+    shared memory while the current one computes. With fewer blocks, one
+    CUDA block per block.
+
+  ``workers`` (or :data:`INTERPRET_WORKERS`) with ``interpret=True`` runs
+  the persistent grid's block order in interpret mode (a ``(workers, steps)`` grid whose steps
+  map to blocks as on the GPU, the repeats past the end included), so that
+  the mapping is tested on a CPU.
 
   Returns:
     A function of the input arrays returning ``out_shape``'s structure.
   """
   if interpret:
-    return pl.pallas_call(kernel, grid=(grid,), in_specs=in_specs,
-                          out_specs=out_specs, out_shape=out_shape,
-                          interpret=True, name=name)
+    workers = INTERPRET_WORKERS if workers is None else workers
+    plan = None if workers is None else persistent_grid(grid, workers)
+    if plan is None:
+      return pl.pallas_call(kernel, grid=(grid,), in_specs=in_specs,
+                            out_specs=out_specs, out_shape=out_shape,
+                            interpret=True, name=name)
+
+    def remap(spec):
+      index_map = spec.index_map
+      return dataclasses.replace(
+          spec, index_map=lambda w, i: index_map(plan.block(w, i)))
+
+    def mapped(*refs):
+      _current_block[0] = plan.block(pl.program_id(0), pl.program_id(1))
+      try:
+        kernel(*refs)
+      finally:
+        _current_block[0] = None
+
+    multiple = isinstance(out_shape, (list, tuple))
+    return pl.pallas_call(
+        mapped, grid=(plan.workers, plan.steps),
+        in_specs=[remap(s) for s in in_specs],
+        out_specs=[remap(s) for s in out_specs] if multiple else remap(out_specs),
+        out_shape=out_shape, interpret=True, name=name)
   multiple = isinstance(out_shape, (list, tuple))
   out_type = tuple(out_shape) if multiple else out_shape
   out_list = list(out_specs) if multiple else [out_specs]
   num_out = len(out_list)
+  plan = persistent_grid(grid, workers)
+  if plan is not None:
+    return lambda *args: _persistent_call(kernel, out_type, out_list, plan,
+                                          in_specs, args)
 
   def at_this_block(spec):
     index_map = spec.index_map
@@ -230,3 +337,40 @@ def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,
 
   return plgpu.kernel(body, out_type=out_type, compiler_params=compiler_params(),
                       grid=(grid,), grid_names=("blocks",))
+
+
+def _block_bytes(spec, dtype) -> int:
+  size = 1
+  for d in spec.block_shape:
+    size *= getattr(d, "block_size", d)
+  return size * jnp.dtype(dtype).itemsize
+
+
+def _persistent_call(kernel, out_type, out_list, plan: PersistentGrid,
+                     in_specs, args):
+  """:func:`blocked_call` on a persistent grid, for the operands ``args``."""
+  outs = out_type if isinstance(out_type, tuple) else (out_type,)
+  step_bytes = (sum(_block_bytes(s, a.dtype) for s, a in zip(in_specs, args))
+                + sum(_block_bytes(s, o.dtype) for s, o in zip(out_list, outs)))
+  stages = pipeline_stages(step_bytes, plan.steps)
+  num_out = len(out_list)
+
+  def body(*refs):
+    in_refs, out_refs = refs[:len(refs) - num_out], refs[len(refs) - num_out:]
+    worker = jax.lax.axis_index("blocks")
+
+    def step(indices, *block_refs):
+      _current_block[0] = plan.block(worker, indices[0])
+      try:
+        kernel(*block_refs)
+      finally:
+        _current_block[0] = None
+
+    plgpu.emit_pipeline(
+        step, grid=(plan.steps,),
+        in_specs=[plan.spec(s, worker) for s in in_specs],
+        out_specs=[plan.spec(s, worker) for s in out_list],
+        max_concurrent_steps=stages)(*in_refs, *out_refs)
+
+  return plgpu.kernel(body, out_type=out_type, compiler_params=compiler_params(),
+                      grid=(plan.workers,), grid_names=("blocks",))(*args)

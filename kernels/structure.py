@@ -334,3 +334,66 @@ def kernel_ops(fn, *args) -> list[KernelOps]:
                          block_input_elements=size, by_primitive=dict(by),
                          in_branch=branch))
   return out
+
+
+@dataclasses.dataclass
+class KernelLaunch:
+  """How one Mosaic GPU kernel is launched, read from its serialized module
+  in the CUDA export (the ``gpu.launch`` inside the custom call's
+  ``backend_config``).
+
+  Attributes:
+    grid: CUDA blocks, ``(x, y, z)``.
+    threads: threads per block, ``(x, y, z)``.
+    shared_bytes: dynamic shared memory per block, bytes.
+    loops: ``scf.for`` loops in the kernel (a persistent grid's loop over
+      its blocks is one).
+  """
+  grid: tuple
+  threads: tuple
+  shared_bytes: int
+  loops: int
+
+
+def kernel_launches(fn, *args) -> list[KernelLaunch]:
+  """The launch of each Mosaic GPU kernel in ``jax.jit(fn)`` exported for
+  CUDA with ``args`` (ShapeDtypeStructs); no GPU needed."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  ctx = jax_mlir.make_ir_context()
+  ctx.allow_unregistered_dialects = True
+  out = []
+  with ctx:
+    calls = []
+
+    def walk(op):
+      for region in op.regions:
+        for block in region.blocks:
+          for o in block.operations:
+            if (o.operation.name == "stablehlo.custom_call" and "mosaic_gpu"
+                in str(o.attributes["call_target_name"])):
+              calls.append(o)
+            walk(o.operation)
+
+    walk(ir.Module.parse(text).operation)
+    for call in calls:
+      body = str(ir.Module.parse(
+          call.attributes["mhlo.backend_config"]["module"].value_bytes))
+      lines = body.splitlines()
+      launch = next(l for l in lines if '"stable_mosaic_gpu.gpu.launch"' in l
+                    or "gpu.launch" in l.split("=", 1)[-1][:40])
+      operands = _VALUE_RE.findall(launch.split("(", 1)[1].split(")", 1)[0])
+      consts = {}
+      for line in lines:
+        m = re.match(r"\s*(%\d+) = \"?[\w.]*arith\.constant\"?\(?\)?\s*"
+                     r"\{value = (-?\d+) : \w+\}", line)
+        if m:
+          consts[m.group(1)] = int(m.group(2))
+      # gpu.launch(token, gridX, gridY, gridZ, blockX, blockY, blockZ, smem)
+      dims = [consts.get(v) for v in operands[1:8]]
+      out.append(KernelLaunch(grid=tuple(dims[0:3]), threads=tuple(dims[3:6]),
+                              shared_bytes=dims[6],
+                              loops=sum("scf.for" in l for l in lines)))
+  return out

@@ -17,6 +17,7 @@ import pytest
 
 from jaxcomp.compressors import block_quant
 from jaxcomp.compressors import qsgd
+from jaxcomp.kernels import _select
 from jaxcomp.kernels import quantize
 from jaxcomp.kernels import structure
 
@@ -207,3 +208,32 @@ def test_kernel_operation_counts():
   every = [k for k in ks if not k.in_branch]
   assert [k.name for k in every] == ["jaxcomp_topk_mask"]
   assert any(k.name == "jaxcomp_topk_count" and k.in_branch for k in ks)
+
+
+N_LARGE = 1 << 24  # 2,048 blocks of 8,192 elements: many per SM
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(_paths(N_LARGE)))
+def test_many_blocks_run_on_a_persistent_pipelined_grid(name, dtype):
+  """More blocks than SMs: the kernel launches one CUDA block per SM (an
+  H100's 132 when exported on a CPU), each looping over its blocks with
+  emit_pipeline (the loop is in the kernel), within an H100 block's shared
+  memory (227 KiB) with 2 or 3 blocks in flight. Few blocks: one CUDA
+  block per block, no loop."""
+  fn, args = _paths(N_LARGE, dtype)[name]
+  (launch,) = structure.kernel_launches(fn, *args)
+  print(name, jnp.dtype(dtype).name, launch)
+  assert launch.grid == (_select.DEFAULT_SM_COUNT, 1, 1), launch
+  assert launch.loops >= 1, launch
+  assert launch.shared_bytes <= 227 * 1024, launch
+  fn, args = _paths(N_TILED, dtype)[name]
+  (launch,) = structure.kernel_launches(fn, *args)
+  assert launch.grid[0] < _select.DEFAULT_SM_COUNT and launch.loops == 0, launch
+
+
+def test_pipeline_stages_fit_shared_memory():
+  assert _select.pipeline_stages(36 * 1024, 100) == 3
+  assert _select.pipeline_stages(84 * 1024, 100) == 2  # 3 would need 252 KiB
+  assert _select.pipeline_stages(150 * 1024, 100) == 1
+  assert _select.pipeline_stages(1024, 2) == 2  # no more stages than steps

@@ -599,3 +599,34 @@ class TestKernelsInterpret(TestKernelsCompiled):
   """The same cases in interpret mode (``interpret=True``), on any backend."""
 
   INTERPRET = True
+
+
+@pytest.mark.parametrize("workers", [3, 5])
+def test_persistent_grid_block_order_gives_the_same_bits(monkeypatch, workers):
+  """The GPU path runs more blocks than SMs on a persistent grid (worker w's
+  step i takes block min(w + i * workers, last), the last block repeated
+  past the end); interpret mode runs that order with a few workers. Every
+  kernel's outputs, the seeded dither (which hashes the block's element
+  index) included, equal the plain grid's bit for bit."""
+  n = 16384 * 7 + 77  # 8 blocks of 64 blocks of 256 (57 of 64 rows): several steps a worker
+  x = _normal(n, jnp.float32, seed=3)
+  seed = jnp.array([5, 9], jnp.uint32)
+  runs = {
+      "sign": lambda: quantize.sign_pack(x, config=QCFG, interpret=True),
+      "qsgd": lambda: quantize.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
+                                             config=QCFG, interpret=True),
+      "int8": lambda: quantize.int8_block_quantize(x, block_size=256, seed=seed,
+                                                   config=QCFG, interpret=True),
+      "fp8": lambda: quantize.fp8_block_quantize(x, block_size=128, format="e5m2",
+                                                 seed=seed, config=QCFG, interpret=True),
+      "topk": lambda: topk.topk(x, 100, config=TCFG, interpret=True),
+  }
+  plain = {k: jax.tree.map(np.asarray, f()) for k, f in runs.items()}
+  monkeypatch.setattr(_select, "INTERPRET_WORKERS", workers)
+  jax.clear_caches()  # the jitted kernels' traces of the plain grid
+  assert _select.persistent_grid(8, workers).steps == -(-8 // workers)  # repeats at the end
+  for k, f in runs.items():
+    for a, b in zip(jax.tree.leaves(plain[k]), jax.tree.leaves(f())):
+      np.testing.assert_array_equal(a, np.asarray(b), err_msg=k)
+  monkeypatch.undo()
+  jax.clear_caches()
