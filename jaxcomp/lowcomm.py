@@ -253,7 +253,8 @@ def diloco(inner: optax.GradientTransformation,
           "diloco needs each device's own parameters, but these are "
           f"replicated over {axis_name!r} (identical on every device): place "
           "them with jaxcomp.lowcomm.init and step with "
-          "jaxcomp.lowcomm.make_train_step")
+          "jaxcomp.lowcomm.make_train_step (jaxcomp.lowcomm.local_step inside "
+          "your own jax.jit step; jaxcomp.flax.Optimizer for NNX)")
     inner_updates, inner_state = inner.update(grads, state.inner_state, params)
     local = optax.apply_updates(params, inner_updates)
     p_leaves, treedef = jax.tree.flatten(params)

@@ -401,6 +401,11 @@ def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
   params = jax.device_put(_params(), NamedSharding(mesh8, P()))
   with pytest.raises(ValueError, match="lowcomm.init and step with"):
     step(params, st, _batches(mesh8, 1)[0])
+  # The jit helper averages gradients: DiLoCo there is refused, naming its own.
+  grad_fn = jaxcomp.compressed_value_and_grad(_loss, tx, mesh8)
+  comp_state = grad_fn.init(_params())
+  with pytest.raises(ValueError, match=r"lowcomm\.local_step inside your own jax\.jit"):
+    grad_fn(params, comp_state, _batches(mesh8, 1)[0])
 
 
 # -- DiLoCo in the user's idioms: a jit step, NNX, Orbax --------------------
