@@ -336,6 +336,10 @@ def kernel_ops(fn, *args) -> list[KernelOps]:
   return out
 
 
+_CONSTANT_RE = re.compile(
+    r'\s*(%\d+) = "?[\w.]*arith\.constant"?\(?\)?\s*\{value = (-?\d+) : \w+\}')
+
+
 @dataclasses.dataclass
 class KernelLaunch:
   """How one Mosaic GPU kernel is launched, read from its serialized module
@@ -359,11 +363,13 @@ def kernel_launches(fn, *args) -> list[KernelLaunch]:
   """The launch of each Mosaic GPU kernel in ``jax.jit(fn)`` exported for
   CUDA with ``args`` (ShapeDtypeStructs); no GPU needed."""
   import jax  # pylint: disable=g-import-not-at-top
+  # jax's own context: the dialects of the kernel's module are registered
+  # there (the gpu dialect's memory spaces); no public API makes one.
   from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
-  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jax.extend.mlir import ir  # pylint: disable=g-import-not-at-top
   text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   ctx = jax_mlir.make_ir_context()
-  ctx.allow_unregistered_dialects = True
+  ctx.allow_unregistered_dialects = True  # the kernel's stable_mosaic_gpu ops
   out = []
   with ctx:
     calls = []
@@ -382,13 +388,11 @@ def kernel_launches(fn, *args) -> list[KernelLaunch]:
       body = str(ir.Module.parse(
           call.attributes["mhlo.backend_config"]["module"].value_bytes))
       lines = body.splitlines()
-      launch = next(l for l in lines if '"stable_mosaic_gpu.gpu.launch"' in l
-                    or "gpu.launch" in l.split("=", 1)[-1][:40])
+      launch = next(l for l in lines if "gpu.launch" in l)
       operands = _VALUE_RE.findall(launch.split("(", 1)[1].split(")", 1)[0])
       consts = {}
       for line in lines:
-        m = re.match(r"\s*(%\d+) = \"?[\w.]*arith\.constant\"?\(?\)?\s*"
-                     r"\{value = (-?\d+) : \w+\}", line)
+        m = _CONSTANT_RE.match(line)
         if m:
           consts[m.group(1)] = int(m.group(2))
       # gpu.launch(token, gridX, gridY, gridZ, blockX, blockY, blockZ, smem)
