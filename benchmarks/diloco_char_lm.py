@@ -22,10 +22,16 @@ against total bytes::
 
   python benchmarks/diloco_char_lm.py --steps 3600 --optimizer adam \\
       --lr 3e-3 --schedule cosine --runs dp h50 h50_int4 h50_sparseloco \\
-      h100_int4 h10 h100 h100_sparseloco stream_f4_h100_int4 demo \\
+      h100_int4 h100_int4_sgd15 h10 h100 h100_sparseloco \\
+      stream_f4_h100_int4 demo \\
       --jsonl benchmarks/results/diloco_char_lm_3600.jsonl --resume \\
       --plot docs/convergence_lowcomm.png \\
       --out benchmarks/results/diloco_char_lm_3600.txt
+
+The sweep of what costs DiLoCo at this budget (the ``h1_sgd1``,
+``h10_sgd1`` and ``h100_int4_*`` rows: the outer step, the inner learning
+rate) is docs/convergence.md's second table, written to
+``benchmarks/results/diloco_char_lm_3600_sweep.txt`` by the command there.
 
 (With docs/convergence.md's momentum SGD 0.3 as the inner optimizer,
 DiLoCo H=10 ended at 2.9495 against data parallelism's 1.3809: at a
@@ -66,6 +72,48 @@ RUNS = {
     "stream_f4_h100_int4": ("Streaming DiLoCo H=100 F=4, int8 blocks 4-bit",
                             dict(_INT4, diloco_every=100, diloco_fragments=4)),
     "demo": ("DeMo (topk 32 of 64x64 DCT chunks)", dict(optimizer="demo")),
+    # Tuning DiLoCo at the small per-device batch: a lower inner learning
+    # rate, a larger outer one.
+    "h100_int4_lr1e3": ("DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3",
+                        dict(_INT4, diloco_every=100, learning_rate=1e-3)),
+    "h100_int4_lr5e4": ("DiLoCo H=100, int8 blocks 4-bit, inner Adam 5e-4",
+                        dict(_INT4, diloco_every=100, learning_rate=5e-4)),
+    "h100_int4_lr1e3_outer05": (
+        "DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3, outer Nesterov lr 0.5",
+        dict(_INT4, diloco_every=100, learning_rate=1e-3, diloco_outer_lr=0.5)),
+    # A diagnostic: every step averaged (no drift), outer SGD 1.0, so the
+    # only difference from data parallelism is Adam per device on its own
+    # 4 windows (the average of the devices' Adam updates).
+    "h1_sgd1": ("DiLoCo H=1, dense, outer SGD 1.0 (per-device Adam, averaged every step)",
+                dict(compressor="identity", diloco_every=1, diloco_outer_lr=1.0,
+                     diloco_outer_momentum=0.0)),
+    "h10_sgd1": ("DiLoCo H=10, dense, outer SGD 1.0 (parameter averaging)",
+                 dict(compressor="identity", diloco_every=10, diloco_outer_lr=1.0,
+                      diloco_outer_momentum=0.0)),
+    "h100_int4_sgd1": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.0 (parameter averaging)",
+                       dict(_INT4, diloco_every=100, diloco_outer_lr=1.0,
+                            diloco_outer_momentum=0.0)),
+    "h100_int4_lr1e3_sgd1": (
+        "DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3, outer SGD 1.0",
+        dict(_INT4, diloco_every=100, learning_rate=1e-3, diloco_outer_lr=1.0,
+             diloco_outer_momentum=0.0)),
+    "h100_int4_sgd15": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.5",
+                        dict(_INT4, diloco_every=100, diloco_outer_lr=1.5,
+                             diloco_outer_momentum=0.0)),
+    "h100_int4_sgd2": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 2.0",
+                       dict(_INT4, diloco_every=100, diloco_outer_lr=2.0,
+                            diloco_outer_momentum=0.0)),
+    "h100_int4_sgd3": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 3.0",
+                       dict(_INT4, diloco_every=100, diloco_outer_lr=3.0,
+                            diloco_outer_momentum=0.0)),
+    "h100_int4_n1_m03": ("DiLoCo H=100, int8 blocks 4-bit, outer Nesterov 1.0 / 0.3",
+                         dict(_INT4, diloco_every=100, diloco_outer_lr=1.0,
+                              diloco_outer_momentum=0.3)),
+    "h100_sparseloco_sgd15": (
+        "DiLoCo H=100, top-k 2% 2-bit values + EF, outer SGD 1.5",
+        dict(_SPARSELOCO, diloco_every=100, diloco_outer_lr=1.5)),
+    "h100_int4_outer1": ("DiLoCo H=100, int8 blocks 4-bit, outer Nesterov lr 1.0",
+                         dict(_INT4, diloco_every=100, diloco_outer_lr=1.0)),
 }
 DEFAULT_RUNS = ("dp", "h10", "h10_int4", "h10_topk5", "h50", "h50_int4")
 
