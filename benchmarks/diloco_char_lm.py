@@ -54,6 +54,15 @@ _INT4 = dict(compressor="int8_block", bits=4)
 # SparseLoCo: error feedback in place of the outer momentum (outer SGD 1.0).
 _SPARSELOCO = dict(compressor="topk", ratio=0.02, value_bits=2,
                    diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+_DENSE = dict(compressor="identity")
+_H100_INT4 = dict(_INT4, diloco_every=100)
+
+
+def _sgd(lr: float) -> dict:
+  """Outer SGD without momentum (1.0: parameter averaging)."""
+  return dict(diloco_outer_lr=lr, diloco_outer_momentum=0.0)
+
+
 # name: (label, Config fields). "dp" is the baseline of the relative columns.
 RUNS = {
     "dp": ("data parallel, dense", dict(compressor="identity")),
@@ -72,48 +81,37 @@ RUNS = {
     "stream_f4_h100_int4": ("Streaming DiLoCo H=100 F=4, int8 blocks 4-bit",
                             dict(_INT4, diloco_every=100, diloco_fragments=4)),
     "demo": ("DeMo (topk 32 of 64x64 DCT chunks)", dict(optimizer="demo")),
-    # Tuning DiLoCo at the small per-device batch: a lower inner learning
-    # rate, a larger outer one.
+    # What costs DiLoCo at this budget (docs/convergence.md's sweep): the
+    # inner learning rate and the outer step. h1_sgd1 is a diagnostic: every
+    # step averaged (no drift) with outer SGD 1.0, so the only difference
+    # from data parallelism is Adam per device on its own 4 windows.
+    "h1_sgd1": ("DiLoCo H=1, dense, outer SGD 1.0 (per-device Adam, averaged every step)",
+                dict(_DENSE, diloco_every=1, **_sgd(1.0))),
+    "h10_sgd1": ("DiLoCo H=10, dense, outer SGD 1.0 (parameter averaging)",
+                 dict(_DENSE, diloco_every=10, **_sgd(1.0))),
     "h100_int4_lr1e3": ("DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3",
-                        dict(_INT4, diloco_every=100, learning_rate=1e-3)),
+                        dict(_H100_INT4, learning_rate=1e-3)),
     "h100_int4_lr5e4": ("DiLoCo H=100, int8 blocks 4-bit, inner Adam 5e-4",
-                        dict(_INT4, diloco_every=100, learning_rate=5e-4)),
+                        dict(_H100_INT4, learning_rate=5e-4)),
+    "h100_int4_outer1": ("DiLoCo H=100, int8 blocks 4-bit, outer Nesterov lr 1.0",
+                         dict(_H100_INT4, diloco_outer_lr=1.0)),
     "h100_int4_lr1e3_outer05": (
         "DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3, outer Nesterov lr 0.5",
-        dict(_INT4, diloco_every=100, learning_rate=1e-3, diloco_outer_lr=0.5)),
-    # A diagnostic: every step averaged (no drift), outer SGD 1.0, so the
-    # only difference from data parallelism is Adam per device on its own
-    # 4 windows (the average of the devices' Adam updates).
-    "h1_sgd1": ("DiLoCo H=1, dense, outer SGD 1.0 (per-device Adam, averaged every step)",
-                dict(compressor="identity", diloco_every=1, diloco_outer_lr=1.0,
-                     diloco_outer_momentum=0.0)),
-    "h10_sgd1": ("DiLoCo H=10, dense, outer SGD 1.0 (parameter averaging)",
-                 dict(compressor="identity", diloco_every=10, diloco_outer_lr=1.0,
-                      diloco_outer_momentum=0.0)),
-    "h100_int4_sgd1": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.0 (parameter averaging)",
-                       dict(_INT4, diloco_every=100, diloco_outer_lr=1.0,
-                            diloco_outer_momentum=0.0)),
-    "h100_int4_lr1e3_sgd1": (
-        "DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3, outer SGD 1.0",
-        dict(_INT4, diloco_every=100, learning_rate=1e-3, diloco_outer_lr=1.0,
-             diloco_outer_momentum=0.0)),
-    "h100_int4_sgd15": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.5",
-                        dict(_INT4, diloco_every=100, diloco_outer_lr=1.5,
-                             diloco_outer_momentum=0.0)),
-    "h100_int4_sgd2": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 2.0",
-                       dict(_INT4, diloco_every=100, diloco_outer_lr=2.0,
-                            diloco_outer_momentum=0.0)),
-    "h100_int4_sgd3": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 3.0",
-                       dict(_INT4, diloco_every=100, diloco_outer_lr=3.0,
-                            diloco_outer_momentum=0.0)),
+        dict(_H100_INT4, learning_rate=1e-3, diloco_outer_lr=0.5)),
     "h100_int4_n1_m03": ("DiLoCo H=100, int8 blocks 4-bit, outer Nesterov 1.0 / 0.3",
-                         dict(_INT4, diloco_every=100, diloco_outer_lr=1.0,
-                              diloco_outer_momentum=0.3)),
-    "h100_sparseloco_sgd15": (
-        "DiLoCo H=100, top-k 2% 2-bit values + EF, outer SGD 1.5",
-        dict(_SPARSELOCO, diloco_every=100, diloco_outer_lr=1.5)),
-    "h100_int4_outer1": ("DiLoCo H=100, int8 blocks 4-bit, outer Nesterov lr 1.0",
-                         dict(_INT4, diloco_every=100, diloco_outer_lr=1.0)),
+                         dict(_H100_INT4, diloco_outer_lr=1.0, diloco_outer_momentum=0.3)),
+    "h100_int4_sgd1": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.0 (parameter averaging)",
+                       dict(_H100_INT4, **_sgd(1.0))),
+    "h100_int4_lr1e3_sgd1": ("DiLoCo H=100, int8 blocks 4-bit, inner Adam 1e-3, outer SGD 1.0",
+                             dict(_H100_INT4, learning_rate=1e-3, **_sgd(1.0))),
+    "h100_int4_sgd15": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 1.5",
+                        dict(_H100_INT4, **_sgd(1.5))),
+    "h100_int4_sgd2": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 2.0",
+                       dict(_H100_INT4, **_sgd(2.0))),
+    "h100_int4_sgd3": ("DiLoCo H=100, int8 blocks 4-bit, outer SGD 3.0",
+                       dict(_H100_INT4, **_sgd(3.0))),
+    "h100_sparseloco_sgd15": ("DiLoCo H=100, top-k 2% 2-bit values + EF, outer SGD 1.5",
+                              dict(_SPARSELOCO, diloco_every=100, diloco_outer_lr=1.5)),
 }
 DEFAULT_RUNS = ("dp", "h10", "h10_int4", "h10_topk5", "h50", "h50_int4")
 
