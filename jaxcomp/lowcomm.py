@@ -308,11 +308,16 @@ def diloco(inner: optax.GradientTransformation,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _find(opt_state) -> DiLoCoState:
+def _diloco_states(opt_state) -> list[DiLoCoState]:
   found = []
   jax.tree_util.tree_map(
       lambda x: found.append(x) if isinstance(x, DiLoCoState) else None,
       opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+  return found
+
+
+def _find(opt_state) -> DiLoCoState:
+  found = _diloco_states(opt_state)
   if len(found) != 1:
     raise ValueError(f"expected one diloco state in opt_state, found {len(found)}")
   return found[0]
@@ -412,11 +417,7 @@ def per_device_copies(params, mesh, axis_name: AxisName = "data"):
 
 def holds_diloco(opt_state) -> bool:
   """Whether ``opt_state`` holds a :func:`diloco` state."""
-  found = []
-  jax.tree_util.tree_map(
-      lambda x: found.append(x) if isinstance(x, DiLoCoState) else None,
-      opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
-  return bool(found)
+  return bool(_diloco_states(opt_state))
 
 
 def snap_to_anchor(params, opt_state):

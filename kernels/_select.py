@@ -214,11 +214,29 @@ class PersistentGrid:
   def block(self, worker, step):
     return jnp.minimum(worker + step * self.workers, self.grid - 1)
 
-  def spec(self, spec, worker):
-    """``spec`` with its index map taking the worker's step."""
+  def spec(self, spec, worker=None):
+    """``spec`` with its index map taking ``worker``'s step, or with
+    ``worker=None`` the ``(worker, step)`` pair of a 2-D grid."""
     index_map = spec.index_map
+    if worker is None:
+      return dataclasses.replace(
+          spec, index_map=lambda w, i: index_map(self.block(w, i)))
     return dataclasses.replace(
         spec, index_map=lambda i: index_map(self.block(worker, i)))
+
+
+def _on_block(kernel, block):
+  """``kernel`` with :func:`block_index` returning ``block`` while it is
+  traced."""
+
+  def run(*refs):
+    _current_block[0] = block() if callable(block) else block
+    try:
+      kernel(*refs)
+    finally:
+      _current_block[0] = None
+
+  return run
 
 
 # Interpret mode runs a persistent grid of this many workers where set (a
@@ -287,6 +305,7 @@ def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,
   Returns:
     A function of the input arrays returning ``out_shape``'s structure.
   """
+  multiple = isinstance(out_shape, (list, tuple))
   if interpret:
     workers = INTERPRET_WORKERS if workers is None else workers
     plan = None if workers is None else persistent_grid(grid, workers)
@@ -294,26 +313,13 @@ def blocked_call(kernel, out_shape, *, grid: int, in_specs, out_specs,
       return pl.pallas_call(kernel, grid=(grid,), in_specs=in_specs,
                             out_specs=out_specs, out_shape=out_shape,
                             interpret=True, name=name)
-
-    def remap(spec):
-      index_map = spec.index_map
-      return dataclasses.replace(
-          spec, index_map=lambda w, i: index_map(plan.block(w, i)))
-
-    def mapped(*refs):
-      _current_block[0] = plan.block(pl.program_id(0), pl.program_id(1))
-      try:
-        kernel(*refs)
-      finally:
-        _current_block[0] = None
-
-    multiple = isinstance(out_shape, (list, tuple))
     return pl.pallas_call(
-        mapped, grid=(plan.workers, plan.steps),
-        in_specs=[remap(s) for s in in_specs],
-        out_specs=[remap(s) for s in out_specs] if multiple else remap(out_specs),
+        _on_block(kernel, lambda: plan.block(pl.program_id(0), pl.program_id(1))),
+        grid=(plan.workers, plan.steps),
+        in_specs=[plan.spec(s) for s in in_specs],
+        out_specs=([plan.spec(s) for s in out_specs] if multiple
+                   else plan.spec(out_specs)),
         out_shape=out_shape, interpret=True, name=name)
-  multiple = isinstance(out_shape, (list, tuple))
   out_type = tuple(out_shape) if multiple else out_shape
   out_list = list(out_specs) if multiple else [out_specs]
   num_out = len(out_list)
@@ -360,11 +366,7 @@ def _persistent_call(kernel, out_type, out_list, plan: PersistentGrid,
     worker = jax.lax.axis_index("blocks")
 
     def step(indices, *block_refs):
-      _current_block[0] = plan.block(worker, indices[0])
-      try:
-        kernel(*block_refs)
-      finally:
-        _current_block[0] = None
+      _on_block(kernel, plan.block(worker, indices[0]))(*block_refs)
 
     plgpu.emit_pipeline(
         step, grid=(plan.steps,),
