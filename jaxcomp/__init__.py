@@ -19,9 +19,9 @@ from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps
 from jaxcomp.combinators import sparsity_warmup
-from jaxcomp.hlo import CollectiveOp
-from jaxcomp.hlo import Traffic
-from jaxcomp.hlo import collective_traffic
+from jaxcomp.inspect.traffic import CollectiveOp
+from jaxcomp.inspect.traffic import Traffic
+from jaxcomp.inspect.traffic import collective_traffic
 from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
 from jaxcomp.sharding import CompressedValueAndGrad

@@ -1,7 +1,7 @@
 """What XLA runs around the quantize kernels, read from the CUDA export.
 
 Each quantize path is exported with ``jax.export`` for CUDA (no GPU needed)
-and its StableHLO walked by :mod:`jaxcomp.kernels.structure`. For float32
+and its StableHLO walked by :mod:`jaxcomp.inspect.kernel_structure`. For float32
 inputs whose length is a whole number of the kernel's (8, bucket) tiles the
 targets hold: ``x`` is read once, by the kernel; no ``n``-sized XLA op runs
 before or after it (no transpose of the codes, no pad, no concatenate, no
@@ -19,7 +19,7 @@ from jaxcomp.compressors import block_quant
 from jaxcomp.compressors import qsgd
 from jaxcomp.kernels import _select
 from jaxcomp.kernels import quantize
-from jaxcomp.kernels import structure
+from jaxcomp.inspect import kernel_structure as structure
 
 S = jax.ShapeDtypeStruct
 N_TILED = 1 << 17  # whole (8, 512) tiles: every bucket size below

@@ -40,7 +40,7 @@ def nvidia_gpu() -> bool:
 # sign kernel 1.8x faster than XLA at 1e8 float32 elements read in place, and
 # the QSGD, int8 and top-k kernels slower than XLA at every size. The
 # quantize kernels have since been rewritten to read x once
-# (kernels/quantize.py; the structure is tested from the CUDA export in
+# (jaxcomp/kernels/quantize.py; the structure is tested from the CUDA export in
 # tests/test_kernel_structure.py) and have not run on a GPU: no measurement
 # describes them, so the default is XLA for every op until one does.
 # ``SIGN_KERNEL_MIN_SIZE`` is the size from which the measured sign kernel
