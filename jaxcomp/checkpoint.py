@@ -24,12 +24,11 @@ from jaxcomp.transform import CompressedMeanState
 from jaxcomp.transform import CompressionStats
 from jaxcomp.transform import transform_configs
 
-# How the exchange state of each collective moves to another mesh (see
-# topology_rules); collectives not named here have no sound rule.
-_EXCHANGE_RULES = {"two_phase": "rechunk", "auto": "rechunk", "zen": "average"}
-
 # 2: leaves carry a "stats" flag (statistics are found by type).
-CHECKPOINT_FORMAT = 2
+# 3: a compressed_mean state's configuration is static data of the tree
+#    (no "config" digest leaf); format 2 checkpoints still restore.
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (2, 3)
 
 
 class CheckpointMismatchError(ValueError):
@@ -143,15 +142,12 @@ def topology_rules(tree) -> dict[str, str]:
   def visit(path, x):
     base = _path_str(path) if path else ""
     if isinstance(x, CompressedMeanState):
-      (config,) = transform_configs(x).values()
-      coll = config["collective"]["name"]
-      exchange = _EXCHANGE_RULES.get(
-          coll, f"refuse: the {coll!r} collective's per-device state has no "
-          "sound rule for another mesh")
+      # Each part declares its own rule (Feedback.topology,
+      # Collective.topology), carried in the state's configuration.
+      declared = x.config.topology
       for sub, _ in jax.tree_util.tree_flatten_with_path(x)[0]:
-        field = sub[0].name
-        rules[base + jax.tree_util.keystr(sub)] = (
-            exchange if field == "exchange_state" else "average")
+        rules[base + jax.tree_util.keystr(sub)] = declared.get(
+            sub[0].name, "average")
     elif isinstance(x, MultiStepsState):
       for sub, _ in jax.tree_util.tree_flatten_with_path(x.acc_grads)[0]:
         rules[base + ".acc_grads" + jax.tree_util.keystr(sub)] = "average"
@@ -211,7 +207,7 @@ def validate(saved: Mapping[str, Any], current: Mapping[str, Any],
   if saved.get("format") != CHECKPOINT_FORMAT:
     raise CheckpointMismatchError(
         f"{where} has metadata format {saved.get('format')!r}, this jaxcomp "
-        f"reads format {CHECKPOINT_FORMAT}")
+        f"reads formats {READABLE_FORMATS}")
   sc, cc = saved.get("config", {}), current.get("config", {})
   diffs = [f"{k}: {sc.get(k, '<absent>')!r} in the {where}, "
            f"{cc.get(k, '<absent>')!r} in this run"
@@ -475,7 +471,7 @@ class Checkpointer:
       raise ValueError("on_topology_change must be 'refuse' or "
                        f"'redistribute', got {on_topology_change=}")
     step = self._complete(step)
-    saved = self.metadata(step)
+    saved, keys = _upgrade(self.metadata(step))
     current = describe(target, self.config)
     where = f"checkpoint {self.directory} step {step}"
     per_device = set(_per_device_leaves(saved, include_stats=True))
@@ -512,14 +508,21 @@ class Checkpointer:
       if topology_changed and paths[i] in per_device:
         # Read the old per-device rows whole (replicated), then average.
         sharding = NamedSharding(sharding.mesh, P())
-      abstract[f"{i:05d}"] = jax.ShapeDtypeStruct(shape, x.dtype,
-                                                  sharding=sharding)
+      abstract[keys[i]] = jax.ShapeDtypeStruct(shape, x.dtype,
+                                               sharding=sharding)
+    # Leaves of an older format that this one no longer has are read and
+    # dropped (Orbax restores the tree it saved).
+    replicated = NamedSharding(_mesh_of(target) or jax.sharding.Mesh(
+        np.asarray(jax.devices()[:1]), ("_",)), P())
+    for key, leaf in keys.dropped.items():
+      abstract[key] = jax.ShapeDtypeStruct(
+          tuple(leaf["shape"]), np.dtype(leaf["dtype"]), sharding=replicated)
     ocp = self._ocp
     out = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
     restored = []
     for i, x in enumerate(leaves):
-      value = out[f"{i:05d}"]
+      value = out[keys[i]]
       if topology_changed and paths[i] in per_device:
         move = (_rechunk_rows if rules.get(paths[i]) == "rechunk"
                 else _average_rows)  # statistics: rewritten next step
@@ -535,6 +538,40 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+class _Keys(list):
+  """The Orbax key of each leaf of an upgraded checkpoint's metadata (its
+  index among the leaves as saved), and the leaves an older format had that
+  this one drops (``{key: leaf metadata}``)."""
+
+  def __init__(self, keys, dropped):
+    super().__init__(keys)
+    self.dropped = dropped
+
+
+def _upgrade(saved: Mapping[str, Any]) -> tuple[dict[str, Any], _Keys]:
+  """``saved`` metadata in this version's format, and where each leaf's
+  array is stored.
+
+  Format 2 held each ``compressed_mean`` state's configuration digest as a
+  ``uint32[2]`` leaf (``<state>.config``); format 3 carries the
+  configuration as static data (the metadata's ``config`` section, which
+  both formats write, is what restore compares), so that leaf is dropped.
+  """
+  leaves = list(saved.get("leaves", []))
+  if saved.get("format") == 2:
+    keep, dropped = [], {}
+    for i, leaf in enumerate(leaves):
+      if (leaf["path"].endswith(".config") and leaf["dtype"] == "uint32"
+          and leaf["shape"] == [2]):
+        dropped[f"{i:05d}"] = leaf
+      else:
+        keep.append((f"{i:05d}", leaf))
+    return ({**saved, "format": CHECKPOINT_FORMAT,
+             "leaves": [leaf for _, leaf in keep]},
+            _Keys([k for k, _ in keep], dropped))
+  return dict(saved), _Keys([f"{i:05d}" for i in range(len(leaves))], {})
 
 
 def _with_shapes(current_leaves, saved_leaves, per_device, rules):

@@ -20,6 +20,9 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from jaxcomp import compressors
+from jaxcomp import perfmodel
+
 __all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec"]
 
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
@@ -119,12 +122,10 @@ def parse_compressor_spec(spec: str) -> tuple[str, dict]:
 
 
 def _build_compressors(specs: Sequence[str]):
-  from jaxcomp import compressors
   out = {}
   for spec in specs:
     name, kwargs = parse_compressor_spec(spec)
     if name == "demo":  # jaxcomp.demo: an optimizer, priced by its exchange
-      from jaxcomp import perfmodel
       out[spec] = perfmodel.DeMoCompressor(**kwargs)
       continue
     out[spec] = compressors.get(name, **kwargs)
@@ -133,7 +134,6 @@ def _build_compressors(specs: Sequence[str]):
 
 def _codecs(args, comps):
   import json
-  from jaxcomp import perfmodel
   if args.codec == "none":
     return {}, "encode/decode: not counted (--codec none)"
   if args.codec == "measure":
@@ -153,7 +153,6 @@ def _codecs(args, comps):
 
 
 def _network(args, workers=None):
-  from jaxcomp import perfmodel
   link = perfmodel.Link.from_bandwidth(args.bandwidth, args.latency * 1e-6)
   if args.algorithm == "hierarchical":
     intra = perfmodel.Link.from_bandwidth(args.intra_bandwidth, args.intra_latency * 1e-6)
@@ -189,7 +188,6 @@ def _print_table(header, rows, out):
 
 
 def _run_whatif(args) -> int:
-  from jaxcomp import perfmodel
   out = sys.stdout
   profile = perfmodel.load_profile(args.profile, tflops=args.tflops)
   network = _network(args)
@@ -271,7 +269,6 @@ def _plot(args, profile, comps, network, kw):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from jaxcomp import perfmodel
   gbps = [0.1 * 10 ** (i / 8) for i in range(0, 30)]  # 0.1 .. ~560 Gbit/s
   sweep = perfmodel.sweep_bandwidth(profile, comps, network, gbps, **kw)
   fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -30,7 +30,10 @@ from jax import lax
 import optax
 
 from jaxcomp import _mesh
+from jaxcomp import transform
+from jaxcomp import wire
 from jaxcomp._mesh import AxisName
+from jaxcomp.compressors.dgc import dgc_warmup_stages
 
 
 def _zeros_like_typed(tree):
@@ -45,11 +48,18 @@ def _zeros_like_typed(tree):
   return jax.tree.map(zeros, tree)
 
 
+def _as_structure(state, like):
+  """``state``'s arrays in the tree structure of ``like`` (the state the
+  other branch returns): the same leaves, the static data (a transform's
+  configuration) of the transform that runs, so that both branches of the
+  ``lax.cond`` agree when a state passes from one transform to another of
+  the same shapes (a warm-up stage's to the next)."""
+  return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
+
+
 def _shard_group(inner_state) -> int:
   """Devices a ``compressed_mean(output="shard")`` in ``inner_state``
   reduce-scatters over (the parameters are its flat shards); 1 without one."""
-  from jaxcomp import transform  # pylint: disable=g-import-not-at-top
-  from jaxcomp import wire  # pylint: disable=g-import-not-at-top
   for c in transform.transform_configs(inner_state).values():
     if c.get("output") == "shard":
       return wire.devices(_mesh.axis_sizes(c["axis_name"]))
@@ -185,8 +195,8 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
       return tx.update(mean, inner_state, params)
 
     def wait(inner_state):
-      out = jax.eval_shape(run, inner_state)[0]
-      return _zeros_like_typed(out), inner_state
+      out, state = jax.eval_shape(run, inner_state)
+      return _zeros_like_typed(out), _as_structure(inner_state, state)
 
     new_updates, inner_state = lax.cond(emit, run, wait, state.inner_state)
     return new_updates, MultiStepsState(
@@ -274,8 +284,8 @@ def apply_if_finite(tx: optax.GradientTransformation, axis_name: AxisName,
       return tx.update(updates, inner_state, params)
 
     def skip(inner_state):
-      out = jax.eval_shape(run, inner_state)[0]
-      return _zeros_like_typed(out), inner_state
+      out, state = jax.eval_shape(run, inner_state)
+      return _zeros_like_typed(out), _as_structure(inner_state, state)
 
     new_updates, inner_state = lax.cond(finite | run_anyway, run, skip,
                                         state.inner_state)
@@ -335,7 +345,6 @@ def sparsity_warmup(make_tx, final_ratio: float, stage_steps: int,
     Lin et al., Deep Gradient Compression <https://arxiv.org/abs/1712.01887>,
     2018, Section 3.3 (warm-up training).
   """
-  from jaxcomp.compressors.dgc import dgc_warmup_stages  # pylint: disable=g-import-not-at-top
   return [WarmupStage(first, ratio, make_tx(ratio))
           for first, ratio in dgc_warmup_stages(final_ratio, stage_steps,
                                                 decay)]

@@ -25,6 +25,7 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, ClassVar, NamedTuple, Sequence
 
 import jax.numpy as jnp
@@ -58,8 +59,18 @@ class Feedback:
     exchange's ``mean`` and this device's contribution ``local``."""
     raise NotImplementedError
 
-  def residual(self, state: Any) -> Parts | None:
-    """The per-device residual parts in ``state`` (for statistics), if any."""
+  # How the per-device state moves to a mesh of another size (see
+  # jaxcomp.checkpoint.topology_rules): every scheme here keeps per-device
+  # corrections in units of the gradient, so the mean over the saved
+  # devices keeps what the mean update will still receive.
+  topology: ClassVar[str] = "average"
+
+  def unsent(self, state: Any) -> Parts | None:
+    """What this device holds back in ``state``: the residual parts whose
+    mass is still to be sent, if any (the transform's ``residual_norm``
+    counts them with the collective's, :meth:`jaxcomp.collectives.
+    Collective.unsent`)."""
+    del state
     return None
 
 
@@ -103,26 +114,52 @@ class ResidualFeedback(Feedback):
   ``local`` is what it actually contributed. Mass is conserved: ``local + e' == x + e`` per device (up to
   one float32 rounding of the subtraction).
 
+  With ``decay`` (``beta``), what was not sent fades: ``v = beta e + x``,
+  the error-feedback accumulator of SparseLoCo (0.95 in Covenant /
+  Templar's runs) and DeMo's decoupled momentum (0.999), which then sends
+  ``v``'s fast components. ``None`` (the default) is plain EF-SGD
+  (``beta = 1`` without the multiply).
+
+  Args:
+    decay: ``beta`` in ``[0, 1]``, or None.
+
+  Raises:
+    ValueError: ``decay`` outside ``[0, 1]``.
+
   References:
     Stich, Cordonnier & Jaggi, Sparsified SGD with Memory
     <https://arxiv.org/abs/1809.07599>, 2018; Karimireddy et al., Error
     Feedback Fixes SignSGD and other Gradient Compression Schemes
-    <https://arxiv.org/abs/1901.09847>, 2019.
+    <https://arxiv.org/abs/1901.09847>, 2019; Sarfi et al., Communication
+    Efficient LLM Pre-training with SparseLoCo
+    <https://arxiv.org/abs/2508.15706>, 2025 (decay); Peng, Quesnelle &
+    Kingma, DeMo <https://arxiv.org/abs/2411.19870>, 2024 (decay).
   """
 
   name: ClassVar[str] = "residual"
+  decay: float | None = None
+
+  def __post_init__(self):
+    if self.decay is not None and (
+        isinstance(self.decay, bool) or not isinstance(self.decay, numbers.Real)
+        or not 0.0 <= self.decay <= 1.0):
+      raise ValueError(f"decay must be a number in [0, 1] or None, got "
+                       f"decay={self.decay!r}")
 
   def init(self, sizes, axis_name):
     return varying_zero_parts(sizes, axis_name)
 
   def prepare(self, x, state):
-    v = add(x, state)
+    if self.decay is None:
+      v = add(x, state)
+    else:
+      v = tuple(jnp.float32(self.decay) * e + g for e, g in zip(state, x))
     return v, v
 
   def finish(self, ctx, mean, local):
     return mean, sub(ctx, local)
 
-  def residual(self, state):
+  def unsent(self, state):
     return state
 
 
@@ -239,7 +276,7 @@ class DGCFeedback(Feedback):
                        for l, u in zip(local, ctx.momentum)),
         accumulation=sub(ctx.accumulation, local))
 
-  def residual(self, state):
+  def unsent(self, state):
     return state.accumulation
 
 

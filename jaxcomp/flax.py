@@ -33,10 +33,12 @@ import optax
 
 from flax import nnx
 from flax.nnx.training import optimizer as nnx_optimizer
+from flax.training import train_state as linen_train_state
 
 from jaxcomp import _mesh
+from jaxcomp import fsdp as fsdp_lib
 from jaxcomp import lowcomm
-from jaxcomp import sharding
+from jaxcomp import placement as sharding
 from jaxcomp._mesh import AxisName
 
 
@@ -87,7 +89,6 @@ class Optimizer(nnx.Optimizer):
     shard_axis = axis_name if shard_axis is None else shard_axis
     shapes = None
     if fsdp:
-      from jaxcomp import fsdp as fsdp_lib  # pylint: disable=g-import-not-at-top
       shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
                                                    shard_axis=shard_axis)
       nnx.update(model, shards)
@@ -116,12 +117,11 @@ def unsharded(model, optimizer: Optimizer):
   for evaluation or export, from an FSDP :class:`Optimizer`'s model (whose
   ``wrt`` variables hold flat shards); ``model`` itself is unchanged. A
   model that is not sharded is returned as a copy too."""
-  from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
   copy = nnx.clone(model)
   shapes = optimizer.shapes.tree
   if shapes is not None:
     shards = nnx.as_pure(nnx.state(copy, optimizer.wrt))
-    nnx.update(copy, fsdp.unshard_params(shards, shapes))
+    nnx.update(copy, fsdp_lib.unshard_params(shards, shapes))
   return copy
 
 
@@ -200,8 +200,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
       whole = params
       if shapes is not None:  # FSDP: the gradient of the gathered parameters
-        from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
-        whole = fsdp.gather_params(params, shapes, optimizer.shard_axis)
+        whole = fsdp_lib.gather_params(params, shapes, optimizer.shard_axis)
       (_, (out, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
           _mesh.to_varying(whole, axis))
       new_rest = jax.tree.map(
@@ -293,8 +292,7 @@ def create_train_state(apply_fn: Callable, params, tx, *, mesh,
     ValueError: ``axis_name`` is not an axis of ``mesh``.
   """
   if state_class is None:
-    from flax.training import train_state  # pylint: disable=g-import-not-at-top
-    state_class = train_state.TrainState
+    state_class = linen_train_state.TrainState
   opt_state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   state = state_class(step=jax.device_put(jnp.zeros((), jnp.int32),

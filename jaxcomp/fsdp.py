@@ -65,10 +65,14 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomp import _mesh
-from jaxcomp import sharding
+from jaxcomp import compressors
+from jaxcomp import distributed
+from jaxcomp import placement
+from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp.collectives.base import chunk_size
 from jaxcomp._mesh import AxisName
+from jaxcomp.lowcomm._diloco import holds_diloco
 
 
 def shard_params(params, mesh, axis_name: AxisName = "data"):
@@ -90,7 +94,7 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``.
   """
-  sharding._check_mesh_axes(mesh, axis_name)  # pylint: disable=protected-access
+  placement.check_mesh_axes(mesh, axis_name)
   p = wire.group_size(axis_name, dict(mesh.shape))
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
                                                        jnp.result_type(x)),
@@ -100,7 +104,6 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
     x = jnp.ravel(x)
     return jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
 
-  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
   # global_array, not device_put: it works on multi-process meshes too.
   shards = distributed.global_array(jax.tree.map(flat, params), mesh,
                                     P(axis_name))
@@ -129,7 +132,6 @@ def _param_compressor(compressor):
   """
   if compressor is None:
     return None
-  from jaxcomp import compressors  # pylint: disable=g-import-not-at-top
   comp = compressors.get(compressor)
   if comp.own_exchange or comp.randomness != "none":
     raise ValueError(
@@ -187,7 +189,7 @@ def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
     has_aux: as in ``jax.value_and_grad``.
   """
   param_comp = _param_compressor(param_compressor)
-  vg = sharding.per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+  vg = placement.per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
   shard_axis = axis_name if shard_axis is None else shard_axis
 
   def wrapped(shards, *args, **kwargs):
@@ -236,15 +238,14 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
   """
   shard_axis = axis_name if shard_axis is None else shard_axis
   shards, shapes = shard_params(params, mesh, shard_axis)
-  opt_state, specs = sharding.init_sharded(
+  opt_state, specs = placement.init_sharded(
       tx, shards, mesh, axis_name, params_spec=P(shard_axis), grads=shapes)
   _check_shard_outputs(opt_state, shard_axis)
   return shards, shapes, opt_state, specs
 
 
 def _check_shard_outputs(opt_state, shard_axis) -> None:
-  from jaxcomp import lowcomm, transform  # pylint: disable=g-import-not-at-top
-  if lowcomm.holds_diloco(opt_state):
+  if holds_diloco(opt_state):
     raise ValueError(
         "tx holds jaxcomp.diloco, which FSDP cannot shard: DiLoCo keeps one "
         "whole copy of the parameters per device between syncs. Train it "
@@ -292,7 +293,7 @@ def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
     ``step(shards, opt_state, batch) -> (shards, opt_state, loss)``, jitted.
   """
   shard_axis = axis_name if shard_axis is None else shard_axis
-  return sharding.make_train_step(
+  return placement.make_train_step(
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
       params_spec=P(shard_axis),
       value_and_grad=lambda f, a, has_aux=False: value_and_grad(

@@ -1,444 +1,38 @@
-"""Running jaxcomp under ``jax.shard_map``: per-device gradients and state.
+"""The ``jax.jit`` idiom: a step that lets XLA partition the batch adopts
+compression by changing its gradient line (:func:`compressed_value_and_grad`).
 
-Two traps that this module closes:
-
-* Inside ``shard_map``, ``jax.grad`` with respect to *replicated* parameters
-  returns a gradient that JAX has already summed over the axis (the transpose
-  of the implicit broadcast is a psum), so compressing it saves nothing.
-  :func:`per_device_grad` marks the parameters varying first.
-* The optimizer state mixes per-device leaves (error-feedback residuals) and
-  replicated ones (moments, counts, shared keys). :func:`init_sharded`
-  derives each leaf's partition spec from its varying axes, and
-  :func:`shard_train_step` wraps a step function with them.
+The helpers that place state and build ``shard_map`` steps live in
+:mod:`jaxcomp.placement`; their names are re-exported here as before.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-import optax
+from jax.sharding import PartitionSpec as P
 
+from jaxcomp import fsdp
 from jaxcomp._mesh import AxisName
-from jaxcomp._mesh import check_axis_name
-from jaxcomp._mesh import check_bound
+from jaxcomp.placement import check_mesh_axes
+from jaxcomp.placement import init_sharded
+from jaxcomp.placement import make_train_step
+from jaxcomp.placement import per_device_grad
+from jaxcomp.placement import per_device_value_and_grad
+from jaxcomp.placement import shard_train_step
+from jaxcomp.placement import state_partition_specs
+from jaxcomp.placement import step_loss
+from jaxcomp.placement import to_global
+from jaxcomp.placement import to_local
 from jaxcomp._mesh import to_varying
-from jaxcomp._mesh import varying_after
 from jaxcomp._mesh import varying_axes
 
-
-def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
-                              has_aux: bool = False) -> Callable:
-  """``jax.value_and_grad`` of ``fun`` w.r.t. its first argument, per device.
-
-  Use inside ``shard_map`` with replicated parameters: the returned gradient
-  is this device's own gradient (varying over ``axis_name``), not the sum over
-  devices that plain ``jax.grad`` would give. Under ``pmap`` the parameters
-  are already per device and nothing changes.
-
-  Args:
-    fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
-    axis_name: the data-parallel mesh axis (or a tuple of axes).
-    has_aux: as in ``jax.value_and_grad``.
-
-  Returns:
-    ``f(params, *args) -> (value, grads)``; the value is per device too.
-  """
-  vg = jax.value_and_grad(fun, has_aux=has_aux)
-
-  def wrapped(params, *args, **kwargs):
-    check_bound(axis_name, "per_device_value_and_grad")
-    return vg(to_varying(params, axis_name), *args, **kwargs)
-
-  return wrapped
-
-
-def per_device_grad(fun: Callable, axis_name: AxisName, *,
-                    has_aux: bool = False) -> Callable:
-  """Like :func:`per_device_value_and_grad`, returning only the gradient
-  (and aux with ``has_aux``)."""
-  vg = per_device_value_and_grad(fun, axis_name, has_aux=has_aux)
-
-  def wrapped(params, *args, **kwargs):
-    (value, grads) = vg(params, *args, **kwargs)
-    return (grads, value[1]) if has_aux else grads
-
-  return wrapped
-
-
-def _spec_for(axes: frozenset[str], mesh) -> P:
-  ordered = tuple(a for a in mesh.axis_names if a in axes)
-  if not ordered:
-    return P()
-  return P(ordered if len(ordered) > 1 else ordered[0])
-
-
-def _check_mesh_axes(mesh, axis_name) -> None:
-  """Raises ValueError unless ``axis_name`` names axes of ``mesh``."""
-  missing = [a for a in check_axis_name(axis_name)
-             if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"axis_name {missing} not in the mesh axes "
-                     f"{mesh.axis_names}")
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, P)
-
-
-def _spec_axes(spec: P) -> frozenset:
-  """The mesh axes a partition spec shards over."""
-  return frozenset(x for a in spec if a is not None
-                   for x in ((a,) if isinstance(a, str) else a))
-
-
-def _leaf_specs(spec, tree) -> list:
-  """One partition spec per leaf of ``tree``: ``spec`` itself, or the leaves
-  of a pytree of specs (a prefix of ``tree``'s structure)."""
-  if _is_spec(spec):
-    return [spec] * len(jax.tree.leaves(tree))
-  return jax.tree.leaves(jax.tree.map(
-      lambda s, sub: jax.tree.map(lambda _: s, sub), spec, tree,
-      is_leaf=_is_spec), is_leaf=_is_spec)
-
-
-def _refuse_per_device_combinators(state) -> None:
-  """Raises ValueError where ``optax.apply_if_finite`` wraps a jaxcomp
-  transform: it decides on each device's own gradient, so devices could
-  disagree about running the exchange (JAX refuses to trace it, with a cond
-  type error that does not say why)."""
-  from jaxcomp import transform  # pylint: disable=g-import-not-at-top
-  is_aif = lambda x: isinstance(x, optax.ApplyIfFiniteState)
-  for x in jax.tree.leaves(state, is_leaf=is_aif):
-    if not is_aif(x):
-      continue
-    has_mean = lambda y: isinstance(y, transform.CompressedMeanState)
-    if any(has_mean(y) for y in jax.tree.leaves(x.inner_state, is_leaf=has_mean)):
-      raise ValueError(
-          "optax.apply_if_finite wraps a jaxcomp.compressed_mean: it checks each "
-          "device's own gradient, so the devices could disagree about running "
-          "the exchange; use jaxcomp.apply_if_finite(inner, axis_name, "
-          "max_consecutive_errors), which decides on every device's gradient "
-          "together (or compressed_mean's own nonfinite='skip', the default)")
-
-
-def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
-                grads=None):
-  """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
-  ``init`` makes it, and as it must be declared so that ``update`` keeps its
-  type (``init``'s axes plus those an update gives it, to a fixed point).
-
-  ``tx`` is a GradientTransformation, or an ``init`` function alone (then
-  both are ``init``'s). ``params`` are placed by ``params_spec``;
-  ``grads``: one device's gradient where it is not shaped like one device's
-  parameters (FSDP's whole-parameter gradient)."""
-  init_fn = getattr(tx, "init", tx)
-  found = []
-
-  def probe(p):
-    st = init_fn(p)
-    _refuse_per_device_combinators(st)
-    found.append(jax.tree.map(varying_axes, st))
-    return jnp.zeros((), jnp.float32)
-
-  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(params_spec,),
-                               out_specs=P()), params)
-  init_axes = found[0]
-  update = getattr(tx, "update", None)
-  if update is None:
-    return init_axes, init_axes
-  is_axes = lambda x: isinstance(x, frozenset)
-  cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
-  # One device's view (out_specs=P() keeps the local shapes).
-  local_state, local = jax.eval_shape(jax.shard_map(
-      lambda p: (init_fn(p), p), mesh=mesh, in_specs=(params_spec,),
-      out_specs=P(), check_vma=False), params)
-  params = local
-  params_axes = [_spec_axes(s) for s in _leaf_specs(params_spec, params)]
-  data = frozenset(check_axis_name(axis_name))
-  # A gradient shaped like the parameters varies where they do too (a
-  # tensor-parallel shard's gradient differs over the model axis).
-  grads_axes = ([data | a for a in params_axes] if grads is None
-                else [data] * len(jax.tree.leaves(grads)))
-  grads = params if grads is None else grads
-  for _ in range(8):  # each round can only add axes: a fixed point soon
-    try:
-      out = varying_after(
-          lambda g, s, p: update(g, s, p)[1], (grads, local_state, params),
-          grads_axes + cur + params_axes, mesh)
-    except Exception as e:  # pylint: disable=broad-except
-      # An update that cannot be traced here (it needs extra arguments, say)
-      # fails the same way in the train step, where its error is clearer;
-      # init's types stand, and the user is told why.
-      warnings.warn(
-          f"tx.update could not be traced to place the optimizer state "
-          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); each state "
-          "leaf is placed by its type after tx.init alone, so a leaf that an "
-          "update makes per device (an accumulator, an inner optimizer's "
-          "moments under DiLoCo) will make the train step fail to trace",
-          RuntimeWarning, stacklevel=3)
-      break
-    new = [c | o for c, o in zip(cur, out)]
-    if new == cur:
-      break
-    cur = new
-  return init_axes, jax.tree.unflatten(treedef, cur)
-
-
-def state_partition_specs(tx, params, mesh, axis_name: AxisName):
-  """Partition specs of ``tx``'s state leaves, derived from their types.
-
-  Traces ``tx.init`` once inside ``shard_map`` (nothing runs) and reads which
-  mesh axes each leaf varies over; then follows one ``tx.update`` with
-  per-device gradients by data flow, so that a leaf that an update fills
-  with per-device values (a gradient accumulator such as
-  ``optax.MultiSteps``') is per device too. Invariant leaves get ``P()``;
-  varying ones get ``P(axes)`` and are carried with a leading device axis
-  (see :func:`to_local` / :func:`to_global`).
-
-  Args:
-    tx: a GradientTransformation (or an ``init`` function: then ``init``'s
-      types alone decide).
-    params: the (replicated) parameters.
-    mesh: the mesh.
-    axis_name: the data-parallel axis (or tuple of axes) the gradients vary
-      over.
-
-  Returns:
-    A pytree of ``PartitionSpec`` with the structure of the state.
-  """
-  _, axes = _state_axes(tx, params, mesh, axis_name)
-  return jax.tree.map(lambda a: _spec_for(a, mesh), axes,
-                      is_leaf=lambda x: isinstance(x, frozenset))
-
-
-def to_local(tree, specs):
-  """Drops the leading device axis of the varying leaves (inside shard_map)."""
-  return jax.tree.map(lambda s, x: x if s == P() else x[0], specs, tree,
-                      is_leaf=_is_spec)
-
-
-def to_global(tree, specs):
-  """Adds the leading device axis back to the varying leaves."""
-  return jax.tree.map(lambda s, x: x if s == P() else x[None], specs, tree,
-                      is_leaf=_is_spec)
-
-
-def init_sharded(tx, params, mesh, axis_name: AxisName, *,
-                 params_spec: P = P(), grads=None):
-  """Initialises ``tx``'s state under ``shard_map`` and places it on ``mesh``.
-
-  Args:
-    tx: an optax GradientTransformation containing jaxcomp transforms.
-    params: the parameters (replicated, or placed by ``params_spec``).
-    mesh: a ``jax.sharding.Mesh`` with ``axis_name``.
-    axis_name: the data-parallel axis (or tuple of axes).
-    params_spec: the parameters' partition spec: ``P()`` (replicated, the
-      default), one spec for every leaf (FSDP's ``P("data")``,
-      :mod:`jaxcomp.fsdp`), or a pytree of specs (tensor-parallel leaves
-      sharded over a ``model`` axis, say); gradients vary over
-      ``axis_name`` whatever the parameters' placement.
-    grads: ``jax.ShapeDtypeStruct`` s of one device's gradient, where it is
-      not shaped like one device's parameters (FSDP's gradient of the whole
-      parameters, :func:`jaxcomp.fsdp.init`).
-
-  Returns:
-    ``(opt_state, specs)``: the state, whose per-device leaves have a leading
-    axis of size ``prod(mesh.shape[a] for a in their axes)`` sharded with
-    ``P(axes)``, and the pytree of partition specs to pass to
-    :func:`shard_train_step` (or to ``jax.shard_map`` yourself).
-
-  In a multi-process job every process then compares its transforms'
-  configurations, parameter and state shapes and mesh with the others (one
-  small all-gather): a process started with another hyperparameter, model
-  or mesh fails here, naming the difference, before any exchange.
-
-  Raises:
-    ValueError: ``axis_name`` is empty or not an axis of ``mesh``.
-    jaxcomp.distributed.AgreementError: processes disagree (see above).
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, jaxcomp
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
-    ...                  optax.adam(1e-3))
-    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((64,))},
-    ...                                     mesh, "data")
-    >>> specs[0].feedback  # the residual: one per device
-    ((P('data',),),)
-    >>> state[0].feedback[0][0].shape == (jax.device_count(), 64)
-    True
-  """
-  _check_mesh_axes(mesh, axis_name)
-  params = jax.device_put(params, jax.tree.map(
-      lambda s: NamedSharding(mesh, s), params_spec, is_leaf=_is_spec))
-  init_axes, state_axes = _state_axes(tx, params, mesh, axis_name,
-                                      params_spec=params_spec, grads=grads)
-  is_axes = lambda x: isinstance(x, frozenset)
-  specs = jax.tree.map(lambda a: _spec_for(a, mesh), state_axes,
-                       is_leaf=is_axes)
-
-  def init_global(p):
-    # Leaves that an update makes per device start per device.
-    st = jax.tree.map(
-        lambda x, a, b: to_varying(x, tuple(sorted(b - a))) if b - a else x,
-        tx.init(p), init_axes, state_axes)
-    return to_global(st, specs)
-
-  state = jax.jit(jax.shard_map(init_global, mesh=mesh,
-                                in_specs=(params_spec,), out_specs=specs))(params)
-  if jax.process_count() > 1:
-    _check_processes_agree(state, params, mesh, axis_name)
-  return state, specs
-
-
-def _check_processes_agree(state, params, mesh, axis_name) -> None:
-  """Every process of a multi-process job compares its transforms'
-  configurations, its parameter and state shapes and its mesh with the
-  others before the first exchange (one small all-gather), so that a
-  process started differently fails with a message at once instead of
-  aborting a collective or diverging."""
-  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
-  from jaxcomp.transform import transform_configs  # pylint: disable=g-import-not-at-top
-  items = [("mesh", dict(mesh.shape)), ("axis_name", axis_name)]
-  for path, config in transform_configs(state).items():
-    items += [(f"the transform at state{path}: {k}", v)
-              for k, v in sorted(config.items())]
-  for name, tree in (("params", params), ("state", state)):
-    items += [(f"{name}{jax.tree_util.keystr(p)}",
-               f"{jnp.result_type(x)}{list(jnp.shape(x))}")
-              for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  distributed.check_agreement(items, what="configuration")
-
-
-def shard_train_step(step_fn: Callable, *, mesh, state_specs,
-                     batch_spec: Any, params_spec: Any = P(),
-                     out_aux_spec: Any = P()) -> Callable:
-  """Wraps a per-device train step with ``jax.shard_map``.
-
-  Args:
-    step_fn: ``step_fn(params, opt_state, batch) -> (params, opt_state, aux)``
-      written per device: ``opt_state`` is the local view (no device axis),
-      and ``aux`` must be invariant (e.g. a ``lax.pmean`` of the loss).
-    mesh: the mesh.
-    state_specs: the specs returned by :func:`init_sharded`.
-    batch_spec: partition spec(s) of the batch, e.g. ``P("data")``.
-    params_spec: partition spec(s) of the parameters (replicated by default).
-    out_aux_spec: partition spec(s) of ``aux``.
-
-  Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, aux)`` on global
-    arrays; wrap it in ``jax.jit`` (with ``donate_argnums=(0, 1)``).
-  """
-
-  def body(params, opt_state, batch):
-    params, opt_state, aux = step_fn(params, to_local(opt_state, state_specs),
-                                     batch)
-    return params, to_global(opt_state, state_specs), aux
-
-  return jax.shard_map(
-      body, mesh=mesh, in_specs=(params_spec, state_specs, batch_spec),
-      out_specs=(params_spec, state_specs, out_aux_spec))
-
-
-def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
-                    axis_name: AxisName = "data", batch_spec: Any = None,
-                    has_aux: bool = False, donate: bool = True,
-                    per_device_loss: bool = False, params_spec: Any = P(),
-                    value_and_grad: Callable | None = None) -> Callable:
-  """The data-parallel train step, compiled: per-device gradient, ``tx``'s
-  compressed update, parameters updated, loss averaged.
-
-  Per device, under ``jax.shard_map`` over ``mesh``::
-
-    loss, grads = per_device_value_and_grad(loss_fn, axis_name)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, lax.pmean(loss, axis_name)
-
-  Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (a float32 scalar, this
-      device's mean over its share of the batch), or ``(loss, aux)`` with
-      ``has_aux``.
-    tx: the optimizer, containing jaxcomp transforms over ``axis_name``.
-    mesh: the device mesh.
-    state_specs: the specs :func:`init_sharded` returned with the state.
-    axis_name: the data-parallel axis (or tuple of axes).
-    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``
-      (every leaf split over the devices along its first dimension).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
-      averaged over ``axis_name`` too (every leaf must be a float array).
-    donate: donate the parameters' and the state's buffers to the step.
-    per_device_loss: return each device's own loss (and aux), stacked on a
-      leading device axis, instead of their mean: the step then runs no
-      collective besides the transform's (benchmarks that time it).
-    params_spec: partition spec(s) of the parameters (replicated by
-      default; :func:`jaxcomp.fsdp.make_train_step` passes sharded ones).
-    value_and_grad: builds the per-device gradient function,
-      ``value_and_grad(loss_fn, axis_name, has_aux=...)``; default
-      :func:`per_device_value_and_grad` (:mod:`jaxcomp.fsdp` passes one that
-      gathers sharded parameters first).
-
-  Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (or
-    ``(params, opt_state, (loss, aux))``) on global arrays, jitted;
-    ``batch`` must be placed on ``mesh`` with ``batch_spec``
-    (``jax.device_put(batch, NamedSharding(mesh, P("data")))``).
-
-  Raises:
-    ValueError: as :func:`jaxcomp.init_sharded`, for a bad ``axis_name``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, jaxcomp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> def loss_fn(params, batch):
-    ...   x, y = batch
-    ...   return jnp.mean((x @ params["w"] - y) ** 2)
-    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
-    ...                  optax.sgd(0.1))
-    >>> params = {"w": jnp.zeros((4,))}
-    >>> state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-    >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-    ...                                state_specs=specs)
-    >>> n = 4 * jax.device_count()
-    >>> batch = jax.device_put((jnp.ones((n, 4)), jnp.ones((n,))),
-    ...                        NamedSharding(mesh, P("data")))
-    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
-    >>> params, state, loss = step(params, state, batch)
-    >>> float(loss)
-    1.0
-  """
-  import optax  # pylint: disable=g-import-not-at-top
-
-  _check_mesh_axes(mesh, axis_name)
-  grad_fn = (value_and_grad or per_device_value_and_grad)(
-      loss_fn, axis_name, has_aux=has_aux)
-
-  def step_fn(params, opt_state, batch):
-    out, grads = grad_fn(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            step_loss(out, axis_name, per_device_loss))
-
-  step = shard_train_step(
-      step_fn, mesh=mesh, state_specs=state_specs,
-      batch_spec=P(axis_name) if batch_spec is None else batch_spec,
-      params_spec=params_spec,
-      out_aux_spec=P(axis_name) if per_device_loss else P())
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
-
-
-def step_loss(out, axis_name: AxisName, per_device_loss: bool):
-  """Inside a train step: the loss (and aux) averaged over ``axis_name``, or
-  with ``per_device_loss`` each device's own with a leading axis, to be
-  returned with ``out_aux_spec=P(axis_name)`` (no collective)."""
-  return jax.tree.map(
-      (lambda v: v[None]) if per_device_loss
-      else (lambda v: jax.lax.pmean(v, axis_name)), out)
+__all__ = [
+    "CompressedValueAndGrad", "compressed_value_and_grad", "init_sharded",
+    "make_train_step", "per_device_grad", "per_device_value_and_grad",
+    "shard_train_step", "state_partition_specs", "step_loss", "to_global",
+    "to_local", "to_varying", "varying_axes",
+]
 
 
 class CompressedValueAndGrad:
@@ -493,7 +87,7 @@ class CompressedValueAndGrad:
                axis_name: AxisName = "data", batch_spec: Any = None,
                has_aux: bool = False, shapes=None,
                shard_axis: AxisName | None = None):
-    _check_mesh_axes(mesh, axis_name)
+    check_mesh_axes(mesh, axis_name)
     self.transform, self.mesh, self.axis_name = transform, mesh, axis_name
     self.batch_spec = P(axis_name) if batch_spec is None else batch_spec
     self.shapes = shapes
@@ -503,7 +97,6 @@ class CompressedValueAndGrad:
                                              has_aux=has_aux)
       self.params_spec = P()
     else:
-      from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
       self._grad = fsdp.value_and_grad(loss_fn, shapes, axis_name,
                                        shard_axis=self.shard_axis,
                                        has_aux=has_aux)
@@ -525,7 +118,6 @@ class CompressedValueAndGrad:
                                      params_spec=self.params_spec,
                                      grads=self.shapes)
     if self.shapes is not None:
-      from jaxcomp import fsdp  # pylint: disable=g-import-not-at-top
       fsdp._check_shard_outputs(state, self.shard_axis)  # pylint: disable=protected-access
     return state
 

@@ -749,10 +749,11 @@ def test_demo_is_priced_by_its_dct_topk_all_gathers():
   # Keeping every coefficient, decode inverts encode (orthonormal DCT).
   full = pm.DeMoCompressor(compression_topk=64 * 64)
   x = jax.random.normal(jax.random.key(0), (5000,))
-  np.testing.assert_allclose(np.asarray(full.decode(full.encode(x), 5000)), np.asarray(x),
-                             atol=1e-5)
+  key = jax.random.key(1)
+  np.testing.assert_allclose(np.asarray(full.decode(full.encode(x, key), 5000, key)),
+                             np.asarray(x), atol=1e-5)
   # With the default 32 of 4096 it keeps the largest coefficients.
-  y = d.decode(d.encode(x), 5000)
+  y = d.decode(d.encode(x, key), 5000, key)
   assert y.shape == (5000,) and 0 < float(jnp.linalg.norm(y)) < float(jnp.linalg.norm(x))
   with pytest.raises(ValueError, match="compression_topk must be an integer >= 1"):
     pm.DeMoCompressor(compression_topk=0)

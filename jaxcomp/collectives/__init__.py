@@ -4,6 +4,7 @@ from jaxcomp.collectives.base import AllGatherMean
 from jaxcomp.collectives.base import Collective
 from jaxcomp.collectives.base import OwnExchange
 from jaxcomp.collectives.base import PsumMean
+from jaxcomp.collectives.base import SenderMean
 from jaxcomp.collectives.base import default_for
 from jaxcomp.collectives.base import get
 from jaxcomp.collectives.base import names

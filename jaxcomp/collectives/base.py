@@ -64,6 +64,28 @@ class Collective:
   reduce_scatter: ClassVar[bool] = True
   reduce_scatter_kind: ClassVar[str] = "all-to-all"
 
+  @property
+  def topology(self) -> str:
+    """How this collective's per-device state moves to a mesh of another
+    size (what :func:`jaxcomp.checkpoint.topology_rules` applies):
+    ``"average"`` (every new device gets the mean of the saved ones: the
+    pending correction's mean is kept), ``"rechunk"`` (the saved rows are
+    one buffer's chunks, cut anew for the new device count) or ``"refuse:
+    <why>"``. The default refuses: a collective whose per-device state can
+    move says how."""
+    return (f"refuse: the {self.name!r} collective's per-device state has no "
+            "sound rule for another mesh")
+
+  def unsent(self, compressor: Compressor, state):
+    """What this device holds back in ``state`` (a bucket's state from
+    :meth:`init_state`): float32 arrays whose mass is still to be sent (a
+    second-phase residual, an overflow), or None. The transform's
+    ``residual_norm`` statistic counts them with the feedback's
+    (:meth:`jaxcomp.feedback.Feedback.unsent`): everything not sent has
+    one interface, whichever part keeps it."""
+    del compressor, state
+    return None
+
   def check(self, compressor: Compressor) -> None:
     """Raises ValueError if this collective cannot carry ``compressor``."""
     if compressor.own_exchange:
@@ -139,9 +161,10 @@ class Collective:
                 sizes: Sizes, dtype=jnp.float32) -> tuple[wire.Transfer, ...]:
     """The collectives one exchange of a bucket of ``shapes`` (a gradient
     of ``dtype``) issues, per device, over the axes of ``sizes`` (``{axis:
-    devices}``)."""
-    return self.flat_transfers(compressor, sum(_parts.sizes(shapes)), sizes,
-                               dtype)
+    devices}``), by the compressor bound to those shapes
+    (:meth:`jaxcomp.compressors.Compressor.for_shapes`)."""
+    return self.flat_transfers(compressor.for_shapes(shapes),
+                               sum(_parts.sizes(shapes)), sizes, dtype)
 
   def flat_transfers(self, compressor: Compressor, n: int, sizes: Sizes,
                      dtype=jnp.float32) -> tuple[wire.Transfer, ...]:
@@ -307,6 +330,47 @@ class AllGatherMean(Collective):
     mean = compressor.decode_sum_parts(gathered, part_sizes, key)
     return (tuple(m / p for m in mean),
             compressor.decode_parts(payload, part_sizes, key), state)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SenderMean(Collective):
+  """All-gather of every device's sparse payload; each coordinate is then
+  averaged over the devices that *sent* it (0 where none did), not over all
+  ``p``: DeMo's mean of its DCT coefficients (Peng, Quesnelle & Kingma,
+  DeMo: Decoupled Momentum Optimization <https://arxiv.org/abs/2411.19870>,
+  2024). For compressors that send (value, index) pairs
+  (:meth:`jaxcomp.compressors.Compressor.decode_sender_mean`: DCT top-k and
+  the sparsifiers).
+
+  Bytes as :class:`AllGatherMean`: ``compressor.payload_bytes(n)`` operand
+  bytes per device, ``(p - 1)`` times that on a ring.
+
+  Raises:
+    ValueError: in :func:`jaxcomp.compressed_mean`, for a compressor whose
+      payload is not (value, index) pairs.
+  """
+
+  name: ClassVar[str] = "sender_mean"
+  payload_kind: ClassVar[str] = "all-gather"
+  reduce_scatter: ClassVar[bool] = False
+
+  def check(self, compressor):
+    super().check(compressor)
+    if (type(compressor).decode_sender_mean
+        is Compressor.decode_sender_mean):
+      raise ValueError(
+          f"collective='sender_mean' averages (value, index) pairs by "
+          f"sender; compressor {compressor.name!r} sends none: use "
+          "'dct_topk' or a sparsifier ('topk', 'dgc', 'threshold')")
+
+  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+    payload = compressor.encode(x, key)
+    gathered = jax.tree.map(
+        lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
+    n = x.shape[0]
+    return (compressor.decode_sender_mean(gathered, n, key),
+            compressor.decode(payload, n, key), state)
 
 
 @register

@@ -190,6 +190,10 @@ class Hierarchical(Collective):
       return jax.random.fold_in(key, lax.axis_index(slow))
     return jax.random.fold_in(key, lax.axis_index(axis_name))
 
+  def unsent(self, compressor, state):
+    # The inner collective's state, over the slow axis.
+    return self._inner(compressor).unsent(compressor, state)
+
   def init_state(self, compressor, shapes, key, axis_name):
     fast, slow = self._bound_axes(axis_name, "init_state")
     inner = self._inner(compressor)

@@ -85,6 +85,15 @@ class TwoPhase(Collective):
   name: ClassVar[str] = "two_phase"
   residual: bool = True
 
+  @property
+  def topology(self) -> str:
+    # Device j holds chunk j's correction: rows are one buffer's chunks.
+    return "rechunk"
+
+  def unsent(self, compressor, state):
+    del compressor
+    return (state,) if self.residual else None
+
   def __post_init__(self):
     if not isinstance(self.residual, bool):
       raise TypeError(f"residual must be True or False, got "
@@ -143,6 +152,16 @@ class Auto(Collective):
 
   name: ClassVar[str] = "auto"
   two_phase: TwoPhase = TwoPhase()
+
+  @property
+  def topology(self) -> str:
+    # Buckets that take the two-phase exchange hold its chunked residual;
+    # the all-gather's hold nothing.
+    return "rechunk"
+
+  def unsent(self, compressor, state):
+    return None if isinstance(state, tuple) else self.two_phase.unsent(
+        compressor, state)
 
   def pick(self, compressor, n: int, num_devices: int) -> Collective:
     """The collective used for an ``n``-element bucket on ``num_devices``."""

@@ -195,6 +195,16 @@ class Zen(Collective):
       cap2 = min(c, max(1, math.ceil(self.gather_capacity_factor * k / p)))
     return cap, cap2
 
+  @property
+  def topology(self) -> str:
+    # The overflow is in units of this device's gradient: its mean is
+    # what the mean update will still receive.
+    return "average"
+
+  def unsent(self, compressor, state):
+    del compressor
+    return (state,)
+
   def init_flat(self, compressor, n, axis_name):
     del compressor
     return varying_zeros(n, axis_name)

@@ -50,6 +50,10 @@ class Compressor:
     prescale: True when the psum collective must divide by the device count
       *before* encoding, so that the sum cannot overflow the payload's type
       (float16, as PyTorch DDP's ``fp16_compress_hook``).
+    per_tensor: True for compressors that work on one tensor at a time,
+      in its shape (DCT top-k's chunks): :func:`jaxcomp.compressed_mean`
+      then needs ``bucketing="layerwise"`` and binds each bucket's shape
+      with :meth:`for_shapes`.
     own_exchange: True for compressors whose exchange is not a single
       encode / transfer / decode (PowerSGD's two all-reduces, TernGrad's
       shared scale). They implement :meth:`init_state`, :meth:`exchange` and
@@ -62,6 +66,7 @@ class Compressor:
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
   prescale: ClassVar[bool] = False
+  per_tensor: ClassVar[bool] = False
   own_exchange: ClassVar[bool] = False
 
   @property
@@ -109,6 +114,28 @@ class Compressor:
         acc = acc + one(i)
       return acc
     return lax.fori_loop(1, p, lambda i, acc: acc + one(i), one(0))
+
+  def decode_sender_mean(self, payloads: Payload, n: int,
+                         key: jax.Array) -> jax.Array:
+    """Stacked sparse payloads (leading axis: devices) averaged per
+    coordinate over the devices that sent it (0 where none did), float32
+    ``(n,)``: what the ``"sender_mean"`` collective returns (DeMo's mean).
+    Only compressors that send (value, index) pairs define it."""
+    del payloads, n, key
+    raise NotImplementedError(
+        f"{self.name} sends no (value, index) pairs to average by sender")
+
+  def for_shapes(self, shapes: Shapes) -> "Compressor":
+    """This compressor for a bucket of tensors of ``shapes`` (a tuple of
+    shapes): ``self`` by default; compressors whose encoding depends on a
+    tensor's shape (``per_tensor``, DCT top-k's chunks) return a copy bound
+    to it.
+
+    Raises:
+      ValueError: shapes this compressor cannot bind.
+    """
+    del shapes
+    return self
 
   def decode_parts(self, payload: Payload, part_sizes, key: jax.Array):
     """:meth:`decode` of a bucket of parts of ``part_sizes`` elements, as

@@ -65,5 +65,17 @@ class SparsePayload(Compressor):
     return _parts.SparseParts(payloads["indices"], self.values(payloads),
                               part_sizes).dense()
 
+  def decode_sender_mean(self, payloads, n, key):
+    """Each coordinate's sum over the devices that sent it, divided by how
+    many did (0 where none did); a slot holding 0 counts as not sent (the
+    unused capacity of threshold selections holds 0)."""
+    del key
+    idx = payloads["indices"].reshape(-1)
+    total = jnp.zeros((n,), jnp.float32).at[idx].add(
+        self.values(payloads).reshape(-1))
+    count = jnp.zeros((n,), jnp.float32).at[idx].add(
+        (self.values(payloads) != 0).astype(jnp.float32).reshape(-1))
+    return total / jnp.maximum(count, 1.0)
+
   def payload_bytes(self, n: int) -> int:
     return 8 * self.capacity(n)

@@ -16,8 +16,8 @@ from jaxcomp.perfmodel.costs import collective_time
 from jaxcomp.perfmodel.costs import reduce_scatter_time
 from jaxcomp.perfmodel.costs import ring_time
 from jaxcomp.perfmodel.costs import transfer_time
-from jaxcomp.perfmodel.mgwfbp import mgwfbp_plan
-from jaxcomp.perfmodel.mgwfbp import wfbp_finish_time
+from jaxcomp.bucketing import mgwfbp_plan
+from jaxcomp.bucketing import wfbp_finish_time
 from jaxcomp.perfmodel.model import CodecCost
 from jaxcomp.perfmodel.model import PricedCompressor
 from jaxcomp.perfmodel.model import bucket_transfers
@@ -42,19 +42,6 @@ from jaxcomp.perfmodel.simulate import sweep_bandwidth
 from jaxcomp.perfmodel.simulate import sweep_workers
 
 
-def measure_codec(*args, **kwargs):
-  """See :func:`jaxcomp.perfmodel.codec.measure_codec` (imports JAX lazily)."""
-  from jaxcomp.perfmodel import codec
-  return codec.measure_codec(*args, **kwargs)
-
-
-def profile_model(*args, **kwargs):
-  """See :func:`jaxcomp.perfmodel.profiling.profile_model` (imports JAX lazily)."""
-  from jaxcomp.perfmodel import profiling as pm
-  return pm.profile_model(*args, **kwargs)
-
-
-def profile_flax(*args, **kwargs):
-  """See :func:`jaxcomp.perfmodel.profiling.profile_flax` (imports JAX lazily)."""
-  from jaxcomp.perfmodel import profiling as pm
-  return pm.profile_flax(*args, **kwargs)
+from jaxcomp.perfmodel.codec import measure_codec
+from jaxcomp.perfmodel.profiling import profile_flax
+from jaxcomp.perfmodel.profiling import profile_model

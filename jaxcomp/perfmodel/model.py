@@ -38,7 +38,11 @@ import os
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from jaxcomp.perfmodel import costs
-from jaxcomp.perfmodel import mgwfbp as _mgwfbp
+from jaxcomp import bucketing
+from jaxcomp import collectives
+from jaxcomp import wire
+from jaxcomp.collectives import base as _collectives
+from jaxcomp.compressors import base as _compressors
 
 __all__ = [
     "PricedCompressor",
@@ -103,80 +107,36 @@ class IdealCompressor:
     return 4.0 * int(n) / self.ratio
 
 
-@dataclasses.dataclass(frozen=True)
-class DeMoCompressor:
-  """:func:`jaxcomp.demo`'s exchange, for the model: every step, per
-  tensor, the ``compression_topk`` largest DCT coefficients of each
+def DeMoCompressor(compression_topk: int = 32,  # noqa: N802 (it stands for a class)
+                   compression_chunk: int = 64):
+  """:func:`jaxcomp.demo`'s exchange, for the model: the ``"dct_topk"``
+  compressor (:class:`jaxcomp.compressors.DCTTopK`) it sends through, every
+  step, per tensor: the ``compression_topk`` largest DCT coefficients of each
   ``compression_chunk`` x ``compression_chunk`` chunk of the momentum,
   all-gathered as float32 values and int32 indices (two messages).
 
   The model sees flat buffers, not shapes: an ``n``-element buffer counts
-  as ``ceil(n / chunk**2)`` full chunks, exact for matrices whose sides
-  are multiples of the chunk (DeMo's chunk is the largest divisor of a
-  side up to ``compression_chunk``, so other shapes send more; 1-D tensors
-  are cut into ``1 x chunk`` chunks and send ``topk / chunk`` of
-  themselves). :func:`jaxcomp.lowcomm.demo_bytes` counts a model's exact
-  bytes from its shapes.
+  as ``ceil(n / chunk**2)`` full chunks (the compressor unbound to a shape),
+  exact for matrices whose sides are multiples of the chunk (DeMo's chunk is
+  the largest divisor of a side up to ``compression_chunk``, so other shapes
+  send more; 1-D tensors are cut into ``1 x chunk`` chunks and send
+  ``topk / chunk`` of themselves). :func:`jaxcomp.lowcomm.demo_bytes`
+  counts a model's exact bytes from its shapes.
 
-  ``encode`` / ``decode`` (for :func:`measure_codec`) run DeMo's chunked
-  DCT and top-k on the buffer viewed as ``(n / chunk, chunk)``.
+  Raises:
+    ValueError: ``compression_topk`` or ``compression_chunk`` not an integer
+      >= 1.
 
   Reference: Peng, Quesnelle & Kingma, DeMo: Decoupled Momentum
   Optimization <https://arxiv.org/abs/2411.19870>, 2024 (defaults: topk
   32, chunk 64, from the reference implementation).
   """
-
-  compression_topk: int = 32
-  compression_chunk: int = 64
-  linear: bool = False
-  name: str = "demo"
-
-  def __post_init__(self):
-    for f in ("compression_topk", "compression_chunk"):
-      v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{f} must be an integer >= 1, got {v!r}")
-
-  def _per_chunk(self) -> tuple[int, int]:
-    c = self.compression_chunk * self.compression_chunk
-    return c, min(self.compression_topk, c)
-
-  def payload_arrays(self, n: int, dtype=None) -> tuple[int, int]:
-    """Bytes of the values and of the indices for an ``n``-element buffer."""
-    del dtype
-    c, k = self._per_chunk()
-    chunks = -(-int(n) // c)
-    return (4 * chunks * k, 4 * chunks * k)
-
-  def payload_bytes(self, n: int) -> int:
-    return sum(self.payload_arrays(n))
-
-  def _shape(self, n: int) -> tuple[int, int]:
-    c, _ = self._per_chunk()
-    rows = -(-int(n) // c) * self.compression_chunk
-    return rows, self.compression_chunk
-
-  def encode(self, x, key=None):
-    import jax.numpy as jnp
-    from jax import lax
-    from jaxcomp import lowcomm
-    del key
-    shape = self._shape(x.size)
-    x = jnp.pad(x.reshape(-1), (0, shape[0] * shape[1] - x.size)).reshape(shape)
-    ch = lowcomm._chunks(shape, self.compression_chunk, self.compression_topk)  # pylint: disable=protected-access
-    coef = lowcomm._dct_encode(x, ch)  # pylint: disable=protected-access
-    _, idx = lax.top_k(jnp.abs(coef), ch.k)
-    return jnp.take_along_axis(coef, idx, axis=-1), idx.astype(jnp.int32)
-
-  def decode(self, payload, n: int):
-    import jax.numpy as jnp
-    from jaxcomp import lowcomm
-    val, idx = payload
-    shape = self._shape(n)
-    ch = lowcomm._chunks(shape, self.compression_chunk, self.compression_topk)  # pylint: disable=protected-access
-    rows = jnp.arange(val.shape[0])[:, None]
-    coef = jnp.zeros((val.shape[0], ch.h * ch.w), jnp.float32).at[rows, idx].set(val)
-    return lowcomm._dct_decode(coef, ch, shape).reshape(-1)[:n]  # pylint: disable=protected-access
+  for name, v in (("compression_topk", compression_topk),
+                  ("compression_chunk", compression_chunk)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+  return _compressors.REGISTRY.lookup("dct_topk")(topk=compression_topk,
+                                                  chunk=compression_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +311,6 @@ def _overlap_mode(overlap) -> str:
 
 
 def _is_library(compressor) -> bool:
-  from jaxcomp.compressors import base as _compressors
   return isinstance(compressor, _compressors.Compressor)
 
 
@@ -406,10 +365,9 @@ def _comm_kind(compressor, collective: str | None) -> str:
 def _library_collective(compressor, kind: str):
   """jaxcomp.collectives' collective for ``kind`` (unchecked: the model may
   price an all-reduce of payloads that the library would refuse to sum)."""
-  from jaxcomp.collectives import base
   if getattr(compressor, "own_exchange", False):
-    return base.OwnExchange()
-  return base.REGISTRY.lookup(_LIBRARY_NAMES[kind])()
+    return _collectives.OwnExchange()
+  return _collectives.REGISTRY.lookup(_LIBRARY_NAMES[kind])()
 
 
 def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None = None,
@@ -479,14 +437,13 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
     if plan == "single":
       return [list(range(L))]
     if plan == "mgwfbp":
-      return _mgwfbp.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
+      return bucketing.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
                                  alpha, beta, comm_time=comm_time)
     raise ValueError(f"unknown bucket plan {plan!r}; expected 'layer', 'single', 'mgwfbp', "
                      "a bucket size in bytes, or a list of buckets")
   if isinstance(plan, (int, float)) and not isinstance(plan, bool):
     if not plan > 0:
       raise ValueError(f"bucket size must be > 0 bytes, got {plan!r}")
-    from jaxcomp import bucketing
     return [sorted(b) for b in bucketing.fill(
         reversed(range(L)), [4 * n for n in profile.layer_sizes], plan)]
   buckets = [sorted(int(i) for i in b) for b in plan]
@@ -591,8 +548,6 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   p = network.workers
   sizes = profile.layer_sizes
 
-  from jaxcomp import collectives
-  from jaxcomp import wire
   payload = _payload_view(compressor, messages_per_bucket)
   library = _library_collective(compressor, kind)
   group = {"data": p}

@@ -1,25 +1,5 @@
-"""Which gradient leaves are compressed together.
-
-A :class:`BucketPlan` splits the flattened gradient leaves (in
-``jax.tree.leaves`` order) into an *exact* group, averaged with a plain
-``pmean`` (leaves too small to be worth compressing: biases, norms; as
-PyTorch PowerSGD's ``min_compression_rate`` and BytePS's minimum compression
-size do), and *buckets*, each flattened into one float32 buffer and
-compressed as a whole.
-
-Strategies (``compressed_mean(bucketing=...)``):
-
-* ``"layerwise"``: one bucket per leaf (layer-wise compression: top-k keeps
-  the k largest of every layer);
-* ``"whole"``: one bucket for the whole model (global top-k);
-* ``"fixed"``: consecutive leaves until a bucket holds at least
-  ``bucket_elements`` elements;
-* ``"fixed_bytes"``: the same by size in bytes of the float32 buffer
-  (``bucket_bytes``), as PyTorch DDP's ``bucket_cap_mb`` and Horovod's fusion
-  buffer;
-* ``"mgwfbp"`` or any explicit ``plan``: the MG-WFBP merge plan from
-  :func:`mgwfbp_plan_for`, or lists of leaf indices of your own.
-"""
+"""Bucket plans: which gradient leaves are compressed together (see
+:mod:`jaxcomp.bucketing`)."""
 
 from __future__ import annotations
 
@@ -27,6 +7,10 @@ import dataclasses
 import math
 import numbers
 from typing import Any, Sequence
+
+import jax
+
+from jaxcomp.bucketing._mgwfbp import mgwfbp_plan
 
 STRATEGIES = ("layerwise", "whole", "fixed", "fixed_bytes", "mgwfbp")
 BUFFER_ITEMSIZE = 4  # buckets are float32 buffers
@@ -161,8 +145,6 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
 
 
 def _leaf_values(tree_or_seq, params, what: str) -> list[float]:
-  import jax  # lazily: plan_buckets itself needs no JAX
-
   n_leaves = len(jax.tree.leaves(params))
   if jax.tree.structure(tree_or_seq) == jax.tree.structure(params):
     values = jax.tree.leaves(tree_or_seq)
@@ -188,7 +170,7 @@ def mgwfbp_plan_for(params: Any, backward_times: Any, alpha: float,
                     compressor: Any = None) -> list[list[int]]:
   """The MG-WFBP merge plan for ``params``, as ``compressed_mean(plan=...)``.
 
-  Runs :func:`jaxcomp.perfmodel.mgwfbp_plan` on the leaves' float32 bytes
+  Runs :func:`mgwfbp_plan` on the leaves' float32 bytes
   (``4 * size``) or, with ``compressor``, on their compressed payload bytes
   (``comm_time(m) = alpha + beta * compressor.payload_bytes(m / 4)``), and
   maps its layer buckets back to leaf indices.
@@ -226,10 +208,6 @@ def mgwfbp_plan_for(params: Any, backward_times: Any, alpha: float,
     Shi, Chu & Li, MG-WFBP: Efficient Data Communication for Distributed
     Synchronous SGD Algorithms <https://arxiv.org/abs/1811.11141>, 2019.
   """
-  import jax
-
-  from jaxcomp.perfmodel import mgwfbp_plan
-
   leaves = jax.tree.leaves(params)
   times = _leaf_values(backward_times, params, "backward_times")
   n = len(leaves)

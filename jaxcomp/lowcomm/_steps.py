@@ -1,0 +1,156 @@
+"""DiLoCo's train steps: per-device parameters placed on the mesh, the
+compiled step, and the step for a user's own ``jax.jit`` step."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+import optax
+
+from jaxcomp import placement
+from jaxcomp._mesh import AxisName
+from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import per_device_copies
+from jaxcomp.lowcomm._diloco import snap_to_anchor
+
+
+def init(tx, params, mesh, axis_name: AxisName = "data"):
+  """Initialises a state holding a :func:`diloco` transform and places one
+  copy of ``params`` per device.
+
+  Returns:
+    ``(local_params, opt_state, specs)``: the parameters with a leading
+    device axis sharded ``P(axis_name)`` (they differ between syncs), and
+    the state and specs as :func:`jaxcomp.init_sharded` returns them.
+
+  Raises:
+    ValueError: ``axis_name`` is not an axis of ``mesh``.
+  """
+  opt_state, specs = placement.init_sharded(tx, params, mesh, axis_name)
+  return per_device_copies(params, mesh, axis_name), opt_state, specs
+
+
+
+def _per_device_step(loss_fn: Callable, tx, *, mesh, state_specs,
+                     axis_name: AxisName, batch_spec: Any, has_aux: bool,
+                     per_device_loss: bool) -> Callable:
+  """The DiLoCo step on global arrays (``shard_map``'d, not jitted)."""
+  grad_fn = placement.per_device_value_and_grad(loss_fn, axis_name,
+                                               has_aux=has_aux)
+
+  def step_fn(params, opt_state, batch):
+    params = jax.tree.map(lambda x: x[0], params)
+    out, grads = grad_fn(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = snap_to_anchor(optax.apply_updates(params, updates), opt_state)
+    return (jax.tree.map(lambda x: x[None], params), opt_state,
+            placement.step_loss(out, axis_name, per_device_loss))
+
+  return placement.shard_train_step(
+      step_fn, mesh=mesh, state_specs=state_specs,
+      batch_spec=P(axis_name) if batch_spec is None else batch_spec,
+      params_spec=P(axis_name),
+      out_aux_spec=P(axis_name) if per_device_loss else P())
+
+
+def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
+                    axis_name: AxisName = "data", batch_spec: Any = None,
+                    has_aux: bool = False, donate: bool = True,
+                    per_device_loss: bool = False) -> Callable:
+  """The DiLoCo train step, compiled: per device, its own gradient of its
+  own parameters, ``tx``'s update (a sync every ``sync_every`` steps), the
+  loss averaged.
+
+  ``per_device_loss=True`` returns each device's own loss (shape ``(p,)``)
+  instead of averaging it: the steps between syncs then run no collective
+  at all, not even the loss's scalar all-reduce, so no device waits for
+  another between syncs (what a run over slow or uneven links wants).
+
+  Returns:
+    ``step(local_params, opt_state, batch) -> (local_params, opt_state,
+    loss)`` on the per-device parameters of :func:`init`.
+  """
+  step = _per_device_step(loss_fn, tx, mesh=mesh, state_specs=state_specs,
+                          axis_name=axis_name, batch_spec=batch_spec,
+                          has_aux=has_aux, per_device_loss=per_device_loss)
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+class LocalStep:
+  """DiLoCo for ``jax.jit`` steps: the per-device step as a function of
+  global arrays, to call inside your own jitted step (the counterpart of
+  :func:`jaxcomp.compressed_value_and_grad`, whose averaged gradient DiLoCo
+  has none of: each device steps on its own gradient)::
+
+    local_step = jaxcomp.lowcomm.local_step(loss_fn, tx, mesh)
+    local, opt_state = local_step.init(params)
+
+    @jax.jit
+    def train_step(local, opt_state, batch):
+      local, opt_state, loss = local_step(local, opt_state, batch)
+      shared = jaxcomp.lowcomm.synced_params(opt_state)
+      return local, opt_state, loss, ema_update(shared)   # your own code
+
+  ``local`` holds one copy of the parameters per device (a leading device
+  axis sharded ``P(axis_name)``); :func:`synced_params` reads the
+  synchronized ones (replicated) anywhere in the step. Calling it runs
+  exactly what :func:`make_train_step` compiles.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (this device's mean over
+      its share of the batch), or ``(loss, aux)`` with ``has_aux``.
+    tx: the optimizer holding one :func:`diloco` over ``axis_name``.
+    mesh: the device mesh.
+    axis_name: the data-parallel axis (or tuple of axes).
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    per_device_loss: return each device's own loss (shape ``(p,)``; no
+      collective between syncs) instead of their mean.
+
+  Raises:
+    ValueError: ``axis_name`` is not an axis of ``mesh``; from ``init``,
+      ``tx`` holds no :func:`diloco`.
+  """
+
+  def __init__(self, loss_fn: Callable, tx, mesh, *,
+               axis_name: AxisName = "data", batch_spec: Any = None,
+               has_aux: bool = False, per_device_loss: bool = False):
+    placement.check_mesh_axes(mesh, axis_name)
+    self.tx, self.mesh, self.axis_name = tx, mesh, axis_name
+    self._kwargs = dict(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
+                        batch_spec=batch_spec, has_aux=has_aux,
+                        per_device_loss=per_device_loss)
+    self.specs = None
+    self._step = None
+
+  def init(self, params):
+    """``(local_params, opt_state)`` for ``params``, placed on the mesh (see
+    :func:`init`); keeps the state's partition specs for the step."""
+    local, opt_state, self.specs = init(self.tx, params, self.mesh,
+                                        self.axis_name)
+    if not holds_diloco(opt_state):
+      raise ValueError("jaxcomp.lowcomm.local_step needs a tx holding "
+                       "jaxcomp.diloco(...); for a compressed data-parallel "
+                       "step use jaxcomp.compressed_value_and_grad")
+    self._step = _per_device_step(state_specs=self.specs, **self._kwargs)
+    return local, opt_state
+
+  def __call__(self, local_params, opt_state, batch):
+    """``(local_params, opt_state, loss)`` after one step (a sync every
+    ``sync_every`` steps)."""
+    if self._step is None:
+      raise ValueError("call init(params) first: it places the state on the "
+                       "mesh and derives its partition specs")
+    return self._step(local_params, opt_state, batch)
+
+
+def local_step(loss_fn: Callable, tx, mesh, *, axis_name: AxisName = "data",
+               batch_spec: Any = None, has_aux: bool = False,
+               per_device_loss: bool = False) -> LocalStep:
+  """:class:`LocalStep`: the DiLoCo step for your own ``jax.jit`` step."""
+  return LocalStep(loss_fn, tx, mesh, axis_name=axis_name,
+                   batch_spec=batch_spec, has_aux=has_aux,
+                   per_device_loss=per_device_loss)
+

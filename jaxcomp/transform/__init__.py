@@ -1,0 +1,20 @@
+"""The public transform, :func:`compressed_mean`, and what it carries in its
+state: its configuration (:func:`transform_configs`) and its traffic
+statistics (:func:`get_stats`).
+
+Pieces, each on one screen: the factory (``_compressed_mean``), the bucket
+layout and its checks (``_layout``), the bucket loop with its all-reduce and
+reduce-scatter siblings (``_exchange``), the nonfinite policies
+(``_nonfinite``), the statistics (``_stats``) and the configuration carried
+as static state (``_config``).
+"""
+
+from jaxcomp.transform._compressed_mean import NONFINITE_POLICIES
+from jaxcomp.transform._compressed_mean import OUTPUTS
+from jaxcomp.transform._compressed_mean import CompressedMeanState
+from jaxcomp.transform._compressed_mean import compressed_mean
+from jaxcomp.transform._compressed_mean import transform_configs
+from jaxcomp.transform._config import TransformConfig
+from jaxcomp.transform._stats import CompressionStats
+from jaxcomp.transform._stats import get_stats
+from jaxcomp.transform._stats import traffic_stats

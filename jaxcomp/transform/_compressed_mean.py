@@ -1,0 +1,380 @@
+"""The public transform: compressed gradient averaging over a mesh axis.
+
+One gradient's path through :func:`compressed_mean`'s ``update``::
+
+  leaves --layout (jaxcomp.bucketing)--> buckets of tensors (parts: one
+      flat float32 array each); the nonfinite policy screens them
+    per bucket (jaxcomp.transform._exchange):
+      v, ctx   = feedback.prepare(parts, feedback_state)        # jaxcomp.feedback
+      mean, local, exchange_state = collective.exchange(        # jaxcomp.collectives
+          compressor, v, shapes, key=..., step=count, ...)      #   -> compressor.encode
+      update, feedback_state = feedback.finish(ctx, mean, local) #  / decode (kernels)
+  updates <- the buckets' updates, cut back into leaves in their own dtypes
+
+Leaves below ``min_compress_size`` skip all of it and go through one exact
+``pmean``. With ``output="shard"`` the sibling path
+(:func:`jaxcomp.transform._exchange.reduce_scatter`) returns each device's
+shard of the mean instead.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import _mesh
+from jaxcomp import bucketing as bucketing_lib
+from jaxcomp import collectives as collectives_lib
+from jaxcomp import compressors as compressors_lib
+from jaxcomp import feedback as feedback_lib
+from jaxcomp import wire
+from jaxcomp._mesh import AxisName
+from jaxcomp.transform import _nonfinite as nonfinite_lib
+from jaxcomp.transform._config import TransformConfig
+from jaxcomp.transform._exchange import Parts
+from jaxcomp.transform._exchange import average
+from jaxcomp.transform._exchange import reduce_scatter
+from jaxcomp.transform._layout import Bucketing
+from jaxcomp.transform._layout import Layout
+from jaxcomp.transform._layout import check_per_device
+from jaxcomp.transform._layout import check_state
+from jaxcomp.transform._layout import layout
+from jaxcomp.transform._stats import CompressionStats
+from jaxcomp.transform._stats import traffic_stats
+
+NONFINITE_POLICIES = nonfinite_lib.NONFINITE_POLICIES
+OUTPUTS = ("mean", "shard")
+# fold_in data of the key stream that initialises the collectives' states
+# (e.g. PowerSGD's first Q): a step count the transform never reaches.
+_INIT_STREAM = 0xFFFFFFFF
+
+
+class CompressedMeanState(NamedTuple):
+  """State of :func:`compressed_mean`."""
+
+  config: TransformConfig  # static (no array): the transform's configuration
+  #                          (transform_configs reads it)
+  count: jax.Array  # shape=(), int32, steps taken (skipped ones included)
+  key: jax.Array  # shape=(2,), uint32, raw PRNG key shared by all devices
+  feedback: tuple  # per bucket: the feedback state (the residual: one float32
+  #                  (size_i,) array per tensor in the bucket, varying over
+  #                  the axis), or () without error feedback
+  exchange_state: tuple  # per bucket: the collective's state (e.g. PowerSGD's
+  #                        Q or a second-phase residual), or ()
+  stats: CompressionStats
+
+
+def transform_configs(state) -> dict[str, dict]:
+  """The configuration of every :func:`compressed_mean` in an optimizer
+  state, by its path in the state: the compressor and its
+  hyperparameters, collective, error feedback, bucketing, nonfinite policy,
+  seed and axis names (what :class:`jaxcomp.checkpoint.Checkpointer` saves
+  and compares on restore). Read from the state itself (static data of its
+  tree structure), so a state restored in another process is described as
+  well as the one built here.
+  """
+  found = {}
+
+  def visit(path, x):
+    if isinstance(x, CompressedMeanState):
+      found[jax.tree_util.keystr(path)] = x.config.as_dict()
+
+  jax.tree_util.tree_map_with_path(
+      visit, state, is_leaf=lambda x: isinstance(x, CompressedMeanState))
+  return found
+
+
+def _check_output(output, comp, coll, fb) -> None:
+  """Construction-time checks of ``compressed_mean(output=...)``."""
+  if output not in OUTPUTS:
+    raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+  if output == "mean":
+    return
+  if comp.own_exchange:
+    raise ValueError(
+        f"output='shard' cannot use compressor {comp.name!r}: it runs its own "
+        "exchange of whole tensors; use a quantizer or a sparsifier (e.g. "
+        "'int8_block', 'qsgd', 'topk')")
+  if not coll.reduce_scatter:
+    raise ValueError(
+        f"output='shard' needs a collective with a reduce-scatter; "
+        f"collective={coll.name!r} has none: leave collective=None")
+  if fb.keeps_mean:
+    raise ValueError(
+        f"output='shard' cannot use error_feedback={fb.name!r}: it keeps the "
+        "whole mean on every device; use 'residual', 'dgc' or False")
+
+
+def _pad_to(x: jax.Array, n: int) -> jax.Array:
+  return x if x.shape[0] == n else jnp.pad(x, (0, n - x.shape[0]))
+
+
+def _leaf_update(policy, any_bad, m, leaf, shard_shape, passthrough: bool):
+  """One leaf's update, in its own dtype and shape (a shard's with
+  ``output="shard"``); zero (float0 kept) for a leaf left out that is not
+  floating."""
+  shape = jnp.shape(leaf) if shard_shape is None else shard_shape
+  if passthrough:  # no update, typed invariant
+    return (leaf if jnp.result_type(leaf) == jax.dtypes.float0
+            else jnp.zeros(shape, jnp.result_type(leaf)))
+  return policy.leaf(any_bad, m).reshape(shape).astype(leaf.dtype)
+
+
+def compressed_mean(
+    compressor: str | compressors_lib.Compressor = "identity",
+    axis_name: AxisName = "data",
+    *,
+    collective: str | collectives_lib.Collective | None = None,
+    error_feedback: str | bool | feedback_lib.Feedback | None = None,
+    bucketing: str = "layerwise",
+    min_compress_size: int = 0,
+    bucket_elements: int | None = None,
+    bucket_bytes: int | None = None,
+    plan: Sequence[Sequence[int]] | None = None,
+    mask=None,
+    nonfinite: str = "skip",
+    seed: int = 0,
+    output: str = "mean",
+    **compressor_kwargs,
+) -> optax.GradientTransformation:
+  """Averages per-device gradients over ``axis_name``, compressed.
+
+  Run ``init`` and ``update`` inside ``jax.shard_map`` (or ``jax.pmap``) over
+  ``axis_name``, with per-device gradients (see
+  :func:`jaxcomp.per_device_grad`). ``update`` returns the mean over the axis
+  of what every device sent, identical on every device, in each leaf's own
+  dtype; chain an optimizer after it::
+
+    tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.01),
+                     optax.adam(1e-3))
+
+  Each bucket of leaves (see ``bucketing``) is corrected by error feedback
+  leaf by leaf (the residual is kept per leaf, float32, one per device),
+  flattened to one float32 buffer, encoded, exchanged by the collective,
+  decoded and cut back into leaves.
+
+  Args:
+    compressor: a registered name (``jaxcomp.compressors.names()``) or a
+      Compressor instance.
+    axis_name: the data-parallel axis name, or a tuple of names.
+    collective: None (``jaxcomp.collectives.default_for`` the compressor),
+      ``"psum"``, ``"allgather"``, ``"two_phase"``, ``"zen"``,
+      ``"hierarchical"``, another registered collective, or a Collective
+      instance (see docs/collectives.md).
+    error_feedback: ``None`` (residual error feedback for biased compressors,
+      none for unbiased ones), ``True``/``"residual"``, ``False``/``"none"``,
+      ``"ef21"``, ``"dgc"`` (:mod:`jaxcomp.feedback`), or a Feedback
+      instance.
+    bucketing: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one
+      bucket), ``"fixed"`` (``bucket_elements`` per bucket),
+      ``"fixed_bytes"`` (``bucket_bytes`` per bucket) or ``"mgwfbp"`` (with
+      ``plan=jaxcomp.bucketing.mgwfbp_plan_for(...)``).
+    min_compress_size: leaves with fewer elements skip compression and go
+      through an exact float32 ``pmean``.
+    bucket_elements: bucket size in elements for ``bucketing="fixed"``.
+    bucket_bytes: bucket size in bytes (float32) for
+      ``bucketing="fixed_bytes"``.
+    plan: explicit buckets as lists of leaf indices (``jax.tree.leaves``
+      order); overrides ``bucketing``.
+    mask: which leaves are compressed: None (all), a pytree of booleans
+      with the parameters' structure (or a prefix of it), or a function of
+      the parameters returning one, as ``optax.masked`` takes. Floating
+      leaves it leaves out go through the exact float32 ``pmean`` (biases,
+      norms, embeddings you want exact); others (integer, boolean) get a
+      zero update (``float0`` gradients are returned as they are). ``optax.masked(compressed_mean(...), mask)`` does
+      not do this: the leaves it leaves out come out per device,
+      un-averaged.
+    nonfinite: what a NaN or Inf in any device's gradient does to the step.
+      ``"skip"`` (default): the update is zero and the error-feedback state
+      is left unchanged on every device (one extra scalar all-reduce);
+      ``"zero"``: non-finite entries are replaced by 0 before compression;
+      ``"propagate"``: the update is NaN on every device (so that
+      ``optax.apply_if_finite`` can skip the step) and the error-feedback
+      state is left unchanged. No policy lets NaN into the residual.
+    seed: seed of the key shared by all devices (random-block placement,
+      QSGD rounding, ...).
+    output: ``"mean"`` (default): every device gets the whole mean, as
+      above. ``"shard"``: a compressed *reduce-scatter* for sharded data
+      parallelism (FSDP / ZeRO-3, :mod:`jaxcomp.fsdp`): the parameters are
+      flat shards (leaf ``i`` of ``n_i`` elements is held as ``c_i =
+      ceil(n_i / p)`` elements per device, zero-padded, device ``j``
+      holding elements ``[j c_i, (j + 1) c_i)``), ``init`` takes those
+      shards, ``update`` takes the per-device gradient of the *whole*
+      parameters (their shapes) and returns this device's shard of the
+      mean, float ``(c_i,)`` per leaf (varying over the axis), for the
+      optimizer after it to update the shards. Linear compressors are
+      summed in flight by ``lax.psum_scatter`` of per-chunk payloads
+      (``identity`` gives exactly ``psum_scatter(g) / p``); the others go
+      through phase 1 of the two-phase exchange (an all-to-all of chunk
+      payloads, decoded and summed by each chunk's owner; ZeRO++'s qgZ).
+      Error feedback, where used, keeps one gradient-sized float32 residual
+      per device (``stats.state_bytes``), memory that FSDP otherwise does
+      not spend: unbiased quantizers without it (``error_feedback=False``)
+      are the sharded default to reach for.
+    **compressor_kwargs: hyperparameters of a compressor given by name.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is
+    :class:`CompressedMeanState`.
+
+  Raises:
+    ValueError: at construction, for an unknown compressor, collective,
+      feedback, bucketing, nonfinite policy or ``output``, a bad
+      hyperparameter, an empty ``axis_name``, a collective that cannot
+      carry the compressor, or, with ``output="shard"``, a compressor with
+      an exchange of its own (PowerSGD, TernGrad, majority vote), a
+      collective with no reduce-scatter (``"hierarchical"``, ``"zen"``) or
+      feedback that keeps the whole mean (``"ef21"``); in ``init``, with
+      ``output="shard"``, for parameters that are not flat shards.
+    TypeError: in ``init``/``update``, for integer or boolean leaves that
+      ``mask`` does not leave out, or for a gradient JAX already summed over
+      the devices (plain ``jax.grad`` inside ``shard_map``).
+    NameError: in ``init``/``update``, when ``axis_name`` is not bound
+      (called outside ``shard_map``/``pmap``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
+    ...                  optax.sgd(0.1))
+    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    ...                                     mesh, "data")
+    >>> stats = jaxcomp.get_stats(state)  # 4 of 32 values + their indices
+    >>> float(stats.bytes_sent), float(stats.dense_bytes)
+    (32.0, 128.0)
+
+  References:
+    Lin et al., Deep Gradient Compression <https://arxiv.org/abs/1712.01887>,
+    2018 (compression inside data-parallel training); Agarwal et al., On the
+    Utility of Gradient Compression in Distributed Training Systems
+    <https://arxiv.org/abs/2103.00543>, 2022 (when it pays).
+  """
+  _mesh.check_axis_name(axis_name)
+  comp = compressors_lib.get(compressor, **compressor_kwargs)
+  coll = collectives_lib.get(collective, comp, axis_name=axis_name)
+  fb = feedback_lib.get(error_feedback, comp.biased)
+  policy = nonfinite_lib.get(nonfinite)
+  if min_compress_size < 0:
+    raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
+  _check_output(output, comp, coll, fb)
+  shard = output == "shard"
+  bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
+                             bucket_bytes=bucket_bytes, plan=plan)
+  if comp.per_tensor and (plan is not None or bucketing != "layerwise"):
+    raise ValueError(
+        f"compressor {comp.name!r} works on one tensor at a time, in its "
+        f"shape: use bucketing='layerwise' (the default) and no plan, not "
+        f"bucketing={bucketing!r}" + ("" if plan is None else " with a plan"))
+  buckets = Bucketing(bucketing, min_compress_size, bucket_elements,
+                      bucket_bytes, plan, mask)
+  parts = Parts(comp, coll, fb, policy)
+  config = TransformConfig.of({
+      "compressor": comp, "collective": coll, "error_feedback": fb,
+      "axis_name": axis_name, "bucketing": bucketing,
+      "min_compress_size": min_compress_size,
+      "bucket_elements": bucket_elements, "bucket_bytes": bucket_bytes,
+      "plan": plan, "mask": None if mask is None else "given",
+      "nonfinite": nonfinite, "seed": seed, "output": output},
+      rules={"feedback": fb.topology, "exchange_state": coll.topology})
+
+  def make_layout(tree, what: str, shards: bool = False) -> Layout:
+    return layout(tree, buckets, what, shard_axis=axis_name if shard else None,
+                  shards=shards)
+
+  def per_device_state(lay: Layout):
+    """``(feedback, exchange_state)``: per bucket, the feedback's state and
+    the collective's (a reduce-scatter keeps none: no second phase)."""
+    init_key = jax.random.fold_in(jax.random.key(seed), _INIT_STREAM)
+    return (tuple(fb.init(lay.bucket_sizes(b), axis_name)
+                  for b in range(len(lay.shapes))),
+            tuple(() if shard else coll.init_state(
+                comp.for_shapes(shapes), shapes,
+                jax.random.fold_in(init_key, b), axis_name)
+                  for b, shapes in enumerate(lay.shapes)))
+
+  def static_stats(lay: Layout) -> dict:
+    """The statistics' fields that the layout fixes: bytes and factors
+    (from the collectives' declared transfers), state bytes (from the
+    state's types)."""
+    axis_sizes = _mesh.axis_sizes(axis_name)
+    if shard:
+      ts = [t for b, dtype in enumerate(lay.bucket_dtypes)
+            for t in coll.reduce_scatter_transfers(
+                comp, sum(lay.bucket_sizes(b)), axis_sizes, dtype)]
+    else:
+      ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
+            for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
+    nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
+    held = jax.eval_shape(lambda: per_device_state(lay))
+    return traffic_stats(
+        ts, wire.devices(axis_sizes),
+        exact_bytes=sum(nbytes(i) for i in lay.plan.exact),
+        dense_bytes=sum(nbytes(i) for i in range(len(lay.sizes))
+                        if i not in lay.passthrough),
+        # The dense exchange: an all-reduce, or a reduce-scatter for shards.
+        dense_kind="reduce-scatter" if shard else "all-reduce",
+        state_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held)))
+
+  def make_state(lay: Layout) -> CompressedMeanState:
+    feedback, exchange_state = per_device_state(lay)
+    return CompressedMeanState(
+        config=config, count=jnp.zeros((), jnp.int32),
+        key=jax.random.key_data(jax.random.key(seed)),
+        feedback=feedback, exchange_state=exchange_state,
+        stats=CompressionStats(
+            **static_stats(lay),
+            residual_norm=_mesh.varying_zeros((), axis_name),
+            skipped_steps=jnp.zeros((), jnp.int32)))
+
+  def init_fn(params):
+    _mesh.check_bound(axis_name, "compressed_mean.init")
+    lay = make_layout(params, "params", shards=True)
+    for b in range(len(lay.shapes)):
+      comp.check_size(sum(lay.bucket_sizes(b)))
+    return make_state(lay)
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    lay = make_layout(updates, "gradient")
+    _mesh.check_bound(axis_name, "compressed_mean.update")
+    check_per_device([x for i, x in enumerate(leaves)
+                      if i not in lay.passthrough], axis_name)
+    check_state(state, jax.eval_shape(lambda: make_state(lay)))
+    flat, any_bad = policy.screen([
+        _pad_to(x.reshape(-1).astype(jnp.float32), lay.sizes[i])
+        if i not in lay.passthrough
+        else jnp.zeros((0,), jnp.float32) for i, x in enumerate(leaves)],
+        axis_name)
+    p = wire.devices(_mesh.axis_sizes(axis_name))
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
+                                  state.count)
+    if shard:
+      ex = reduce_scatter(parts, lay, flat, any_bad, state, step_key,
+                          axis_name, p)
+    else:
+      ex = average(parts, lay, flat, any_bad, state, step_key, axis_name)
+    mean_leaves = [_leaf_update(policy, any_bad, ex.out[i], leaf,
+                                (lay.sizes[i] // p,) if shard else None,
+                                i in lay.passthrough)
+                   for i, leaf in enumerate(leaves)]
+    # What each device holds back: the feedback's residual and the
+    # collective's (a second-phase residual, Zen's overflow).
+    sq = ex.sq_residual + sum(
+        (jnp.sum(x * x) for b in range(len(lay.shapes))
+         for x in (coll.unsent(comp, ex.exchange_state[b]) or ())),
+        jnp.zeros((), jnp.float32))
+    # The bytes are this transform's (a state may come from another
+    # transform of the same structure, e.g. an earlier warm-up stage).
+    stats = state.stats._replace(
+        **static_stats(lay),
+        residual_norm=_mesh.to_varying(jnp.sqrt(sq), axis_name),
+        skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
+    return jax.tree.unflatten(treedef, mean_leaves), CompressedMeanState(
+        config=config, count=state.count + 1, key=state.key,
+        feedback=ex.feedback, exchange_state=ex.exchange_state, stats=stats)
+
+  return optax.GradientTransformation(init_fn, update_fn)
