@@ -162,7 +162,7 @@ def summarize(rows, args):
   out = {}
   for ex in EXAMPLES:
     out[ex] = []
-    for label, name, hp, ef, *_ in SPECS:
+    for label, name, _hp, _ef, *_ in SPECS:
       if args.compressors and name not in args.compressors:
         continue
       rs = [r for r in rows if r["example"] == ex and r["label"] == label]

@@ -213,7 +213,7 @@ def _predict(measured) -> dict:
   p = hosts * DEVICES
   a2a = DEVICES * (hosts - 1) / hosts * p / (p - 1)
   ring = pm.Network(p, inter, per_collective={
-      "alltoall": pm.Link(inter.alpha, inter.beta * a2a)})
+      "all-to-all": pm.Link(inter.alpha, inter.beta * a2a)})
   # HSDP's collectives run inside a process or across, one group per device.
   net = pm.Network(hosts * DEVICES, inter, algorithm="hierarchical",
                    workers_per_node=DEVICES, intra=intra)

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["NetnsUnavailable", "check_prerequisites", "gloo_bind_workaround",
            "RateLimitedCluster", "Namespace"]
@@ -137,7 +137,7 @@ class RateLimitedCluster:
 
   # -- setup / teardown --
 
-  def __enter__(self) -> "RateLimitedCluster":
+  def __enter__(self) -> RateLimitedCluster:
     check_prerequisites()
     self.cleanup_stale(self.prefix)
     self.cleanup_orphans()

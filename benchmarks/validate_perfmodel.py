@@ -365,10 +365,11 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     for kind in ("allreduce", "allgather"):
       a, b, _ = fit_alpha_beta(res["collectives"], p, kinds=(kind,))
       fits[kind] = (a, b)
-      per_kind[kind] = pm.Link(a, b)
+      per_kind[{"allreduce": "all-reduce", "allgather": "all-gather"}[kind]] = (
+          pm.Link(a, b))
     # Not calibrated: the all-to-all (two-phase's first phase) is priced on
     # the all-gather's link; both are (p - 1) point-to-point exchanges.
-    per_kind["alltoall"] = per_kind["allgather"]
+    per_kind["all-to-all"] = per_kind["all-gather"]
   prof = pm.ModelProfile.from_dict(res["profile"])
   # profile_model gives the per-tensor split; its total is rescaled to the
   # one-worker step timed in the same interleaved rounds as the training.
@@ -620,7 +621,7 @@ def plot(table, specs, path):
   fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 4.2), squeeze=False)
   xpos = {rate: i for i, rate in enumerate(RATES)}
   for ax, p in zip(axes[0], workers):
-    for k, spec in enumerate(specs[1:]):
+    for spec in specs[1:]:
       sub = [r for r in table if r["workers"] == p and r["compressor"] == spec]
       sub.sort(key=lambda r: xpos[r["rate"]])
       xs = [xpos[r["rate"]] for r in sub]

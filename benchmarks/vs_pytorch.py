@@ -281,7 +281,7 @@ def worker(args) -> None:
   say = lambda *a: print(f"[{fw} {args.rank}]", *a, flush=True)
   build = _jax_systems if fw == "jax" else _torch_systems
   systems, barrier, info = build(args, say)
-  for name, run in systems.items():  # compile, warm up, pass start_iter
+  for run in systems.values():  # compile, warm up, pass start_iter
     for _ in range(args.warmup):
       run()
   say("warmed up")

@@ -20,7 +20,8 @@ from jaxcomp import sharding
 from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps
-from jaxcomp.combinators import sparsity_warmup
+from jaxcomp import warmup
+from jaxcomp.warmup import sparsity_warmup
 from jaxcomp.inspect.traffic import CollectiveOp
 from jaxcomp.inspect.traffic import Traffic
 from jaxcomp.inspect.traffic import collective_traffic

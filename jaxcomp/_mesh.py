@@ -12,7 +12,7 @@ the state (:func:`jaxcomp.init_sharded`).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

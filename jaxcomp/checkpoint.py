@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -557,10 +558,16 @@ def _upgrade(saved: Mapping[str, Any]) -> tuple[dict[str, Any], _Keys]:
   Format 2 held each ``compressed_mean`` state's configuration digest as a
   ``uint32[2]`` leaf (``<state>.config``); format 3 carries the
   configuration as static data (the metadata's ``config`` section, which
-  both formats write, is what restore compares), so that leaf is dropped.
+  both formats write, is what restore compares), so that leaf is dropped;
+  and the own-exchange collective's name reads as it is today.
   """
   leaves = list(saved.get("leaves", []))
   if saved.get("format") == 2:
+    # The collective registered as "compressor" is "own_exchange" now.
+    config = {k: ("own_exchange" if k.endswith(": collective.name")
+                  and v == "compressor" else v)
+              for k, v in saved.get("config", {}).items()}
+    saved = {**saved, "config": config}
     keep, dropped = [], {}
     for i, leaf in enumerate(leaves):
       if (leaf["path"].endswith(".config") and leaf["dtype"] == "uint32"

@@ -18,7 +18,7 @@ import ast
 import math
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from jaxcomp import compressors
 from jaxcomp import perfmodel

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

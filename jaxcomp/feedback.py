@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 

@@ -23,7 +23,8 @@ instead and run the step per device under ``jax.shard_map``:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

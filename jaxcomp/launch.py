@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxcomp import distributed
 

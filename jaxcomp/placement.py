@@ -15,7 +15,8 @@ Two traps that this module closes:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,8 @@ The helpers that place state and build ``shard_map`` steps live in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P

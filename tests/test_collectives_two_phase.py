@@ -142,9 +142,9 @@ def _exchange_traffic(collective, comp, p, n):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("data",))
 
   def f(x):
-    mean, _, _ = collective.exchange_flat(
+    mean, _, _ = collective.exchange_buffer(
         comp, x, jax.random.key(0), "data",
-        collective.init_flat(comp, n, "data"))
+        collective.init_buffer(comp, n, "data"))
     return mean
 
   x = jax.device_put(jnp.ones((p * n,)), NamedSharding(mesh, P("data")))
@@ -243,7 +243,7 @@ def test_decode_sum_adds_every_payload_in_device_order(p):
   payloads = jax.vmap(lambda x, i: comp.encode(x, jax.random.fold_in(key, i)))(xs, jnp.arange(p))
   want = comp.decode(jax.tree.map(lambda a: a[0], payloads), n, key)
   for i in range(1, p):
-    want = want + comp.decode(jax.tree.map(lambda a: a[i], payloads), n, key)
+    want = want + comp.decode(jax.tree.map(lambda a, i=i: a[i], payloads), n, key)
   got = jax.jit(lambda pl: comp.decode_sum(pl, n, key))(payloads)
   assert got.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

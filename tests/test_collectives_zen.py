@@ -127,8 +127,8 @@ def _traffic(collective, comp, n):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:P_DEV]), ("data",))
 
   def f(x):
-    return collective.exchange_flat(comp, x, jax.random.key(0), "data",
-                                    collective.init_flat(comp, n, "data"))[0]
+    return collective.exchange_buffer(comp, x, jax.random.key(0), "data",
+                                    collective.init_buffer(comp, n, "data"))[0]
 
   x = jax.device_put(jnp.ones((P_DEV * n,)), NamedSharding(mesh, P("data")))
   return jaxcomp.collective_traffic(

@@ -223,7 +223,7 @@ def test_jit_step_changes_only_its_gradient_line(mesh8):
     comp_state = grad_fn.init(params)
 
     @jax.jit
-    def train_step(params, opt_state, comp_state, batch):
+    def train_step(params, opt_state, comp_state, batch, grad_fn=grad_fn):
       (loss, grads), comp_state = grad_fn(params, comp_state, batch)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, comp_state, loss, grads

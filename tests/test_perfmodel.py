@@ -80,11 +80,11 @@ def test_hierarchical_reduces_to_ring_and_intra():
     assert pm.collective_time(kind, m, one_per_node) == pytest.approx(
         pm.collective_time(kind, m, ring))
   # One node: only the fast link is used.
-  assert pm.collective_time("allreduce", m, one_node) == pytest.approx(
+  assert pm.collective_time("all-reduce", m, one_node) == pytest.approx(
       pm.allreduce_time(m, 8, fast))
   # Hierarchical all-reduce with a fast intra link beats a flat ring on the slow one.
   hier = pm.Network(16, slow, "hierarchical", workers_per_node=8, intra=fast)
-  assert pm.collective_time("allreduce", m, hier) < pm.collective_time("allreduce", m, ring)
+  assert pm.collective_time("all-reduce", m, hier) < pm.collective_time("all-reduce", m, ring)
   with pytest.raises(ValueError, match="dividing workers"):
     pm.Network(12, slow, "hierarchical", workers_per_node=8, intra=fast)
   with pytest.raises(ValueError, match="intra"):
@@ -525,9 +525,9 @@ def test_default_collective_follows_the_library():
   kinds = {n: pm.default_collective(compressors.get(n))
            for n in ("bf16", "random_block", "topk", "sign", "qsgd", "int8_block",
                      "powersgd", "terngrad")}
-  assert kinds == {"bf16": "allreduce", "random_block": "allreduce", "topk": "allgather",
+  assert kinds == {"bf16": "psum", "random_block": "psum", "topk": "allgather",
                    "sign": "allgather", "qsgd": "auto", "int8_block": "auto",
-                   "powersgd": "allreduce", "terngrad": "allgather"}
+                   "powersgd": "own_exchange", "terngrad": "own_exchange"}
   # PowerSGD is priced as the two all-reduces it runs (the P's, then the
   # Q's), not an all-gather: the library's own transfers, in the flat view.
   n, p = 1_000_000, 8
@@ -601,7 +601,7 @@ def test_model_prices_the_library_transfers():
   # collective lists them; the model's comm is their alpha-beta sum.
   topk = compressors.get("topk", ratio=0.01)
   ts = pm.bucket_transfers(topk, n, p)
-  lib = collectives.get(None, topk).flat_transfers(topk, n, {"data": p})
+  lib = collectives.get(None, topk).buffer_transfers(topk, n, {"data": p})
   assert ts == lib and [t.kind for t in ts] == ["all-gather"] * len(topk.payload_arrays(n))
   pr = pm.predict(prof, topk, net, buckets="single")
   assert pr.comm_time == pytest.approx(
@@ -613,7 +613,7 @@ def test_model_prices_the_library_transfers():
   qsgd = compressors.get("qsgd")
   for size in (10, n):
     picked = collectives.Auto().pick(qsgd, size, p)
-    assert pm.bucket_transfers(qsgd, size, p) == picked.flat_transfers(
+    assert pm.bucket_transfers(qsgd, size, p) == picked.buffer_transfers(
         qsgd, size, {"data": p})
   assert {t.kind for t in pm.bucket_transfers(qsgd, 10, p)} == {"all-gather"}
   assert {t.kind for t in pm.bucket_transfers(qsgd, n, p)} == {"all-to-all", "all-gather"}
@@ -688,7 +688,7 @@ def test_hsdp_prices_exact_shards_inside_and_compressed_shards_across():
   # int8 blocks across nodes: the shard's exchange as the library lists it.
   q = compressors.get("int8_block")
   pr = pm.predict(prof, q, net, output="hsdp")
-  ts = [t for ci in c for t in collectives.Auto().pick(q, ci, 2).flat_transfers(
+  ts = [t for ci in c for t in collectives.Auto().pick(q, ci, 2).buffer_transfers(
       q, ci, {"hosts": 2})]
   assert pr.comm_time == pytest.approx(
       gathers + rs + sum(pm.transfer_time(t, pm.Network(2, shared)) for t in ts))

@@ -104,7 +104,7 @@ def test_allgather_ring_bytes_grow_with_devices(p):
   n = 1000
 
   def f(x):
-    mean, _, _ = jaxcomp.collectives.AllGatherMean().exchange_flat(
+    mean, _, _ = jaxcomp.collectives.AllGatherMean().exchange_buffer(
         comp, x, jax.random.key(0), "data")
     return mean
 

@@ -32,7 +32,7 @@ def test_whatif_table(capsys):
   rows = _table(out)
   assert set(rows) == {"dense", "bf16", "topk:ratio=0.01"}
   assert rows["dense"]["speedup"] == "1.00x"
-  assert rows["bf16"]["collective"] == "allreduce"
+  assert rows["bf16"]["collective"] == "psum"
   assert rows["topk:ratio=0.01"]["collective"] == "allgather"
   # The table agrees with the library.
   from jaxcomp import compressors

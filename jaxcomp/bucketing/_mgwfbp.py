@@ -20,7 +20,7 @@ is not always the best of all partitions.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["mgwfbp_plan", "wfbp_finish_time"]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import jax
 

@@ -21,7 +21,7 @@ gradient, :mod:`jaxcomp._parts`) and, per tensor:
 * ``state``: the collective's new state for this bucket (``init_state``;
   ``()`` for stateless collectives).
 
-Collectives that encode one flat buffer implement ``exchange_flat`` on the
+Collectives that encode one flat buffer implement ``exchange_buffer`` on the
 bucket's concatenation, which this base class builds and cuts back into
 tensors; compressors with ``own_exchange`` (PowerSGD, TernGrad, majority
 vote) get the tensors themselves through :class:`OwnExchange`.
@@ -51,15 +51,15 @@ Sizes = dict  # dict[str, int]: {mesh axis: devices}, the axes averaged over
 
 
 class Collective:
-  """Base class. Subclasses set ``name`` and implement ``exchange_flat`` and
-  ``flat_transfers`` (or, working on the tensors, ``exchange``,
+  """Base class. Subclasses set ``name`` and implement ``exchange_buffer`` and
+  ``buffer_transfers`` (or, working on the tensors, ``exchange``,
   ``init_state`` and ``transfers``); one that moves the payload by a single
   collective may name its kind in ``payload_kind`` instead of writing
-  ``flat_transfers``."""
+  ``buffer_transfers``."""
 
   name: ClassVar[str] = ""
   payload_kind: ClassVar[str | None] = None  # a kind of jaxcomp.wire.KINDS
-  # Whether reduce_scatter_flat is defined (compressed_mean(output="shard")),
+  # Whether reduce_scatter_buffer is defined (compressed_mean(output="shard")),
   # and the collective kind it moves the chunk payloads by.
   reduce_scatter: ClassVar[bool] = True
   reduce_scatter_kind: ClassVar[str] = "all-to-all"
@@ -91,9 +91,9 @@ class Collective:
     if compressor.own_exchange:
       raise ValueError(
           f"compressor {compressor.name!r} runs its own exchange; use "
-          f"collective=None or 'compressor', not {self.name!r}")
+          f"collective=None or 'own_exchange', not {self.name!r}")
 
-  def bind_axes(self, axis_name: AxisName) -> "Collective":
+  def bind_axes(self, axis_name: AxisName) -> Collective:
     """The collective to use over ``axis_name`` (called by :func:`get` at
     construction when the axes are known): ``self`` by default; collectives
     that split the axes (:class:`~jaxcomp.collectives.Hierarchical`) return
@@ -124,9 +124,9 @@ class Collective:
     """State for one bucket of tensors of ``shapes`` (inside shard_map/pmap);
     ``key`` is the same on every device."""
     del key
-    return self.init_flat(compressor, sum(_parts.sizes(shapes)), axis_name)
+    return self.init_buffer(compressor, sum(_parts.sizes(shapes)), axis_name)
 
-  def init_flat(self, compressor: Compressor, n: int, axis_name: AxisName):
+  def init_buffer(self, compressor: Compressor, n: int, axis_name: AxisName):
     """State for one flat ``n``-element buffer: ``()`` by default."""
     del compressor, n, axis_name
     return ()
@@ -135,24 +135,24 @@ class Collective:
                shapes: _parts.Shapes, *, key: jax.Array, step: jax.Array,
                axis_name: AxisName, state=()):
     """Returns ``(mean, local, state)``, per tensor; see the module
-    docstring. The base class runs :meth:`exchange_flat` on the
+    docstring. The base class runs :meth:`exchange_buffer` on the
     concatenation of ``parts``."""
     del step
-    return self.exchange_split(compressor, _parts.concat(parts),
+    return self.exchange_concatenated(compressor, _parts.concat(parts),
                                _parts.sizes(shapes), key, axis_name, state)
 
-  def exchange_split(self, compressor: Compressor, x: jax.Array,
+  def exchange_concatenated(self, compressor: Compressor, x: jax.Array,
                      part_sizes, key: jax.Array, axis_name: AxisName,
                      state=()):
     """``(mean, local, state)`` for one flat float32 buffer, returned as
     parts of ``part_sizes`` elements (``local`` possibly a
-    :class:`jaxcomp._parts.SparseParts`): :meth:`exchange_flat`, split."""
-    mean, local, state = self.exchange_flat(compressor, x, key, axis_name,
+    :class:`jaxcomp._parts.SparseParts`): :meth:`exchange_buffer`, split."""
+    mean, local, state = self.exchange_buffer(compressor, x, key, axis_name,
                                             state)
     return (_parts.split(mean, part_sizes), _parts.split(local, part_sizes),
             state)
 
-  def exchange_flat(self, compressor: Compressor, x: jax.Array,
+  def exchange_buffer(self, compressor: Compressor, x: jax.Array,
                     key: jax.Array, axis_name: AxisName, state=()):
     """``(mean, local, state)`` for one flat float32 ``(n,)`` buffer."""
     raise NotImplementedError
@@ -163,10 +163,10 @@ class Collective:
     of ``dtype``) issues, per device, over the axes of ``sizes`` (``{axis:
     devices}``), by the compressor bound to those shapes
     (:meth:`jaxcomp.compressors.Compressor.for_shapes`)."""
-    return self.flat_transfers(compressor.for_shapes(shapes),
+    return self.buffer_transfers(compressor.for_shapes(shapes),
                                sum(_parts.sizes(shapes)), sizes, dtype)
 
-  def flat_transfers(self, compressor: Compressor, n: int, sizes: Sizes,
+  def buffer_transfers(self, compressor: Compressor, n: int, sizes: Sizes,
                      dtype=jnp.float32) -> tuple[wire.Transfer, ...]:
     """:meth:`transfers` for one flat ``n``-element buffer: by default one
     collective of ``payload_kind`` per payload array."""
@@ -176,7 +176,7 @@ class Collective:
                           compressor.payload_arrays(n, dtype), axes_of(sizes),
                           sizes)
 
-  def reduce_scatter_flat(self, compressor: Compressor, x: jax.Array,
+  def reduce_scatter_buffer(self, compressor: Compressor, x: jax.Array,
                           key: jax.Array, axis_name: AxisName):
     """Compressed reduce-scatter of one flat ``(p * c,)`` buffer (``p``
     devices; chunk ``j`` is ``x[j * c:(j + 1) * c]``): ``(shard, local)``.
@@ -196,7 +196,7 @@ class Collective:
   def reduce_scatter_transfers(self, compressor: Compressor, n: int,
                                sizes: Sizes, dtype=jnp.float32
                                ) -> tuple[wire.Transfer, ...]:
-    """The collectives :meth:`reduce_scatter_flat` issues for an ``n``-element
+    """The collectives :meth:`reduce_scatter_buffer` issues for an ``n``-element
     buffer (``n`` a multiple of the device count): one collective of
     ``reduce_scatter_kind`` (by default an all-to-all) of the ``p`` chunk
     payloads per payload array."""
@@ -221,10 +221,11 @@ class Collective:
 REGISTRY: Registry[Collective] = Registry("collective")
 register = REGISTRY.register
 names = REGISTRY.names
+REGISTRY.rename("compressor", "own_exchange")
 
 
 def _one_part(result):
-  """``(mean, local, state)`` of a one-part :meth:`Collective.exchange_split`
+  """``(mean, local, state)`` of a one-part :meth:`Collective.exchange_concatenated`
   as flat arrays (a sparse ``local`` decoded dense)."""
   (mean,), local, state = result
   return mean, _parts.concat(tuple(local)), state
@@ -255,7 +256,7 @@ class PsumMean(Collective):
           "is not (its payloads cannot be summed in flight). Use "
           "collective='allgather'.")
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     if compressor.prescale:
@@ -263,14 +264,14 @@ class PsumMean(Collective):
       mean = compressor.decode(lax.psum(payload, axis_name), n, key)
       local = compressor.decode(payload, n, key) * p
       return mean, local, state
-    return _one_part(self.exchange_split(compressor, x, (n,), key,
+    return _one_part(self.exchange_concatenated(compressor, x, (n,), key,
                                          axis_name, state))
 
-  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+  def exchange_concatenated(self, compressor, x, part_sizes, key, axis_name,
                      state=()):
-    """As :meth:`exchange_flat`, decoding straight into parts."""
+    """As :meth:`exchange_buffer`, decoding straight into parts."""
     if compressor.prescale:
-      return super().exchange_split(compressor, x, part_sizes, key,
+      return super().exchange_concatenated(compressor, x, part_sizes, key,
                                     axis_name, state)
     p = axis_size(axis_name)
     payload = compressor.encode(x, key)
@@ -279,7 +280,7 @@ class PsumMean(Collective):
     return (tuple(m / p for m in mean),
             compressor.decode_parts(payload, part_sizes, key), state)
 
-  def reduce_scatter_flat(self, compressor, x, key, axis_name):
+  def reduce_scatter_buffer(self, compressor, x, key, axis_name):
     """Each chunk encoded on its own (the same chunk keys on every device),
     the ``p`` chunk payloads summed in flight by ``lax.psum_scatter``, this
     device's sum decoded: for ``identity``, exactly ``psum_scatter(x) / p``."""
@@ -315,11 +316,11 @@ class AllGatherMean(Collective):
   name: ClassVar[str] = "allgather"
   payload_kind: ClassVar[str] = "all-gather"
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
-    return _one_part(self.exchange_split(compressor, x, (x.shape[0],), key,
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
+    return _one_part(self.exchange_concatenated(compressor, x, (x.shape[0],), key,
                                          axis_name, state))
 
-  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+  def exchange_concatenated(self, compressor, x, part_sizes, key, axis_name,
                      state=()):
     """Decodes straight into parts (sparse payloads scatter into each
     part's own zeros, and their ``local`` stays sparse)."""
@@ -364,7 +365,7 @@ class SenderMean(Collective):
           f"sender; compressor {compressor.name!r} sends none: use "
           "'dct_topk' or a sparsifier ('topk', 'dgc', 'threshold')")
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
     payload = compressor.encode(x, key)
     gathered = jax.tree.map(
         lambda a: lax.all_gather(a, axis_name, to="invarying"), payload)
@@ -378,15 +379,17 @@ class SenderMean(Collective):
 class OwnExchange(Collective):
   """Lets a compressor with ``own_exchange`` run its own rounds (e.g.
   PowerSGD's all-reduces of P and Q) on the bucket's tensors; its state is
-  the compressor's."""
+  the compressor's. Registered as ``"own_exchange"`` (``"compressor"``,
+  its earlier name, still works for one release, with a
+  ``DeprecationWarning``)."""
 
-  name: ClassVar[str] = "compressor"
+  name: ClassVar[str] = "own_exchange"
   reduce_scatter: ClassVar[bool] = False
 
   def check(self, compressor):
     if not compressor.own_exchange:
       raise ValueError(
-          f"collective='compressor' needs a compressor that runs its own "
+          f"collective='own_exchange' needs a compressor that runs its own "
           f"exchange; {compressor.name!r} does not")
 
   def init_state(self, compressor, shapes, key, axis_name):
@@ -400,8 +403,8 @@ class OwnExchange(Collective):
   def transfers(self, compressor, shapes, sizes, dtype=jnp.float32):
     return compressor.transfers(shapes, sizes, dtype)
 
-  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
-    return compressor.flat_transfers(n, sizes, dtype)
+  def buffer_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+    return compressor.buffer_transfers(n, sizes, dtype)
 
 
 def chunk_size(n: int, num_devices: int) -> int:

@@ -200,7 +200,7 @@ class Hierarchical(Collective):
     if self.fast == "psum":
       return inner.init_state(compressor, shapes, key, slow)
     c = chunk_size(sum(_parts.sizes(shapes)), lax.axis_size(fast))
-    return _mesh.to_varying(inner.init_flat(compressor, c, slow), fast)
+    return _mesh.to_varying(inner.init_buffer(compressor, c, slow), fast)
 
   def exchange(self, compressor, parts, shapes, *, key, step, axis_name,
                state=()):
@@ -222,7 +222,7 @@ class Hierarchical(Collective):
     padded = jnp.pad(x, (0, f_size * c - n))
     shard = (lax.psum_scatter(padded, fast, scatter_dimension=0, tiled=True)
              .astype(jnp.float32) / f_size)
-    mean_shard, sent, state = inner.exchange_flat(compressor, shard, key,
+    mean_shard, sent, state = inner.exchange_buffer(compressor, shard, key,
                                                   slow, state)
     mean = lax.all_gather(mean_shard, fast, tiled=True, to="invarying")[:n]
     start = lax.axis_index(fast) * c
@@ -250,5 +250,5 @@ class Hierarchical(Collective):
     c = chunk_size(n, f_size)
     return (wire.transfers("reduce-scatter", (item * f_size * c,), fast,
                            fast_sizes)
-            + inner.flat_transfers(compressor, c, slow_sizes)
+            + inner.buffer_transfers(compressor, c, slow_sizes)
             + wire.transfers("all-gather", (4 * c,), fast, fast_sizes))

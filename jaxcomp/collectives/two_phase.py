@@ -99,13 +99,13 @@ class TwoPhase(Collective):
       raise TypeError(f"residual must be True or False, got "
                       f"{self.residual=!r}")
 
-  def init_flat(self, compressor, n, axis_name):
+  def init_buffer(self, compressor, n, axis_name):
     del compressor
     if not self.residual:
       return ()
     return varying_zeros(chunk_size(n, axis_size(axis_name)), axis_name)
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     c = chunk_size(n, p)
@@ -125,7 +125,7 @@ class TwoPhase(Collective):
         gathered, chunk_keys(key, p, p)).reshape(-1)[:n]
     return mean, local, state
 
-  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+  def buffer_transfers(self, compressor, n, sizes, dtype=jnp.float32):
     """An all-to-all of ``p`` chunk payloads (operands ``p *
     payload(ceil(n / p))``), then an all-gather of one chunk payload."""
     axis, p = axes_of(sizes), devices(sizes)
@@ -168,27 +168,27 @@ class Auto(Collective):
     gather = AllGatherMean()
     sizes = {"_": num_devices}
     ring = lambda coll: wire.total_ring_bytes(
-        coll.flat_transfers(compressor, n, sizes))  # float32, as ever
+        coll.buffer_transfers(compressor, n, sizes))  # float32, as ever
     return self.two_phase if ring(self.two_phase) < ring(gather) else gather
 
   def check(self, compressor):
     super().check(compressor)
     self.two_phase.check(compressor)
 
-  def init_flat(self, compressor, n, axis_name):
-    return self.pick(compressor, n, axis_size(axis_name)).init_flat(
+  def init_buffer(self, compressor, n, axis_name):
+    return self.pick(compressor, n, axis_size(axis_name)).init_buffer(
         compressor, n, axis_name)
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
     coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
-    return coll.exchange_flat(compressor, x, key, axis_name, state)
+    return coll.exchange_buffer(compressor, x, key, axis_name, state)
 
-  def exchange_split(self, compressor, x, part_sizes, key, axis_name,
+  def exchange_concatenated(self, compressor, x, part_sizes, key, axis_name,
                      state=()):
     coll = self.pick(compressor, x.shape[0], axis_size(axis_name))
-    return coll.exchange_split(compressor, x, part_sizes, key, axis_name,
+    return coll.exchange_concatenated(compressor, x, part_sizes, key, axis_name,
                                state)
 
-  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
-    return self.pick(compressor, n, devices(sizes)).flat_transfers(
+  def buffer_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+    return self.pick(compressor, n, devices(sizes)).buffer_transfers(
         compressor, n, sizes, dtype)

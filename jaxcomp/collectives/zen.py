@@ -205,11 +205,11 @@ class Zen(Collective):
     del compressor
     return (state,)
 
-  def init_flat(self, compressor, n, axis_name):
+  def init_buffer(self, compressor, n, axis_name):
     del compressor
     return varying_zeros(n, axis_name)
 
-  def exchange_flat(self, compressor, x, key, axis_name, state=()):
+  def exchange_buffer(self, compressor, x, key, axis_name, state=()):
     n = x.shape[0]
     p = axis_size(axis_name)
     c = chunk_size(n, p)
@@ -277,7 +277,7 @@ class Zen(Collective):
     new_state = s - sent + owner_back
     return mean, y, new_state
 
-  def flat_transfers(self, compressor, n, sizes, dtype=jnp.float32):
+  def buffer_transfers(self, compressor, n, sizes, dtype=jnp.float32):
     """An all-to-all of ``p cap`` values (float32, whatever the gradient's
     dtype) and offsets (int32), operands ``8 p cap`` bytes; an all-gather of
     the bitmap (``4 ceil(c / 32)``) and ``cap2`` values (``4 cap2``)."""

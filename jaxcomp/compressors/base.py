@@ -72,13 +72,13 @@ class Compressor:
   @property
   def default_collective(self) -> str:
     """The collective :func:`jaxcomp.compressed_mean` uses when none is
-    named: ``"compressor"`` (its own exchange) for ``own_exchange``
+    named: ``"own_exchange"`` (its own exchange) for ``own_exchange``
     compressors, ``"psum"`` for linear ones (summed in flight by a ring
     all-reduce), ``"allgather"`` for the others. A subclass may name another
     registered collective as a class attribute (the quantizers name
     ``"auto"``: two-phase where it moves fewer bytes)."""
     if self.own_exchange:
-      return "compressor"
+      return "own_exchange"
     return "psum" if self.linear else "allgather"
 
   def encode(self, x: jax.Array, key: jax.Array) -> Payload:
@@ -125,7 +125,7 @@ class Compressor:
     raise NotImplementedError(
         f"{self.name} sends no (value, index) pairs to average by sender")
 
-  def for_shapes(self, shapes: Shapes) -> "Compressor":
+  def for_shapes(self, shapes: Shapes) -> Compressor:
     """This compressor for a bucket of tensors of ``shapes`` (a tuple of
     shapes): ``self`` by default; compressors whose encoding depends on a
     tensor's shape (``per_tensor``, DCT top-k's chunks) return a copy bound
@@ -201,7 +201,7 @@ class Compressor:
     over the axes of ``sizes`` (``{axis: devices}``)."""
     raise NotImplementedError(f"{self.name} has no exchange of its own")
 
-  def flat_transfers(self, n: int, sizes: dict[str, int], dtype=jnp.float32):
+  def buffer_transfers(self, n: int, sizes: dict[str, int], dtype=jnp.float32):
     """``own_exchange`` compressors: :meth:`transfers` for one flat
     ``n``-element buffer, where no tensor shapes are known (what the
     performance model prices); by default the transfers of one tensor of

@@ -317,7 +317,7 @@ class PowerSGD(Compressor):
                           [4 * first] + ([4 * second] if second else []),
                           axis, sizes)
 
-  def flat_transfers(self, n, sizes, dtype=jnp.float32):
+  def buffer_transfers(self, n, sizes, dtype=jnp.float32):
     """:meth:`transfers` of the flat view of an ``n``-element buffer (one
     near-square matrix), whatever ``view`` is: the performance model knows
     no tensor shapes."""

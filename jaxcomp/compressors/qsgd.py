@@ -96,7 +96,7 @@ class QSGD(Compressor):
     if self.max_levels is not None:
       _hparams.check_number(self.max_levels, "max_levels", low=1,
                             high=2**15 - 1, integer=True)
-    self.bits  # raises: levels > max_levels, or traced without max_levels
+    _ = self.bits  # raises: levels > max_levels, or traced without max_levels
     check_implementation(self.implementation)
 
   @property

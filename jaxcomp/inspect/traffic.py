@@ -119,12 +119,12 @@ class Traffic:
             for b in ((op.operand_bytes,) if op.kind == "all-to-all" or not op.operand_sizes
                       else op.operand_sizes)]
 
-  def every_step(self) -> "Traffic":
+  def every_step(self) -> Traffic:
     """The collectives that run on every step: those outside the branches
     of a conditional."""
     return _traffic([op for op in self.ops if not op.in_branch])
 
-  def in_branches(self) -> "Traffic":
+  def in_branches(self) -> Traffic:
     """The collectives inside the branches of a conditional (run only on the
     steps that take the branch)."""
     return _traffic([op for op in self.ops if op.in_branch])

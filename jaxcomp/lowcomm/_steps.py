@@ -3,7 +3,8 @@ compiled step, and the step for a user's own ``jax.jit`` step."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 from jax.sharding import PartitionSpec as P

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from jaxcomp import wire
 
@@ -40,7 +41,23 @@ __all__ = [
     "COLLECTIVES",
 ]
 
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+# The collective kinds a network prices, spelled as jaxcomp.wire (and XLA's
+# HLO) spell them.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+# The spellings of earlier releases, accepted for one more with a
+# DeprecationWarning.
+_RENAMED = {"allreduce": "all-reduce", "allgather": "all-gather",
+            "reduce_scatter": "reduce-scatter", "alltoall": "all-to-all"}
+
+
+def _kind(kind: str) -> str:
+  """``kind`` in this release's spelling (an earlier one warns)."""
+  if kind in _RENAMED:
+    warnings.warn(f"collective kind {kind!r} is deprecated: spell it "
+                  f"{_RENAMED[kind]!r}, as jaxcomp.wire.KINDS does",
+                  DeprecationWarning, stacklevel=3)
+    return _RENAMED[kind]
+  return kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +79,7 @@ class Link:
       raise ValueError(f"beta must be a finite number of seconds/byte > 0, got {self.beta=}")
 
   @classmethod
-  def from_bandwidth(cls, gbps: float, latency_s: float = 0.0) -> "Link":
+  def from_bandwidth(cls, gbps: float, latency_s: float = 0.0) -> Link:
     """A link of ``gbps`` Gbit/s (10^9 bit/s) and ``latency_s`` seconds per message."""
     if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
       raise ValueError(f"bandwidth must be > 0 Gbit/s, got {gbps!r}")
@@ -115,14 +132,17 @@ class Network:
       if self.intra is None:
         raise ValueError("algorithm='hierarchical' needs the intra-node link: pass intra=Link(...)")
 
+    if self.per_collective:
+      object.__setattr__(self, "per_collective",
+                         {_kind(k): v for k, v in self.per_collective.items()})
     for kind in self.per_collective or {}:
       if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r} in per_collective; expected {COLLECTIVES}")
 
-  def with_workers(self, workers: int) -> "Network":
+  def with_workers(self, workers: int) -> Network:
     return dataclasses.replace(self, workers=workers)
 
-  def with_link(self, link: Link) -> "Network":
+  def with_link(self, link: Link) -> Network:
     return dataclasses.replace(self, link=link, per_collective=None)
 
 
@@ -168,10 +188,10 @@ def alltoall_time(nbytes: float, p: int, link: Link) -> float:
 
 
 _FLAT = {
-    "allreduce": allreduce_time,
-    "allgather": allgather_time,
-    "reduce_scatter": reduce_scatter_time,
-    "alltoall": alltoall_time,
+    "all-reduce": allreduce_time,
+    "all-gather": allgather_time,
+    "reduce-scatter": reduce_scatter_time,
+    "all-to-all": alltoall_time,
 }
 
 
@@ -187,6 +207,7 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   Raises:
     ValueError: unknown ``kind`` or negative ``nbytes``.
   """
+  kind = _kind(kind)
   if kind not in _FLAT:
     raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
   p = network.workers
@@ -196,16 +217,16 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   g = network.workers_per_node
   n = p // g
   intra, inter = network.intra, network.link
-  if kind == "allreduce":
+  if kind == "all-reduce":
     # Reduce-scatter in the node, g concurrent all-reduces of m/g between
     # nodes (sharing the node's link: m bytes through it), all-gather in the node.
     return (reduce_scatter_time(nbytes, g, intra)
             + (allreduce_time(nbytes, n, inter) if n > 1 else 0.0)
             + allgather_time(nbytes / g, g, intra))
-  if kind == "reduce_scatter":
+  if kind == "reduce-scatter":
     return (reduce_scatter_time(nbytes, g, intra)
             + (reduce_scatter_time(nbytes, n, inter) if n > 1 else 0.0))
-  if kind == "allgather":
+  if kind == "all-gather":
     # Gather in the node, exchange the node's g·m bytes between nodes, then
     # share what each local worker received ((n-1)·m) inside the node.
     return (allgather_time(nbytes, g, intra)
@@ -214,11 +235,6 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   # all-to-all: the (n-1)/n share of all g workers' buffers leaves the node.
   return (alltoall_time(nbytes, g, intra)
           + (alltoall_time(g * nbytes, n, inter) if n > 1 else 0.0))
-
-
-# jaxcomp.wire's kinds -> this module's names.
-_WIRE_KINDS = {"all-reduce": "allreduce", "all-gather": "allgather",
-               "reduce-scatter": "reduce_scatter", "all-to-all": "alltoall"}
 
 
 def transfer_time(transfer: wire.Transfer, network: Network) -> float:
@@ -234,8 +250,8 @@ def transfer_time(transfer: wire.Transfer, network: Network) -> float:
     raise ValueError(
         f"the transfer runs over {transfer.group_size} devices but the "
         f"network has workers={network.workers}")
-  kind = _WIRE_KINDS.get(transfer.kind)
-  if kind is None:
+  kind = transfer.kind
+  if kind not in _FLAT:
     if network.algorithm == "hierarchical" and network.workers_per_node > 1:
       raise ValueError(f"{transfer.kind} is not modelled on a hierarchical network")
     return ring_time(transfer.kind, transfer.operand_bytes, network.workers, network.link)

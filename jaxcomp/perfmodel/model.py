@@ -35,7 +35,9 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+import warnings
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
 
 from jaxcomp.perfmodel import costs
 from jaxcomp import bucketing
@@ -163,7 +165,7 @@ class CodecCost:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "CodecCost":
+  def from_dict(cls, d: Mapping[str, Any]) -> CodecCost:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - fields
     if unknown:
@@ -223,7 +225,7 @@ class ModelProfile:
     """One worker's step without communication: forward + backward + update."""
     return self.forward_time + self.backward_time + self.update_time
 
-  def scaled(self, factor: float) -> "ModelProfile":
+  def scaled(self, factor: float) -> ModelProfile:
     """The same model on a device ``factor`` times slower (times multiplied)."""
     return dataclasses.replace(
         self,
@@ -242,7 +244,7 @@ class ModelProfile:
     }
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "ModelProfile":
+  def from_dict(cls, d: Mapping[str, Any]) -> ModelProfile:
     missing = {"name", "layer_sizes", "backward_times", "forward_time"} - set(d)
     if missing:
       raise ValueError(f"profile is missing fields {sorted(missing)}")
@@ -288,16 +290,14 @@ class Prediction:
   scaling_factor: float  # T_1 / T_p
   bytes_per_worker: float  # payload bytes each worker sends into collectives
   num_buckets: int
-  collective: str = ""  # the kind priced: allreduce, allgather, two_phase or auto
+  collective: str = ""  # the library collective priced (jaxcomp.collectives'
+  #                       name: psum, allgather, two_phase, auto, own_exchange, ...)
   speedup: float = float("nan")  # over dense; set by compare()
 
 
-_COLLECTIVE_CHOICES = ("allreduce", "allgather", "two_phase", "auto")
+# The collectives a prediction may be forced to, by jaxcomp.collectives' names.
+_COLLECTIVE_CHOICES = ("psum", "allgather", "two_phase", "auto")
 _OVERLAP_MODES = ("wfbp", "after_backward", "serial")
-# The kinds this model names -> jaxcomp.collectives' names, and back.
-_LIBRARY_NAMES = {"allreduce": "psum", "allgather": "allgather", "two_phase": "two_phase",
-                  "auto": "auto"}
-_KINDS = {v: k for k, v in _LIBRARY_NAMES.items()}
 
 
 def _overlap_mode(overlap) -> str:
@@ -330,27 +330,33 @@ class _Arrays:
 
 
 def default_collective(compressor) -> str:
-  """The collective kind :func:`jaxcomp.compressed_mean` uses by default for
-  ``compressor``: ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
-  ``"auto"``.
-
-  A jaxcomp compressor names its own (``Compressor.default_collective``);
-  one that runs its own exchange is named by the largest collective it
-  issues (PowerSGD: all-reduces; TernGrad: the all-gather of its codes). A
-  :class:`PricedCompressor` is all-reduced when linear, else all-gathered.
+  """The collective :func:`jaxcomp.compressed_mean` uses by default for
+  ``compressor``, by its name in :mod:`jaxcomp.collectives`: what a jaxcomp
+  compressor names (``Compressor.default_collective``: ``"psum"``,
+  ``"allgather"``, ``"auto"``, ``"own_exchange"``, ...); for a
+  :class:`PricedCompressor`, ``"psum"`` (all-reduced) when linear, else
+  ``"allgather"``.
   """
   if _is_library(compressor):
-    if compressor.own_exchange:
-      ts = compressor.flat_transfers(1 << 16, {"data": 2})
-      kind = max(ts, key=lambda t: t.operand_bytes).kind
-      return "allgather" if kind == "all-gather" else "allreduce"
-    return _KINDS.get(compressor.default_collective, "allgather")
-  return "allreduce" if compressor.linear else "allgather"
+    return compressor.default_collective
+  return "psum" if compressor.linear else "allgather"
+
+
+def _collective_name(collective: str) -> str:
+  """``collective`` by its library name (``"allreduce"``, this model's
+  earlier name for ``"psum"``, warns)."""
+  if collective == "allreduce":
+    warnings.warn("collective='allreduce' is deprecated: the perf model names "
+                  "collectives as jaxcomp.collectives does ('psum')",
+                  DeprecationWarning, stacklevel=4)
+    return "psum"
+  return collective
 
 
 def _comm_kind(compressor, collective: str | None) -> str:
   if collective is None:
     return default_collective(compressor)
+  collective = _collective_name(collective)
   if collective not in _COLLECTIVE_CHOICES:
     raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
   if getattr(compressor, "own_exchange", False):
@@ -367,14 +373,14 @@ def _library_collective(compressor, kind: str):
   price an all-reduce of payloads that the library would refuse to sum)."""
   if getattr(compressor, "own_exchange", False):
     return _collectives.OwnExchange()
-  return _collectives.REGISTRY.lookup(_LIBRARY_NAMES[kind])()
+  return _collectives.REGISTRY.lookup(kind)()
 
 
 def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None = None,
                      messages_per_bucket: int | None = None) -> tuple:
   """The collectives one ``n``-element float32 bucket's exchange issues per
   worker, as the library's collective lists them
-  (:meth:`jaxcomp.collectives.Collective.flat_transfers`; for ``"auto"``, the
+  (:meth:`jaxcomp.collectives.Collective.buffer_transfers`; for ``"auto"``, the
   one :meth:`jaxcomp.collectives.Auto.pick` takes). :func:`predict` prices
   exactly these.
 
@@ -397,7 +403,7 @@ def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None
   """
   kind = _comm_kind(compressor, collective)
   c = _payload_view(compressor, messages_per_bucket)
-  return _library_collective(compressor, kind).flat_transfers(c, n, {"data": workers})
+  return _library_collective(compressor, kind).buffer_transfers(c, n, {"data": workers})
 
 
 def _payload_view(compressor, messages_per_bucket):
@@ -480,7 +486,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       sum of compute, encode, collectives and decode (a runtime that runs
       collectives synchronously on the compute thread, such as XLA:CPU).
     collective: None: the collective jaxcomp uses by default
-      (:func:`default_collective`); or force ``"allreduce"`` or
+      (:func:`default_collective`); or force ``"psum"`` or
       ``"allgather"``; or, for compressors that are not linear,
       ``"two_phase"`` (:class:`jaxcomp.collectives.TwoPhase`: an
       all-to-all of ``p`` chunk payloads of ``ceil(n / p)`` elements, a
@@ -586,7 +592,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     return collectives.chunk_size(n, nets["devices"].workers)
 
   # Each bucket's transfers are read for its time, its codec and its bytes.
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def transfers(n: int):
     if shard:
       n = p * collectives.chunk_size(n, p)
@@ -601,9 +607,9 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       # (PowerSGD without view="flat") is priced on a 1-D bucket.
       across = (resolved(c).transfers(payload, ((c,),), group)
                 if _is_library(compressor)
-                else resolved(c).flat_transfers(payload, c, group))
+                else resolved(c).buffer_transfers(payload, c, group))
       return inside + tuple(across)
-    return resolved(n).flat_transfers(payload, n, group)
+    return resolved(n).buffer_transfers(payload, n, group)
 
   def bucket_comm(n: int) -> float:
     return sum(costs.transfer_time(t, nets.get(t.axis_name, network))
@@ -729,6 +735,8 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
       raise ValueError(f"collective names {unknown}, which are not in compressors")
     chosen = dict(collective)
   else:
+    if collective is not None:
+      collective = _collective_name(collective)
     if collective not in (None, "allgather", "two_phase", "auto"):
       raise ValueError("collective must be None, 'allgather', 'two_phase', 'auto' or a "
                        f"mapping of compressor names, got {collective!r}")

@@ -87,7 +87,8 @@ def _transformer_layers(*, vocab, positions, d, layers, seq, batch, ffn, token_t
     if fused_qkv:
       dense(d, 3 * d)
     else:
-      dense(d, d); dense(d, d); dense(d, d)
+      for _ in range(3):
+        dense(d, d)
     out[-1] = (out[-1][0], out[-1][1] + attn)
     dense(d, d)
     ln()

@@ -11,7 +11,8 @@ backward time of one group; it is split over the group's tensors by size.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.extend.core

@@ -10,7 +10,8 @@ over an ideal (linear, free) compressor.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel import model as _model

@@ -19,7 +19,8 @@ shard of the mean instead.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ class TransformConfig:
 
   @classmethod
   def of(cls, config: Mapping[str, Any],
-         rules: Mapping[str, TopologyRule] | None = None) -> "TransformConfig":
+         rules: Mapping[str, TopologyRule] | None = None) -> TransformConfig:
     """From a description (values made JSON-able by :func:`describe`)."""
     described = {k: describe(v) for k, v in config.items()}
     return cls(json.dumps(described, sort_keys=True),

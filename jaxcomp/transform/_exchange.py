@@ -10,7 +10,8 @@ call that exchanges a bucket.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ def reduce_scatter(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
   """Each device gets its shard of the mean: every part is laid out
   chunk-major (chunk ``j`` holds every tensor's shard ``j``), the exact
   group goes through ``lax.psum_scatter`` and each bucket through
-  ``collective.reduce_scatter_flat``; ``local`` comes back whole, so the
+  ``collective.reduce_scatter_buffer``; ``local`` comes back whole, so the
   feedback runs unchanged. The collective keeps no state here (no second
   phase)."""
   comp, coll = parts.compressor, parts.collective
@@ -118,7 +119,7 @@ def reduce_scatter(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
     return _parts.split(mean, [n // p for n in sizes])
 
   def exchange_bucket(b, v, dtype, key):
-    mean, local = coll.reduce_scatter_flat(
+    mean, local = coll.reduce_scatter_buffer(
         comp, _parts.chunk_major(v, p).astype(dtype), key, axis_name)
     sizes = lay.bucket_sizes(b)
     return (_parts.split(mean, [n // p for n in sizes]),

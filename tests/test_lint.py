@@ -1,0 +1,67 @@
+"""The layers of docs/design.md hold (import-linter's contracts in
+pyproject.toml), the code passes ruff, and no module imports jaxcomp inside
+a function (so the graph import-linter reads is the whole graph)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool(name):
+  path = os.path.join(os.path.dirname(sys.executable), name)
+  if os.path.exists(path):
+    return path
+  found = shutil.which(name)
+  if found is None:
+    pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+  return found
+
+
+def test_layer_contracts_hold():
+  out = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+  assert "0 broken" in out.stdout
+
+
+def test_ruff_is_clean():
+  out = subprocess.run(
+      [_tool("ruff"), "check", "jaxcomp", "tests", "examples", "benchmarks"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_no_function_local_imports_of_jaxcomp():
+  pattern = re.compile(r"^\s+(from jaxcomp\b|import jaxcomp\b)")
+  found = []
+  for base, _, files in os.walk(os.path.join(ROOT, "jaxcomp")):
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(base, f)
+        with open(path) as fh:
+          for i, line in enumerate(fh, 1):
+            if pattern.match(line):
+              found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+  assert not found, "\n".join(found)
+
+
+def test_the_contract_catches_an_upward_import(tmp_path):
+  """The layers contract is not vacuous: a low module importing a high
+  one breaks it."""
+  src = os.path.join(ROOT, "jaxcomp")
+  copy = tmp_path / "jaxcomp"
+  shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+  with open(copy / "wire.py", "a") as fh:
+    fh.write("\nfrom jaxcomp import transform as _upward  # noqa\n")
+  shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+  env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+  out = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode != 0
+  assert "jaxcomp.wire is not allowed to import jaxcomp.transform" in out.stdout
