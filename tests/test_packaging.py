@@ -21,8 +21,6 @@ import sys
 import textwrap
 import tomllib
 
-import pytest
-
 import jaxcomp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,12 +38,12 @@ def _run(cmd, **kw):
   return out
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
+def build(tmp_path):
   """``python -m build`` of a copy of the checkout's build inputs (so the
   build writes nothing into the checkout): the sdist and the wheel built
-  from it."""
-  src = tmp_path_factory.mktemp("src")
+  from it, in the returned folder."""
+  src = tmp_path / "src"
+  src.mkdir()
   for name in BUILD_INPUTS:
     path = ROOT / name
     if path.is_dir():
@@ -59,7 +57,16 @@ def dist(tmp_path_factory):
   return out
 
 
-def test_build_makes_an_sdist_and_a_wheel_that_twine_accepts(dist):
+def test_wheel_builds_passes_twine_and_trains_in_a_fresh_venv(tmp_path):
+  # One test, one build: the checks below share it (about 10 s).
+  dist = build(tmp_path)
+  check_build(dist)
+  check_fresh_venv(dist, tmp_path)
+
+
+def check_build(dist):
+  """An sdist and a wheel that ``twine check --strict`` accepts, with the
+  whole package and py.typed in the wheel and no tests, docs or examples."""
   version = jaxcomp.__version__
   wheel = dist / f"jaxcomp-{version}-py3-none-any.whl"
   sdist = dist / f"jaxcomp-{version}.tar.gz"
@@ -80,8 +87,9 @@ def test_build_makes_an_sdist_and_a_wheel_that_twine_accepts(dist):
   assert f"jaxcomp-{version}/jaxcomp/py.typed" in members
 
 
-def test_wheel_installs_and_trains_in_a_fresh_venv_outside_the_checkout(
-    dist, tmp_path):
+def check_fresh_venv(dist, tmp_path):
+  """The wheel in a fresh venv outside the checkout: imports from there,
+  trains 3 compressed steps, runs ``jaxcomp whatif --help``."""
   venv = tmp_path / "venv"
   _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
   python = venv / "bin" / "python"
