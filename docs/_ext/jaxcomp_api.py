@@ -33,11 +33,6 @@ import pkgutil
 import re
 import types
 
-from docutils import nodes
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
-
 # id(object) -> (documented full name, Sphinx py object type); filled when
 # the pages are written, read when a reference is missing.
 _DOCUMENTED: dict[int, tuple[str, str]] = {}
@@ -142,8 +137,10 @@ def _rst_page(modname: str, documented_in: dict[int, str]) -> str:
     kind = _kind(obj)
     role = {"class": "class", "function": "func", "data": "data"}[kind]
     home = documented_in.get(id(obj)) if kind != "data" else None
+    summary = (_summary(obj) if kind != "data"
+               else _data_comment(module, name) or "")
     rows.append(f"   * - :{'py:' + role}:`{full}`\n"
-                f"     - {_escape(_summary(obj)) if kind != 'data' else ''}")
+                f"     - {_escape(summary)}")
     if home and home != full:
       directive = "py:class" if kind == "class" else "py:function"
       entries += [f".. {directive}:: {name}{_signature(obj)}",
@@ -168,9 +165,8 @@ def _rst_page(modname: str, documented_in: dict[int, str]) -> str:
 
 
 def _escape(text: str) -> str:
-  # Summaries are docstring prose with rst roles; keep them, drop what would
-  # start a new block inside a table cell.
-  return text.replace("\n", " ")
+  """One line of docstring prose (rst roles kept) for a table cell."""
+  return " ".join(text.split())
 
 
 def _expand(modules):
