@@ -398,7 +398,7 @@ def check_consistency(tree, *, name: str = "state") -> int:
   between processes).
 
   Args:
-    tree: a pytree of global ``jax.Array``s.
+    tree: a pytree of global arrays (``jax.Array``).
     name: how to call ``tree`` in error messages.
 
   Returns:

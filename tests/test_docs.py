@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -39,3 +41,116 @@ def test_design_doc_example_compressor_works_in_compressed_mean():
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.strip().endswith("ok")
+
+
+# ------------------------------------------------------------- the guides ---
+#
+# The code of each guide runs as written. A page's blocks are fenced
+#   ```python setup   the page's setup, run before each of its blocks
+#   ```python         a block: run after the setup, in a fresh namespace
+#   ```python prints  a block whose output is the code block after it
+#   ```python norun   shown, not run (it needs what the page cannot give,
+#                     e.g. a model of the reader's own)
+# (MyST highlights all of them as Python.) docs/training_loop.md's recipes
+# run in tests/test_training_loop.py, design.md's above.
+
+GUIDES = ["index.md", "getting_started.md", "sharded.md", "lowcomm.md", "multihost.md",
+          "perfmodel.md", "collectives.md"]
+# Pages whose code other tests run: design.md above, training_loop.md's
+# recipes in tests/test_training_loop.py.
+RUN_ELSEWHERE = ["design.md", "training_loop.md"]
+
+_FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```[ \t]*$", re.S | re.M)
+
+
+def page_blocks(path):
+  """``(setup, [(kind, code, expected output or None, line)])`` of a page."""
+  text = path.read_text()
+  fences = [(m.group(1), m.group(2).strip(), m.group(3),
+             text.count("\n", 0, m.start()) + 1) for m in _FENCE.finditer(text)]
+  setup, blocks = "", []
+  for i, (lang, info, code, line) in enumerate(fences):
+    if lang != "python":
+      continue
+    if info == "setup":
+      setup += code
+    elif info in ("", "prints", "norun"):
+      expected = None
+      if info == "prints":
+        assert i + 1 < len(fences) and fences[i + 1][0] in ("", "text"), (
+            f"{path.name}:{line}: a 'python prints' block needs its output "
+            "in the code block after it")
+        expected = fences[i + 1][2]
+      blocks.append((info or "run", code, expected, line))
+    else:
+      raise AssertionError(f"{path.name}:{line}: unknown block kind {info!r}")
+  return setup, blocks
+
+
+_DRIVER = textwrap.dedent('''
+    import contextlib, io, json, sys, traceback
+    from examples import xla_flags
+    xla_flags.set_cpu_devices(8)
+    setup, blocks = json.load(sys.stdin)
+    for code, expected, line in blocks:
+      out = io.StringIO()
+      try:
+        with contextlib.redirect_stdout(out):
+          namespace = {"__name__": "__main__"}
+          exec(compile(setup, "<setup>", "exec"), namespace)
+          exec(compile(code, f"<block at line {line}>", "exec"), namespace)
+      except Exception:
+        print(f"BLOCK FAILED at line {line}:", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+      if expected is not None:
+        got = [l.rstrip() for l in out.getvalue().strip().splitlines()]
+        want = [l.rstrip() for l in expected.strip().splitlines()]
+        if got != want:
+          print(f"BLOCK at line {line} printed:", *got, "the page says:", *want,
+                sep="\\n", file=sys.stderr)
+          sys.exit(1)
+    print("blocks ok", len(blocks))
+''')
+
+
+@pytest.mark.parametrize("page", GUIDES)
+def test_guide_code_runs_as_written(page):
+  import json
+  setup, blocks = page_blocks(ROOT / "docs" / page)
+  run = [(code, expected, line) for kind, code, expected, line in blocks
+         if kind != "norun"]
+  assert run, f"docs/{page} has no code to run"
+  out = subprocess.run([sys.executable, "-c", _DRIVER], cwd=ROOT,
+                       input=json.dumps([setup, run]), capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, f"docs/{page}: " + out.stderr[-4000:]
+  assert out.stdout.strip().endswith(f"blocks ok {len(run)}")
+
+
+def test_which_compressor_page_shows_what_its_command_prints():
+  """docs/which_compressor.md's rankings are `python
+  docs/which_compressor.py`'s output (jaxcomp whatif, sorted), verbatim."""
+  text = (ROOT / "docs" / "which_compressor.md").read_text()
+  shown = re.search(r"```text\n(.*?)```", text, re.S).group(1)
+  out = subprocess.run([sys.executable, "docs/which_compressor.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.rstrip() == shown.rstrip()
+  # The three setups, each ranked, with dense among the rows.
+  assert shown.count("$ jaxcomp whatif") == 6
+  assert shown.count(" dense ") == 3
+
+
+def test_every_python_block_of_the_docs_is_run_or_marked_norun():
+  """A code block a reader may copy is run by a test, unless its fence
+  says ``norun``."""
+  unrun = []
+  for path in sorted((ROOT / "docs").glob("*.md")):
+    if path.name in RUN_ELSEWHERE:
+      continue
+    for m in _FENCE.finditer(path.read_text()):
+      lang, info = m.group(1), m.group(2).strip()
+      if lang == "python" and info != "norun" and path.name not in GUIDES:
+        unrun.append(f"{path.name}: ```python {info}")
+  assert not unrun, unrun

@@ -570,8 +570,8 @@ def test_compare_collective_applies_to_compressors_that_are_not_linear():
     pm.compare(prof, comps, net, collective="ring")
 
 
-def test_readme_validation_table_is_the_saved_measurements_report():
-  # The README's measured / predicted table must be what
+def test_results_page_validation_table_is_the_saved_measurements_report():
+  # docs/real_links.md's measured / predicted table must be what
   # `validate_perfmodel.py --report-from docs/perfmodel_validation_p*.json
   # --compute local` prints from the raw measurements kept in docs/.
   root = os.path.join(os.path.dirname(__file__), "..")
@@ -579,10 +579,10 @@ def test_readme_validation_table_is_the_saved_measurements_report():
   runs = mod.load_runs([os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")
                         for p in (2, 4)])
   table, _ = mod.report(runs, list(mod.COMPRESSORS), print_=lambda s: None, compute="local")
-  with open(os.path.join(root, "README.md")) as f:
-    readme = f.read()
+  with open(os.path.join(root, "docs", "real_links.md")) as f:
+    page = f.read()
   cells = {}
-  for n, rate, rest in re.findall(r"^\| (\d), (\w+) \|(.*)\|$", readme, re.M):
+  for n, rate, rest in re.findall(r"^\| (\d), (\w+) \|(.*)\|$", page, re.M):
     for spec, cell in zip(mod.COMPRESSORS, rest.split("|")):
       cells[(int(n), rate, spec)] = cell.strip()
   assert len(cells) == len(table) == 40

@@ -1,9 +1,9 @@
 """docs/training_loop.md: every recipe runs as written, each in a fresh
-process on 8 simulated CPU devices, and the README's table of idioms lists
+process on 8 simulated CPU devices, and the page's table of idioms lists
 exactly those recipes.
 
 ``python tests/test_training_loop.py`` runs every recipe and prints the
-README's table with what each run found.
+page's table with what each run found.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "training_loop.md"
 
-# The README's words for each recipe: the idiom and the change it takes.
+# The table's words for each recipe: the idiom and the change it takes.
 IDIOMS = {
     "shard_map": ("`jax.shard_map` step", "`jaxcomp.make_train_step`"),
     "shard_map_by_hand": ("per-device step by hand",
@@ -71,9 +71,8 @@ def test_every_recipe_has_a_row():
   assert list(recipes) == list(IDIOMS)
 
 
-def test_readme_table_is_the_recipes():
-  readme = (ROOT / "README.md").read_text()
-  assert table({n: "runs" for n in IDIOMS}) in readme
+def test_page_table_is_the_recipes():
+  assert table({n: "runs" for n in IDIOMS}) in DOC.read_text()
 
 
 @pytest.mark.parametrize("name", list(IDIOMS))

@@ -93,7 +93,7 @@ converted and zero-padded once before the kernel, and the outputs are cut to
 length after it. int8 codes are packed 4 per uint32 by the kernel
 (``bits=8`` little-endian, i.e. the same bytes as the int8 array) and
 bit-cast back to int8 for free. ``tests/test_kernel_structure.py`` counts
-these from the CUDA export (:mod:`jaxcomp.kernels.structure`). No GPU
+these from the CUDA export (:mod:`jaxcomp.inspect.kernel_structure`). No GPU
 timings of this layout have been measured.
 """
 

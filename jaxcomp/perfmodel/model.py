@@ -222,7 +222,7 @@ class ModelProfile:
 
   @property
   def compute_time(self) -> float:
-    """One worker's step without communication: forward + backward + update."""
+    """One worker's step without communication (forward + backward + update), seconds."""
     return self.forward_time + self.backward_time + self.update_time
 
   def scaled(self, factor: float) -> ModelProfile:

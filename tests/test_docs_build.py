@@ -1,0 +1,144 @@
+"""The documentation site builds with warnings as errors, and its API
+reference has an entry for every public name.
+
+The same build by hand (``docs`` or ``test`` extra):
+
+    sphinx-build -W --keep-going -b html docs docs/_build/html
+"""
+
+import importlib
+import inspect
+import pathlib
+import subprocess
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def build_site(out):
+  build = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-E",
+       "-b", "html", "-d", str(out / "doctrees"), "docs", str(out / "html")],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  # -W turns every warning into an error: a broken cross-reference to a
+  # jaxcomp name, a link to a missing page or anchor, a docstring that is
+  # not valid reStructuredText, a page outside every toctree.
+  assert build.returncode == 0, build.stderr[-6000:]
+
+
+def _inventory(site):
+  from sphinx.util.inventory import InventoryFile
+  with open(site / "html" / "objects.inv", "rb") as f:
+    inv = InventoryFile.load(f, "", lambda base, uri: uri)
+  names = set()
+  for kind, entries in inv.items():
+    if kind.startswith("py:"):
+      names |= set(entries)
+  return names
+
+
+def _api_modules():
+  """docs/conf.py's ``jaxcomp_api_modules``, with ``pkg.*`` expanded as the
+  docs build expands it."""
+  import ast
+  import importlib.util
+  conf = ast.parse((ROOT / "docs" / "conf.py").read_text())
+  listed = next(ast.literal_eval(node.value) for node in conf.body
+                if isinstance(node, ast.Assign)
+                and getattr(node.targets[0], "id", "") == "jaxcomp_api_modules")
+  spec = importlib.util.spec_from_file_location(
+      "jaxcomp_api", ROOT / "docs" / "_ext" / "jaxcomp_api.py")
+  ext = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ext)
+  return ext._expand(listed)
+
+
+def _public_functions_and_classes(modname):
+  """Functions and classes a user reaches as ``modname.name``: for a
+  package, whatever of jaxcomp it holds without a leading underscore; for a
+  module, what it defines itself. (Judged from the objects, independently
+  of how docs/_ext/jaxcomp_api.py lists them.)"""
+  module = importlib.import_module(modname)
+  is_package = hasattr(module, "__path__")
+  names = getattr(module, "__all__", None)
+  out = []
+  for name in names or dir(module):
+    if name.startswith("_"):
+      continue
+    obj = getattr(module, name)
+    if isinstance(obj, types.ModuleType):
+      continue
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+      continue
+    origin = getattr(obj, "__module__", "") or ""
+    if names or (origin.startswith("jaxcomp") if is_package else origin == modname):
+      out.append(name)
+  return out
+
+
+def test_site_builds_with_warnings_as_errors_and_documents_every_name(tmp_path):
+  # One test, one build (about 20 s of CPU): its checks follow in turn.
+  site = tmp_path
+  build_site(site)
+  html = site / "html"
+  for page in ["index", "getting_started", "which_compressor", "training_loop",
+               "sharded", "lowcomm", "multihost", "compressors", "design",
+               "collectives", "perfmodel", "fashion_mnist", "convergence",
+               "real_links", "vs_pytorch", "kernels", "codec_speed",
+               "changelog", "api/index", "api/generated/jaxcomp"]:
+    assert (html / f"{page}.html").is_file(), page
+  # The plots are on the pages, not only next to them.
+  for png in ["perfmodel_validation.png", "convergence.png",
+              "convergence_lowcomm.png", "perfmodel_whatif_resnet50.png"]:
+    assert (html / "_images" / png).is_file(), png
+  _check_every_public_name_has_a_reference_entry(site)
+
+
+# Public modules (no leading underscore) of jaxcomp that have no API page of
+# their own, and why. A new module must be added to docs/conf.py's
+# jaxcomp_api_modules or here.
+NOT_IN_REFERENCE = {
+    "sharding": "its public names are jaxcomp's (the step builders)",
+    "transform": "its public names are jaxcomp's (compressed_mean)",
+    "cli": "the `jaxcomp` command; `jaxcomp whatif --help` documents it",
+    "bench": "`python -m jaxcomp.bench`, the kernel benchmark",
+    "inspect": "a package; jaxcomp.inspect.traffic is listed",
+    "kernels": "a package; its modules are listed (jaxcomp.kernels.*)",
+}
+
+
+def test_every_public_module_is_in_the_reference_or_excluded_on_purpose():
+  import pkgutil
+  import jaxcomp
+  listed = set(_api_modules())
+  for info in pkgutil.iter_modules(jaxcomp.__path__):
+    if info.name.startswith("_"):
+      continue
+    full = f"jaxcomp.{info.name}"
+    assert full in listed or info.name in NOT_IN_REFERENCE, (
+        f"{full} is public: list it in docs/conf.py's jaxcomp_api_modules "
+        "or say in NOT_IN_REFERENCE why it has no page")
+
+
+def _check_every_public_name_has_a_reference_entry(site):
+  documented = _inventory(site)
+  modules = _api_modules()
+  for required in ["jaxcomp", "jaxcomp.fsdp", "jaxcomp.lowcomm", "jaxcomp.flax",
+                   "jaxcomp.perfmodel", "jaxcomp.checkpoint",
+                   "jaxcomp.distributed", "jaxcomp.compressors",
+                   "jaxcomp.collectives", "jaxcomp.feedback",
+                   "jaxcomp.bucketing"]:
+    assert required in modules, required
+  missing = []
+  for modname in modules:
+    assert modname in documented, modname
+    for name in _public_functions_and_classes(modname):
+      if f"{modname}.{name}" not in documented:
+        missing.append(f"{modname}.{name}")
+  assert not missing, missing
+  # DiLoCo and DeMo, by the names users call them.
+  for name in ["jaxcomp.diloco", "jaxcomp.demo", "jaxcomp.lowcomm.diloco",
+               "jaxcomp.lowcomm.demo", "jaxcomp.compressed_mean",
+               "jaxcomp.CompressionStats.bytes_sent"]:
+    assert name in documented, name
