@@ -159,3 +159,17 @@ def test_topk_value_bits_sends_the_top_k_on_a_grid(mesh8, xs, bits):
 def test_topk_value_bits_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
     TopK(ratio=0.05, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(ratio=0.01), dict(ratio=0.3),
+                                    dict(ratio=0.05, value_bits=2),
+                                    dict(ratio=0.2, max_ratio=0.5)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_topk_payload_formula_is_what_encode_returns(kwargs, dtype):
+  """TopK states its payload arrays by formula (the perf model asks for
+  thousands of sizes); they are the arrays a traced encode returns."""
+  from jaxcomp.compressors.base import _payload_arrays
+  comp = jaxcomp.compressors.get("topk", **kwargs)
+  for n in (1, 7, 100, 4097, 1 << 20):
+    assert comp.payload_arrays(n, dtype) == _payload_arrays(
+        comp, n, jnp.dtype(dtype)), n

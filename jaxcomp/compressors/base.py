@@ -12,6 +12,7 @@ bucket's tensors directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any, ClassVar, Literal
 
@@ -153,11 +154,13 @@ class Compressor:
   def payload_arrays(self, n: int, dtype=jnp.float32) -> tuple[int, ...]:
     """Bytes of each array of the payload of an ``n``-element buffer of
     ``dtype``, in ``jax.tree.leaves`` order (each travels as its own
-    collective)."""
-    shapes = jax.eval_shape(lambda x: self.encode(x, jax.random.key(0)),
-                            jax.ShapeDtypeStruct((n,), dtype))
-    return tuple(int(s.size) * s.dtype.itemsize
-                 for s in jax.tree.leaves(shapes))
+    collective), from the shapes ``encode`` returns (traced once per
+    compressor, size and dtype: the performance model asks for thousands
+    of bucket sizes)."""
+    try:
+      return _payload_arrays_cached(self, int(n), jnp.dtype(dtype))
+    except TypeError:  # a traced (scheduled) hyperparameter: not hashable
+      return _payload_arrays(self, int(n), jnp.dtype(dtype))
 
   def payload_bytes(self, n: int) -> int:
     """Bytes one device puts on the wire for an ``n``-element buffer.
@@ -210,6 +213,15 @@ class Compressor:
 
 
 _UNROLL_DECODES = 16  # beyond this many devices, decode in a loop
+
+
+def _payload_arrays(compressor: Compressor, n: int, dtype) -> tuple[int, ...]:
+  shapes = jax.eval_shape(lambda x: compressor.encode(x, jax.random.key(0)),
+                          jax.ShapeDtypeStruct((n,), dtype))
+  return tuple(int(s.size) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+
+
+_payload_arrays_cached = functools.lru_cache(maxsize=1 << 14)(_payload_arrays)
 
 
 REGISTRY: Registry[Compressor] = Registry("compressor")
