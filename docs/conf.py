@@ -87,6 +87,8 @@ jaxcomp_api_modules = [
     "jaxcomp.bucketing",
     "jaxcomp.fsdp",
     "jaxcomp.combinators",
+    "jaxcomp.warmup",
+    "jaxcomp.transform",
     "jaxcomp.lowcomm",
     "jaxcomp.flax",
     "jaxcomp.perfmodel",

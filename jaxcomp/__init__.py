@@ -17,6 +17,7 @@ from jaxcomp import fsdp
 from jaxcomp import lowcomm
 from jaxcomp import placement
 from jaxcomp import sharding
+from jaxcomp import steps
 from jaxcomp import wire
 from jaxcomp.combinators import apply_if_finite
 from jaxcomp.combinators import multi_steps
@@ -27,13 +28,13 @@ from jaxcomp.inspect.traffic import Traffic
 from jaxcomp.inspect.traffic import collective_traffic
 from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
-from jaxcomp.sharding import CompressedValueAndGrad
-from jaxcomp.sharding import compressed_value_and_grad
+from jaxcomp.steps import CompressedValueAndGrad
+from jaxcomp.steps import compressed_value_and_grad
 from jaxcomp.placement import init_sharded
-from jaxcomp.placement import make_train_step
+from jaxcomp.steps import make_train_step
 from jaxcomp.placement import per_device_grad
 from jaxcomp.placement import per_device_value_and_grad
-from jaxcomp.placement import shard_train_step
+from jaxcomp.steps import shard_train_step
 from jaxcomp.placement import state_partition_specs
 from jaxcomp.placement import to_global
 from jaxcomp.placement import to_local

@@ -69,8 +69,8 @@ class Feedback:
   def unsent(self, state: Any) -> Parts | None:
     """What this device holds back in ``state``: the residual parts whose
     mass is still to be sent, if any (the transform's ``residual_norm``
-    counts them with the collective's, :meth:`jaxcomp.collectives.
-    Collective.unsent`)."""
+    counts them with the collective's,
+    :meth:`jaxcomp.collectives.Collective.unsent`)."""
     del state
     return None
 

@@ -38,9 +38,14 @@ from flax.training import train_state as linen_train_state
 
 from jaxcomp import _mesh
 from jaxcomp import fsdp as fsdp_lib
-from jaxcomp import lowcomm
-from jaxcomp import placement as sharding
+from jaxcomp import placement
+from jaxcomp import steps
+from jaxcomp._diloco import holds_diloco
+from jaxcomp._diloco import per_device_copies
+from jaxcomp._diloco import synced_params
 from jaxcomp._mesh import AxisName
+from jaxcomp.placement import to_global
+from jaxcomp.placement import to_local
 
 
 class Optimizer(nnx.Optimizer):
@@ -65,6 +70,9 @@ class Optimizer(nnx.Optimizer):
       :func:`unsharded` (a copy of the model with whole parameters).
     shard_axis: with ``fsdp``: the axis to shard over (default
       ``axis_name``; HSDP: the fast axis inside a host).
+    param_compressor: with ``fsdp``: compress the parameters' all-gather
+      (ZeRO++'s qwZ, a deterministic compressor such as ``"int8_block"``;
+      :func:`jaxcomp.fsdp.gather_params`).
 
   With a :func:`jaxcomp.diloco` in ``tx``, each device trains its own copy
   of the parameters between syncs: the optimizer keeps them in ``local``
@@ -76,41 +84,81 @@ class Optimizer(nnx.Optimizer):
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; with ``fsdp``, no
       ``compressed_mean(..., output="shard")`` over ``shard_axis`` in
-      ``tx``, or a :func:`jaxcomp.diloco` in it.
+      ``tx``, or a :func:`jaxcomp.diloco` in it; a ``param_compressor``
+      without ``fsdp``, or one with randomness or an exchange of its own.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
                axis_name: AxisName = "data", fsdp: bool = False,
-               shard_axis: AxisName | None = None):
-    # What nnx.Optimizer.__init__ does, with the state from init_sharded.
-    self.graph = None
-    self.step = nnx_optimizer.OptState(jnp.array(0, dtype=jnp.uint32))
-    self.tx = tx
+               shard_axis: AxisName | None = None,
+               param_compressor=None):
     params = nnx.as_pure(nnx.state(model, wrt))
     shard_axis = axis_name if shard_axis is None else shard_axis
-    shapes = None
+    # The layout of the one step family (jaxcomp.steps): FSDP's flat shards,
+    # DiLoCo's per-device copies, or replicated parameters.
     if fsdp:
       shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
                                                    shard_axis=shard_axis)
+      layout = steps.FSDP(shapes, shard_axis, param_compressor)
       nnx.update(model, shards)
     else:
-      state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+      if param_compressor is not None:
+        raise ValueError("param_compressor compresses FSDP's parameter "
+                         "all-gather: pass fsdp=True with it")
+      state, specs = placement.init_sharded(tx, params, mesh, axis_name)
+      layout = (steps.PerDevice() if holds_diloco(state)
+                else steps.DataParallel())
+    # nnx.Optimizer.__init__ with the state placed per device (its own
+    # tx.init would run outside shard_map, where no device axis is bound).
+    super().__init__(model, optax.GradientTransformation(
+        lambda _: state, tx.update), wrt=wrt)
+    self.tx = tx
     # DiLoCo: each device's own parameters, beside the model's synchronized
     # ones.
-    local = None
-    if lowcomm.holds_diloco(state):  # (fsdp.init refuses DiLoCo)
-      local = nnx_optimizer.to_opt_state(
-          lowcomm.per_device_copies(params, mesh, axis_name))
-    self.local = nnx.data(local)
-    self.opt_state = nnx.data(nnx_optimizer.to_opt_state(state))
-    self.wrt = wrt
+    self.local = nnx.data(nnx_optimizer.to_opt_state(
+        per_device_copies(params, mesh, axis_name))
+        if isinstance(layout, steps.PerDevice) else None)
     self.mesh = nnx.static(mesh)
     self.axis_name = nnx.static(axis_name)
     self.specs = nnx.static(_Static(specs))
-    self.shapes = nnx.static(_Static(shapes))  # FSDP: the whole shapes
+    self._layout = nnx.static(_Static(layout))
     self.shard_axis = nnx.static(shard_axis)
-    # Where the parameters live: replicated, or (FSDP) flat shards.
-    self.params_spec = nnx.static(P(shard_axis) if fsdp else P())
+
+  @property
+  def layout(self) -> steps.Layout:
+    """Where the parameters live (:mod:`jaxcomp.steps`): replicated, FSDP's
+    flat shards, or DiLoCo's per-device copies."""
+    return self._layout.tree
+
+  @property
+  def shapes(self):
+    """FSDP: the whole parameters' shapes (None otherwise)."""
+    return _Static(getattr(self.layout, "shapes", None))
+
+  @property
+  def params_spec(self):
+    """Where the model's parameters live: replicated, or FSDP's shards."""
+    return (self.layout.params_spec(self.axis_name)
+            if isinstance(self.layout, steps.FSDP) else P())
+
+  def update(self, model, grads, **kwargs):
+    """``nnx.Optimizer.update`` inside a ``shard_map`` over the mesh with
+    per-device gradients; outside one, jaxcomp's transforms have no device
+    axis: step with :func:`train_step` instead.
+
+    Raises:
+      NameError: called where ``axis_name`` is not bound (a plain
+        ``nnx.jit`` step), naming :func:`train_step`.
+    """
+    if not set(_mesh.axes(self.axis_name)) <= set(_mesh.bound_axes()):
+      raise NameError(
+          "jaxcomp.flax.Optimizer.update was called outside shard_map, where "
+          f"its compressed exchange over {self.axis_name!r} has no devices. "
+          "Step with jaxcomp.flax.train_step(loss_fn)(model, optimizer, "
+          "batch): it takes each device's own gradient and runs the "
+          "exchange under shard_map (gradients from nnx.grad of the whole "
+          "batch are already averaged, and compressing them saves nothing)")
+    return super().update(model, grads, **kwargs)
 
 
 def unsharded(model, optimizer: Optimizer):
@@ -182,16 +230,16 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   def build(graphdef, optimizer):
     mesh, axis = optimizer.mesh, optimizer.axis_name
     specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
+    layout = optimizer.layout
     bspec = P(axis) if batch_spec is None else batch_spec
-    shapes, pspec = optimizer.shapes.tree, optimizer.params_spec
-
-    diloco = optimizer.local is not None
+    pspec = optimizer.params_spec
+    diloco = isinstance(layout, steps.PerDevice)
 
     def body(params, local, keys, rest, opt_state, batch):
       index = lax.axis_index(axis)
       step_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
       if diloco:  # this device's own parameters
-        params = jax.tree.map(lambda x: x[0], local)
+        params = layout.enter(local)
 
       def loss_of(p):
         model = nnx.merge(graphdef, p, step_keys, rest)
@@ -199,24 +247,20 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
         *_, new_rest = nnx.split(model, wrt, nnx.RngKey, ...)
         return out[0] if has_aux else out, (out, nnx.as_pure(new_rest))
 
-      whole = params
-      if shapes is not None:  # FSDP: the gradient of the gathered parameters
-        whole = fsdp_lib.gather_params(params, shapes, optimizer.shard_axis)
-      (_, (out, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-          _mesh.to_varying(whole, axis))
+      # The layout's per-device gradient (FSDP's of the gathered parameters).
+      (_, (out, new_rest)), grads = layout.value_and_grad(
+          loss_of, axis, has_aux=True)(params)
       new_rest = jax.tree.map(
           lambda x: lax.pmean(x, axis)
           if jnp.issubdtype(x.dtype, jnp.floating) else x, new_rest)
-      updates, opt_state = tx.update(grads, sharding.to_local(opt_state, specs),
-                                     params)
-      out = sharding.step_loss(out, axis, per_device_loss)
-      params = optax.apply_updates(params, updates)
+      updates, opt_state = tx.update(grads, to_local(opt_state, specs), params)
+      out = steps.step_loss(out, axis, per_device_loss)
+      params = layout.after_update(optax.apply_updates(params, updates),
+                                   opt_state)
       if diloco:
-        local = jax.tree.map(lambda x: x[None],
-                             lowcomm.snap_to_anchor(params, opt_state))
-        params = lowcomm.synced_params(opt_state)
-      return (params, local, new_rest, sharding.to_global(opt_state, specs),
-              out)
+        local = layout.leave(params)
+        params = synced_params(opt_state)
+      return params, local, new_rest, to_global(opt_state, specs), out
 
     lspec = P(axis) if diloco else P()
     ospec = P(axis) if per_device_loss else P()
@@ -294,7 +338,7 @@ def create_train_state(apply_fn: Callable, params, tx, *, mesh,
   """
   if state_class is None:
     state_class = linen_train_state.TrainState
-  opt_state, specs = sharding.init_sharded(tx, params, mesh, axis_name)
+  opt_state, specs = placement.init_sharded(tx, params, mesh, axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   state = state_class(step=jax.device_put(jnp.zeros((), jnp.int32),
                                           NamedSharding(mesh, P())),
@@ -337,10 +381,10 @@ def train_state_step(step_fn: Callable, *, mesh, opt_specs,
         opt_state=opt_specs)
 
   def body(state, batch):
-    state = state.replace(opt_state=sharding.to_local(state.opt_state,
+    state = state.replace(opt_state=to_local(state.opt_state,
                                                       opt_specs))
     state, aux = step_fn(state, batch)
-    return state.replace(opt_state=sharding.to_global(state.opt_state,
+    return state.replace(opt_state=to_global(state.opt_state,
                                                       opt_specs)), aux
 
   def run(state, batch):

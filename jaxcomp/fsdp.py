@@ -56,148 +56,22 @@ References:
 
 from __future__ import annotations
 
-import math
-from typing import Any
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from jaxcomp import _mesh
-from jaxcomp import compressors
-from jaxcomp import distributed
-from jaxcomp import placement
-from jaxcomp import transform
-from jaxcomp import wire
-from jaxcomp.collectives.base import chunk_size
+from jaxcomp import steps
+from jaxcomp._fsdp import check_shard_outputs
+from jaxcomp._fsdp import gather_params
+from jaxcomp._fsdp import shard_params
+from jaxcomp._fsdp import state_bytes
+from jaxcomp._fsdp import unshard_params
+from jaxcomp._fsdp import value_and_grad
 from jaxcomp._mesh import AxisName
-from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.placement import init_sharded
 
-
-def shard_params(params, mesh, axis_name: AxisName = "data"):
-  """Flat shards of ``params`` placed on ``mesh``.
-
-  Args:
-    params: a pytree of arrays (the whole parameters).
-    mesh: the device mesh.
-    axis_name: the data axis (or tuple of axes) to shard over.
-
-  Returns:
-    ``(shards, shapes)``: ``shards`` has one float array of ``p * c``
-    elements per leaf (``c = ceil(n / p)``, :func:`jaxcomp.collectives.chunk_size`),
-    zero-padded and placed
-    with ``NamedSharding(mesh, P(axis_name))``; ``shapes`` holds each leaf's
-    ``jax.ShapeDtypeStruct`` (for :func:`gather_params`,
-    :func:`unshard_params`).
-
-  Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``.
-  """
-  placement.check_mesh_axes(mesh, axis_name)
-  p = wire.group_size(axis_name, dict(mesh.shape))
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
-                                                       jnp.result_type(x)),
-                        params)
-
-  def flat(x):
-    x = jnp.ravel(x)
-    return jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
-
-  # global_array, not device_put: it works on multi-process meshes too.
-  shards = distributed.global_array(jax.tree.map(flat, params), mesh,
-                                    P(axis_name))
-  return shards, shapes
-
-
-def unshard_params(shards, shapes):
-  """The whole parameters from global flat shards (outside ``shard_map``):
-  each leaf's first ``n`` elements in its shape, replicated on the shards'
-  mesh."""
-  def one(x, s):
-    if isinstance(getattr(x, "sharding", None), NamedSharding):
-      x = jax.device_put(x, NamedSharding(x.sharding.mesh, P()))
-    return x[:math.prod(s.shape)].reshape(s.shape)
-  return jax.tree.map(one, shards, shapes)
-
-
-def _param_compressor(compressor):
-  """The compressor for the parameters' forward all-gather (ZeRO++'s qwZ),
-  from a name or instance; None for none.
-
-  Raises:
-    ValueError: a compressor with randomness or an exchange of its own
-      (every device must rebuild the same parameters from the same
-      payloads, and no key is shared for it).
-  """
-  if compressor is None:
-    return None
-  comp = compressors.get(compressor)
-  if comp.own_exchange or comp.randomness != "none":
-    raise ValueError(
-        f"param_compressor={comp.name!r} cannot compress the parameters' "
-        "all-gather: it needs a deterministic compressor with no exchange of "
-        "its own (e.g. 'int8_block', 'fp8_block', 'bf16')")
-  return comp
-
-
-def gather_params(shards, shapes, axis_name: AxisName = "data", *,
-                  compressor=None):
-  """Inside ``shard_map``: all-gathers this device's flat shards into the
-  whole parameters (one ``lax.all_gather`` per leaf, in its dtype).
-
-  ``compressor`` (a name or instance, deterministic; ZeRO++'s qwZ, Wang et
-  al. 2023):
-  each device encodes its own shard, the payloads are all-gathered and
-  every device decodes all of them, so the forward pass (and the gradient)
-  sees the parameters as that compressor rebuilds them, identically on
-  every device, while the optimizer keeps updating the exact shards.
-  """
-  comp = _param_compressor(compressor)
-
-  def one(x, s):
-    n = math.prod(s.shape)
-    if comp is None:
-      return lax.all_gather(x, axis_name, tiled=True)[:n].reshape(s.shape)
-    key = jax.random.key(0)  # unused: the compressor has no randomness
-    payload = comp.encode(x.astype(jnp.float32), key)
-    gathered = jax.tree.map(lambda a: lax.all_gather(a, axis_name), payload)
-    whole = jax.vmap(lambda pl: comp.decode(pl, x.shape[0], key))(gathered)
-    return whole.reshape(-1)[:n].reshape(s.shape).astype(x.dtype)
-
-  return jax.tree.map(one, shards, shapes)
-
-
-def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
-                   shard_axis: AxisName | None = None,
-                   param_compressor=None, has_aux: bool = False) -> Callable:
-  """Inside ``shard_map``: ``f(shards, *args) -> (value, grads)``, the loss of
-  the gathered parameters and this device's gradient with respect to them
-  (whole-shaped, varying over ``axis_name``): what
-  ``compressed_mean(..., output="shard")`` takes.
-
-  Args:
-    loss_fn: ``loss_fn(params, *args) -> loss`` on the whole parameters
-      (or ``(loss, aux)`` with ``has_aux``).
-    shapes: the leaves' shapes, from :func:`shard_params`.
-    axis_name: the data axes (the batch is split over them; the gradient
-      varies over them).
-    shard_axis: the axis the parameters are sharded over (default
-      ``axis_name``; HSDP: the fast axis inside a host).
-    param_compressor: compress the parameters' all-gather (qwZ; see
-      :func:`gather_params`), e.g. ``"int8_block"``.
-    has_aux: as in ``jax.value_and_grad``.
-  """
-  param_comp = _param_compressor(param_compressor)
-  vg = placement.per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
-  shard_axis = axis_name if shard_axis is None else shard_axis
-
-  def wrapped(shards, *args, **kwargs):
-    return vg(gather_params(shards, shapes, shard_axis,
-                            compressor=param_comp), *args, **kwargs)
-
-  return wrapped
+__all__ = ["gather_params", "init", "make_train_step", "shard_params",
+           "state_bytes", "unshard_params", "value_and_grad"]
 
 
 def init(tx, params, mesh, axis_name: AxisName = "data", *,
@@ -239,36 +113,10 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
   """
   shard_axis = axis_name if shard_axis is None else shard_axis
   shards, shapes = shard_params(params, mesh, shard_axis)
-  opt_state, specs = placement.init_sharded(
-      tx, shards, mesh, axis_name, params_spec=P(shard_axis), grads=shapes)
-  _check_shard_outputs(opt_state, shard_axis)
-  return shards, shapes, opt_state, specs
-
-
-def _check_shard_outputs(opt_state, shard_axis) -> None:
-  if holds_diloco(opt_state):
-    raise ValueError(
-        "tx holds jaxcomp.diloco, which FSDP cannot shard: DiLoCo keeps one "
-        "whole copy of the parameters per device between syncs. Train it "
-        "replicated (jaxcomp.lowcomm.init, or jaxcomp.flax.Optimizer without "
-        "fsdp=True)")
-  configs = transform.transform_configs(opt_state)
-  shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
-  if not shard:
-    where = (f"; the compressed_mean at state{next(iter(configs))} averages "
-             "whole gradients (output='mean')" if configs else "")
-    raise ValueError(
-        "tx has no jaxcomp.compressed_mean(..., output='shard'): the "
-        "gradient of the whole parameters must be reduce-scattered into "
-        "shards before the optimizer (for a dense exchange, "
-        f"compressed_mean('identity', {shard_axis!r}, output='shard')){where}")
-  want = _mesh.axes(shard_axis)
-  for path, c in shard.items():
-    axes = c["axis_name"]
-    if tuple([axes] if isinstance(axes, str) else axes) != want:
-      raise ValueError(
-          f"the compressed_mean at state{path} reduce-scatters over {axes!r} "
-          f"but the parameters are sharded over {shard_axis!r}")
+  state, specs = init_sharded(tx, shards, mesh, axis_name,
+                              params_spec=P(shard_axis), grads=shapes)
+  check_shard_outputs(state, shard_axis)
+  return shards, shapes, state, specs
 
 
 def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
@@ -293,22 +141,6 @@ def make_train_step(loss_fn: Callable, tx, shapes, *, mesh, state_specs,
   Returns:
     ``step(shards, opt_state, batch) -> (shards, opt_state, loss)``, jitted.
   """
-  shard_axis = axis_name if shard_axis is None else shard_axis
-  return placement.make_train_step(
+  return steps.make_train_step(
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
-      params_spec=P(shard_axis),
-      value_and_grad=lambda f, a, has_aux=False: value_and_grad(
-          f, shapes, a, shard_axis=shard_axis,
-          param_compressor=param_compressor, has_aux=has_aux), **kwargs)
-
-
-def state_bytes(tree: Any) -> int:
-  """Bytes of the arrays in ``tree`` held on one device (global arrays:
-  their addressable shard on the first device)."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.Array) and hasattr(x, "addressable_shards"):
-      total += x.addressable_shards[0].data.nbytes
-    else:
-      total += x.size * jnp.dtype(x.dtype).itemsize
-  return total
+      layout=steps.FSDP(shapes, shard_axis, param_compressor), **kwargs)

@@ -100,7 +100,8 @@ def test_site_builds_with_warnings_as_errors_and_documents_every_name(tmp_path):
 # jaxcomp_api_modules or here.
 NOT_IN_REFERENCE = {
     "sharding": "its public names are jaxcomp's (the step builders)",
-    "transform": "its public names are jaxcomp's (compressed_mean)",
+    "placement": "its public names are jaxcomp's (init_sharded, the "
+                 "per-device gradient, the shard_map step)",
     "cli": "the `jaxcomp` command; `jaxcomp whatif --help` documents it",
     "bench": "`python -m jaxcomp.bench`, the kernel benchmark",
     "inspect": "a package; jaxcomp.inspect.traffic is listed",

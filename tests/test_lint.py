@@ -65,3 +65,18 @@ def test_the_contract_catches_an_upward_import(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
   assert out.returncode != 0
   assert "jaxcomp.wire is not allowed to import jaxcomp.transform" in out.stdout
+
+
+def test_the_design_page_draws_the_contract():
+  """docs/design.md's layer diagram is pyproject.toml's layers contract,
+  layer for layer."""
+  import tomllib
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+    contract = tomllib.load(fh)["tool"]["importlinter"]["contracts"]
+  layers = next(c["layers"] for c in contract if c["type"] == "layers")
+  with open(os.path.join(ROOT, "docs", "design.md")) as fh:
+    text = fh.read()
+  block = re.search(r"```\n(jaxcomp\.cli.*?)```", text, re.S).group(1)
+  drawn = [re.split(r"\s{2,}", line.strip())[0]
+           for line in block.strip().splitlines()]
+  assert drawn == layers

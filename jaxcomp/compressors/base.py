@@ -51,6 +51,10 @@ class Compressor:
     prescale: True when the psum collective must divide by the device count
       *before* encoding, so that the sum cannot overflow the payload's type
       (float16, as PyTorch DDP's ``fp16_compress_hook``).
+    dense: True for compressors that send every coordinate, summed in
+      flight (identity, the casts): a NaN or Inf in any device's buffer
+      reaches every device's mean by itself, so a stateless exchange needs
+      no non-finite check (``compressed_mean(nonfinite=None)``).
     per_tensor: True for compressors that work on one tensor at a time,
       in its shape (DCT top-k's chunks): :func:`jaxcomp.compressed_mean`
       then needs ``bucketing="layerwise"`` and binds each bucket's shape
@@ -67,6 +71,7 @@ class Compressor:
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
   prescale: ClassVar[bool] = False
+  dense: ClassVar[bool] = False
   per_tensor: ClassVar[bool] = False
   own_exchange: ClassVar[bool] = False
 

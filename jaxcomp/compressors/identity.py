@@ -20,6 +20,7 @@ class Identity(Compressor):
 
   name: ClassVar[str] = "identity"
   linear: ClassVar[bool] = True
+  dense: ClassVar[bool] = True
 
   def encode(self, x, key):
     del key
@@ -61,6 +62,7 @@ class Cast(Compressor):
 
   name: ClassVar[str] = "cast"
   linear: ClassVar[bool] = True
+  dense: ClassVar[bool] = True
   dtype: str = "bfloat16"
 
   def __post_init__(self):

@@ -65,6 +65,20 @@ def _parse_groups(attrs: str, num_devices: int | None) -> list[list[int]]:
     if m.group(3):
       ids = ids.transpose([int(v) for v in m.group(3).split(",")])
     return ids.reshape(g, s).tolist()
+  # The mesh form XLA writes for collectives over mesh axes:
+  # replica_groups=mesh['a'=4,'b'=1,'c'=2] {'a'}: one group per combination
+  # of the other axes, the devices numbered in the mesh's row-major order.
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names = [a for a, _ in axes]
+    sizes = [int(n) for _, n in axes]
+    grouped = re.findall(r"'([^']+)'", m.group(2))
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    rest = [i for i, a in enumerate(names) if a not in grouped]
+    inner = [names.index(a) for a in grouped]
+    size = int(np.prod([sizes[i] for i in inner]))
+    return ids.transpose(rest + inner).reshape(-1, size).tolist()
   m = re.search(r"replica_groups=\{(.*?)\}\}", attrs)
   if m:
     return [[int(v) for v in grp.split(",") if v.strip()]

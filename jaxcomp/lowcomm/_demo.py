@@ -29,13 +29,14 @@ from jaxcomp import compressors
 from jaxcomp import feedback
 from jaxcomp import transform
 from jaxcomp._mesh import AxisName
+from jaxcomp.transform import CompressedMeanState
 
 
 class DeMoState(NamedTuple):
   """State of :func:`demo`."""
 
   count: jax.Array  # shape=(), int32, steps taken
-  exchange: transform.CompressedMeanState  # the compressed mean's: the
+  exchange: CompressedMeanState  # the compressed mean's: the
   #   momentum not yet sent is its residual (float32, per device, per
   #   tensor: demo_momentum reads it); its stats are what get_stats reads
 

@@ -1,20 +1,15 @@
 """DiLoCo's train steps: per-device parameters placed on the mesh, the
-compiled step, and the step for a user's own ``jax.jit`` step."""
+compiled step, and the step for a user's own ``jax.jit`` step; each the
+:class:`jaxcomp.steps.PerDevice` layout of the one step family."""
 
 from __future__ import annotations
 
 from typing import Any
 from collections.abc import Callable
 
-import jax
-from jax.sharding import PartitionSpec as P
-import optax
-
-from jaxcomp import placement
+from jaxcomp import steps
 from jaxcomp._mesh import AxisName
-from jaxcomp.lowcomm._diloco import holds_diloco
-from jaxcomp.lowcomm._diloco import per_device_copies
-from jaxcomp.lowcomm._diloco import snap_to_anchor
+from jaxcomp._diloco import holds_diloco
 
 
 def init(tx, params, mesh, axis_name: AxisName = "data"):
@@ -29,31 +24,7 @@ def init(tx, params, mesh, axis_name: AxisName = "data"):
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``.
   """
-  opt_state, specs = placement.init_sharded(tx, params, mesh, axis_name)
-  return per_device_copies(params, mesh, axis_name), opt_state, specs
-
-
-
-def _per_device_step(loss_fn: Callable, tx, *, mesh, state_specs,
-                     axis_name: AxisName, batch_spec: Any, has_aux: bool,
-                     per_device_loss: bool) -> Callable:
-  """The DiLoCo step on global arrays (``shard_map``'d, not jitted)."""
-  grad_fn = placement.per_device_value_and_grad(loss_fn, axis_name,
-                                               has_aux=has_aux)
-
-  def step_fn(params, opt_state, batch):
-    params = jax.tree.map(lambda x: x[0], params)
-    out, grads = grad_fn(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = snap_to_anchor(optax.apply_updates(params, updates), opt_state)
-    return (jax.tree.map(lambda x: x[None], params), opt_state,
-            placement.step_loss(out, axis_name, per_device_loss))
-
-  return placement.shard_train_step(
-      step_fn, mesh=mesh, state_specs=state_specs,
-      batch_spec=P(axis_name) if batch_spec is None else batch_spec,
-      params_spec=P(axis_name),
-      out_aux_spec=P(axis_name) if per_device_loss else P())
+  return steps.init(tx, params, mesh, axis_name, layout=steps.PerDevice())
 
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
@@ -73,10 +44,10 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
     ``step(local_params, opt_state, batch) -> (local_params, opt_state,
     loss)`` on the per-device parameters of :func:`init`.
   """
-  step = _per_device_step(loss_fn, tx, mesh=mesh, state_specs=state_specs,
-                          axis_name=axis_name, batch_spec=batch_spec,
-                          has_aux=has_aux, per_device_loss=per_device_loss)
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+  return steps.make_train_step(
+      loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
+      batch_spec=batch_spec, has_aux=has_aux, donate=donate,
+      per_device_loss=per_device_loss, layout=steps.PerDevice())
 
 
 class LocalStep:
@@ -118,7 +89,7 @@ class LocalStep:
   def __init__(self, loss_fn: Callable, tx, mesh, *,
                axis_name: AxisName = "data", batch_spec: Any = None,
                has_aux: bool = False, per_device_loss: bool = False):
-    placement.check_mesh_axes(mesh, axis_name)
+    steps.check_mesh_axes(mesh, axis_name)
     self.tx, self.mesh, self.axis_name = tx, mesh, axis_name
     self._kwargs = dict(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
                         batch_spec=batch_spec, has_aux=has_aux,
@@ -135,7 +106,8 @@ class LocalStep:
       raise ValueError("jaxcomp.lowcomm.local_step needs a tx holding "
                        "jaxcomp.diloco(...); for a compressed data-parallel "
                        "step use jaxcomp.compressed_value_and_grad")
-    self._step = _per_device_step(state_specs=self.specs, **self._kwargs)
+    self._step = steps.per_device_step(state_specs=self.specs,
+                                       layout=steps.PerDevice(), **self._kwargs)
     return local, opt_state
 
   def __call__(self, local_params, opt_state, batch):

@@ -136,7 +136,7 @@ def compressed_mean(
     bucket_bytes: int | None = None,
     plan: Sequence[Sequence[int]] | None = None,
     mask=None,
-    nonfinite: str = "skip",
+    nonfinite: str | None = None,
     seed: int = 0,
     output: str = "mean",
     **compressor_kwargs,
@@ -189,12 +189,19 @@ def compressed_mean(
       not do this: the leaves it leaves out come out per device,
       un-averaged.
     nonfinite: what a NaN or Inf in any device's gradient does to the step.
-      ``"skip"`` (default): the update is zero and the error-feedback state
-      is left unchanged on every device (one extra scalar all-reduce);
-      ``"zero"``: non-finite entries are replaced by 0 before compression;
-      ``"propagate"``: the update is NaN on every device (so that
-      ``optax.apply_if_finite`` can skip the step) and the error-feedback
-      state is left unchanged. No policy lets NaN into the residual.
+      ``"skip"``: the update is zero and the error-feedback state is left
+      unchanged on every device (one extra scalar all-reduce and a pass
+      over the gradient); ``"zero"``: non-finite entries are replaced by 0
+      before compression; ``"propagate"``: the update is NaN on every
+      device (so that ``optax.apply_if_finite`` can skip the step) and the
+      error-feedback state is left unchanged; ``"none"``: no check, for a
+      transform that keeps no per-device state and sends every coordinate
+      (identity, the casts over ``"psum"``), where a NaN reaches every
+      device's mean as in a plain all-reduce. ``None`` (default):
+      ``"none"`` where it applies (so that ``compressed_mean("identity")``
+      compiles to the plain step), else ``"skip"``. No policy lets NaN into
+      the residual. To skip the whole step (the optimizer's moments too),
+      wrap the chain in :func:`jaxcomp.apply_if_finite`.
     seed: seed of the key shared by all devices (random-block placement,
       QSGD rounding, ...).
     output: ``"mean"`` (default): every device gets the whole mean, as
@@ -257,7 +264,20 @@ def compressed_mean(
   comp = compressors_lib.get(compressor, **compressor_kwargs)
   coll = collectives_lib.get(collective, comp, axis_name=axis_name)
   fb = feedback_lib.get(error_feedback, comp.biased)
+  # Stateless and dense: nothing to protect, and a NaN reaches the mean.
+  unprotected = (comp.dense and isinstance(fb, feedback_lib.NoFeedback)
+                 and isinstance(coll, collectives_lib.PsumMean))
+  if nonfinite is None:
+    nonfinite = "none" if unprotected else "skip"
   policy = nonfinite_lib.get(nonfinite)
+  if nonfinite == "none" and not unprotected:
+    raise ValueError(
+        "nonfinite='none' leaves no check, which only a transform without "
+        "per-device state that sends every coordinate can afford (identity "
+        f"or a cast over 'psum'); {comp.name!r} with collective "
+        f"{coll.name!r} and error_feedback {fb.name!r} would let a NaN into "
+        "its state or drop it from the mean: use 'skip', 'zero' or "
+        "'propagate'")
   if min_compress_size < 0:
     raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
   _check_output(output, comp, coll, fb)

@@ -95,7 +95,22 @@ class Propagate(Policy):
     return jnp.where(any_bad, jnp.nan, m)
 
 
-POLICIES = {p.name: p for p in (Skip, Zero, Propagate)}
+@dataclasses.dataclass(frozen=True)
+class Unchecked(Policy):
+  """No check: the exchange carries a NaN or Inf as a plain all-reduce
+  does. Only for transforms that keep no per-device state and send every
+  coordinate summed in flight (identity, casts), where a non-finite value
+  in any device's gradient reaches every device's mean by itself."""
+
+  name: ClassVar[str] = "none"
+  keeps_state: ClassVar[bool] = False
+
+  def screen(self, flat, axis_name):
+    del axis_name
+    return flat, jnp.zeros((), jnp.bool_)
+
+
+POLICIES = {p.name: p for p in (Skip, Zero, Propagate, Unchecked)}
 NONFINITE_POLICIES = tuple(POLICIES)
 
 
