@@ -12,6 +12,7 @@ the state (:func:`jaxcomp.init_sharded`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +20,12 @@ import jax.numpy as jnp
 from jax import lax
 
 AxisName = str | tuple[str, ...]
+
+
+class PerDeviceUnchecked(UserWarning):
+  """A compressed mean ran where values carry no per-device types
+  (``jax.pmap``, or ``shard_map`` with ``check_vma=False``), so it could not
+  check that its gradient is each device's own."""
 
 
 def axes(axis_name: AxisName) -> tuple[str, ...]:
@@ -225,7 +232,11 @@ def varying_after(fn, args, in_axes, mesh) -> list:
   flat, tree = jax.tree.flatten(args)
   body = jax.shard_map(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-  closed = jax.make_jaxpr(body)(*flat)
+  with warnings.catch_warnings():
+    # Traced without types on purpose: jaxcomp's own probe, not a user's
+    # pmap.
+    warnings.simplefilter("ignore", PerDeviceUnchecked)
+    closed = jax.make_jaxpr(body)(*flat)
   # Flow through the outer program, so that the shard_map's inputs line up
   # with ``args`` (constants it closes over become extra inputs of its body).
   return _flow(closed.jaxpr, list(in_axes))

@@ -132,12 +132,13 @@ class Optimizer(nnx.Optimizer):
 
   @property
   def shapes(self):
-    """FSDP: the whole parameters' shapes (None otherwise)."""
+    """The whole parameters' shapes under FSDP (None otherwise)."""
     return _Static(getattr(self.layout, "shapes", None))
 
   @property
   def params_spec(self):
-    """Where the model's parameters live: replicated, or FSDP's shards."""
+    """The parameters' ``PartitionSpec``: ``P()`` replicated, FSDP's
+    shard spec otherwise."""
     return (self.layout.params_spec(self.axis_name)
             if isinstance(self.layout, steps.FSDP) else P())
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import optax
 
@@ -69,6 +70,27 @@ def per_device_grad(fun: Callable, axis_name: AxisName, *,
     return (grads, value[1]) if has_aux else grads
 
   return wrapped
+
+
+def check_array_leaves(params, what: str = "params") -> None:
+  """Raises TypeError naming the first leaf of ``params`` that is not an
+  array (an Equinox module's activation function, say), with how to pass
+  the arrays alone.
+
+  Raises:
+    TypeError: a leaf that is not an array, a NumPy value or a Python
+      number.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex,
+                      jax.ShapeDtypeStruct)) or hasattr(x, "__jax_array__"):
+      continue
+    raise TypeError(
+        f"{what}{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
+        "array: jaxcomp places and compresses arrays only. Pass the arrays "
+        "and keep the rest aside, as Equinox does: params, static = "
+        "eqx.partition(model, eqx.is_array), then eqx.combine(params, "
+        "static) inside loss_fn")
 
 
 def _spec_for(axes: frozenset[str], mesh) -> P:
@@ -274,6 +296,7 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     True
   """
   check_mesh_axes(mesh, axis_name)
+  check_array_leaves(params)
   params = jax.device_put(params, jax.tree.map(
       lambda s: NamedSharding(mesh, s), params_spec, is_leaf=_is_spec))
   init_axes, state_axes = _state_axes(tx, params, mesh, axis_name,

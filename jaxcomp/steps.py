@@ -12,17 +12,15 @@ them::
     params = layout.after_update(params + updates, opt_state)
     return layout.leave(params), opt_state, loss averaged over the data axes
 
-====================  ==========================  ==========================
-layout                the parameters              a device's gradient
-====================  ==========================  ==========================
-:class:`DataParallel` replicated (or placed by a  of its copy, marked varying
-                      spec: tensor parallelism    (:func:`jaxcomp.per_device_
-                      written per device)         value_and_grad`)
-:class:`FSDP`         flat shards over the data   of the gathered parameters
-                      (or a host's) axis          (:mod:`jaxcomp.fsdp`)
-:class:`PerDevice`    one copy per device, a      of its own copy (DiLoCo)
-                      leading device axis
-====================  ==========================  ==========================
+The layouts:
+
+* :class:`DataParallel`: the parameters replicated (or placed by a spec:
+  tensor parallelism written per device); a device's gradient is of its
+  copy, marked varying (:func:`jaxcomp.per_device_value_and_grad`).
+* :class:`FSDP`: flat shards over the data (or a host's) axis; a device's
+  gradient is of the gathered parameters (:mod:`jaxcomp.fsdp`).
+* :class:`PerDevice`: one copy per device, a leading device axis; a
+  device's gradient is of its own copy (DiLoCo).
 
 The entry points built on it (:func:`jaxcomp.make_train_step`,
 :func:`jaxcomp.fsdp.make_train_step`, :func:`jaxcomp.lowcomm.make_train_step`,
@@ -520,6 +518,7 @@ class CompressedValueAndGrad:
         output="shard")`` over ``shard_axis`` in the transform; without,
         a parameter the GSPMD route cannot keep (see the class).
     """
+    placement.check_array_leaves(params)
     if self.gspmd:
       self.params_spec = _leaf_specs_of(params, self.mesh, self._data)
     state, self.specs = init_sharded(self.transform, params, self.mesh,

@@ -266,6 +266,16 @@ def _field_names(cls) -> list[str] | None:
   return None
 
 
+def _qualified(cls, annotation: str) -> str:
+  """A field's type as the reference documents it: ``CompressedMeanState``
+  written in a private module becomes ``jaxcomp.CompressedMeanState``, so
+  the cross-reference has one target, not one per re-export."""
+  obj = getattr(importlib.import_module(cls.__module__), annotation, None)
+  if inspect.isclass(obj) and id(obj) in _DOCUMENTED:
+    return _DOCUMENTED[id(obj)][0]
+  return annotation
+
+
 def process_docstring(app, what, name, obj, options, lines):
   """Runs before napoleon: lists the fields of a NamedTuple or dataclass
   from their source comments, expands "See :func:`x`" to x's docstring,
@@ -278,7 +288,7 @@ def process_docstring(app, what, name, obj, options, lines):
       if any(comment for _, _, comment in fields):
         lines += ["", "Attributes:"]
         for fname, ftype, comment in fields:
-          lines.append(f"  {fname} ({ftype}): {comment}")
+          lines.append(f"  {fname} ({_qualified(obj, ftype)}): {comment}")
         lines.append("")
   if what == "function" and lines and _SEE_RE.match(lines[0]):
     real = _import(_SEE_RE.match(lines[0]).group(1))

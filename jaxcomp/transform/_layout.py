@@ -5,6 +5,7 @@ exchange (all static: shapes, dtypes, types)."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -145,7 +146,17 @@ def check_per_device(tree, axis_name) -> None:
   inside ``shard_map`` w.r.t. replicated parameters), so compressing it would
   save nothing and the mean would come out ``p`` times too large."""
   if not _mesh.types_track_devices(axis_name):
-    return  # pmap: every value is per device
+    # pmap (or shard_map with check_vma=False) types no value by device, so
+    # a gradient already averaged looks like a per-device one.
+    warnings.warn(
+        "compressed_mean runs where values carry no per-device types "
+        "(jax.pmap, or shard_map with check_vma=False), so it cannot tell "
+        "each device's own gradient from one already averaged: make sure no "
+        "lax.pmean / psum of the gradient comes before it (that sends the "
+        "gradient twice, dense and compressed). Under jax.shard_map with "
+        "check_vma on, jaxcomp checks this", _mesh.PerDeviceUnchecked,
+        stacklevel=4)
+    return
   names = set(_mesh.axes(axis_name))
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if not names <= _mesh.varying_axes(leaf):
