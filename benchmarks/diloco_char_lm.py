@@ -207,7 +207,8 @@ def _commit() -> str:
   try:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                          capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".",
+                            ":(exclude)benchmarks/results"], cwd=root).returncode
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
   return rev + ("+dirty" if dirty else "")
