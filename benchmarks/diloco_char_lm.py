@@ -214,6 +214,36 @@ def _commit() -> str:
   return rev + ("+dirty" if dirty else "")
 
 
+def _bytes_without_training(train, cfg: dict) -> tuple[float, float]:
+  """Operand and wire bytes per device over the run of ``cfg``, from its
+  transformation's statistics as ``train_and_evaluate`` reports them, with
+  no training (for results reused from an earlier JSONL without wire
+  bytes)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxcomp  # pylint: disable=g-import-not-at-top
+  from examples import common  # pylint: disable=g-import-not-at-top
+  from examples.char_lm import data as data_lib  # pylint: disable=g-import-not-at-top
+  from examples.char_lm import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = train.Config(**cfg)
+  tx = common.stages(config, train.learning_rate_schedule(config),
+                     muon_dimensions=model_lib.muon_dimensions)[-1].tx
+  model = model_lib.CharTransformer(
+      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
+      d_model=config.d_model, num_layers=config.num_layers,
+      num_heads=config.num_heads)
+  params = model.init(jax.random.key(config.seed),
+                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  if config.diloco_every:
+    state = jaxcomp.lowcomm.init(tx, params, mesh)[1]
+  else:
+    state = jaxcomp.init_sharded(tx, params, mesh, "data")[0]
+  stats = common.exchange_stats(state)
+  steps = config.epochs * config.steps_per_epoch / max(config.diloco_every, 1)
+  return float(stats.bytes_sent) * steps, float(stats.wire_bytes) * steps
+
+
 def table(results) -> str:
   """The markdown table of ``results`` (rows as the JSONL holds them): wire
   bytes (ring algorithms) and operand bytes where every row has both, else
@@ -256,6 +286,10 @@ def main(argv=None) -> int:
   ap.add_argument("--jsonl", help="append each run's result here")
   ap.add_argument("--resume", action="store_true",
                   help="skip the runs already in --jsonl (same names)")
+  ap.add_argument("--reuse", help="an earlier JSONL (without wire bytes): a "
+                  "run whose config equals one of its rows takes that row's "
+                  "result (the runs are deterministic), its bytes recounted "
+                  "from the transformation's statistics")
   ap.add_argument("--plot", help="write validation loss against total bytes here")
   ap.add_argument("--out", default=None, help="also write the table here")
   args = ap.parse_args(argv)
@@ -273,6 +307,10 @@ def main(argv=None) -> int:
   if args.resume and args.jsonl and os.path.exists(args.jsonl):
     with open(args.jsonl) as f:
       done = {r["name"]: r for r in map(json.loads, f)}
+  earlier = []
+  if args.reuse:
+    with open(args.reuse) as f:
+      earlier = [json.loads(line) for line in f]
   names = (["dp"] if "dp" not in args.runs else []) + list(args.runs)
   results = []
   for name in names:
@@ -283,6 +321,21 @@ def main(argv=None) -> int:
     cfg = dict(base, **fields)
     if name == "demo":
       cfg["learning_rate"] = args.demo_lr
+    same = [r for r in earlier
+            if r["config"] == {k: v for k, v in cfg.items() if k != "progress"}]
+    if same:
+      operand, on_wire = _bytes_without_training(train, cfg)
+      if abs(operand - same[0]["total_bytes"]) > 1e-9 * operand:
+        raise ValueError(f"{name}: {operand} operand bytes recounted, the "
+                         f"earlier run reported {same[0]['total_bytes']}")
+      row = dict(same[0], name=name, label=label, wire_total_bytes=on_wire,
+                 reused=f"{os.path.basename(args.reuse)}: {same[0]['name']}")
+      results.append(row)
+      print(f"{label}: reused {row['reused']}", flush=True)
+      if args.jsonl:
+        with open(args.jsonl, "a") as f:
+          f.write(json.dumps(row) + "\n")
+      continue
     t0 = time.perf_counter()
     r = train.train_and_evaluate(train.Config(**cfg))
     row = {"name": name, "label": label, "valid_loss": r["epochs"][-1]["valid_loss"],
