@@ -115,32 +115,160 @@ RUNS = {
 }
 DEFAULT_RUNS = ("dp", "h10", "h10_int4", "h10_topk5", "h50", "h50_int4")
 
+# The recipe sweep (docs/convergence.md, "Which low-communication recipe"):
+# DiLoCo's interval H x its outer step x the pseudo-gradient's exchange,
+# SparseLoCo, MuLoCo. Names: "<method>_h<H>_<exchange>_<outer>".
+_OUTER = {
+    "sgd1": ("outer SGD 1.0", _sgd(1.0)),
+    "sgd15": ("outer SGD 1.5", _sgd(1.5)),
+    "nest": ("outer Nesterov 0.7 / 0.6",
+             dict(diloco_outer_lr=0.7, diloco_outer_momentum=0.6)),
+    "nest09": ("outer Nesterov 0.7 / 0.9",
+               dict(diloco_outer_lr=0.7, diloco_outer_momentum=0.9)),
+}
+_EXCHANGE = {
+    "dense": ("dense", _DENSE),
+    "int4": ("4-bit blocks + EF", dict(compressor="int8_block", bits=4)),
+    "int2": ("2-bit blocks + EF", dict(compressor="int8_block", bits=2)),
+    # SparseLoCo (Sarfi et al. 2025; the reference tplr-ai/SparseLoCo): 64
+    # of each 64 x 64 chunk (1.56%), 12-bit indices within the chunk, 2-bit
+    # values on the reference's statistical quantizer, error feedback with
+    # decay 0.95 in place of outer momentum, each coordinate averaged over
+    # the workers that sent it (the reference's scatter mean).
+    "sl": ("SparseLoCo: chunked top-k 64/4096, 2-bit, EF decay 0.95, "
+           "sender mean",
+           dict(compressor="chunked_topk", topk=64, chunk=64, value_bits=2,
+                error_feedback_decay=0.95, collective="sender_mean")),
+    # The same with the paper's mean over all workers.
+    "slall": ("chunked top-k 64/4096, 2-bit, EF decay 0.95, mean over all",
+              dict(compressor="chunked_topk", topk=64, chunk=64, value_bits=2,
+                   error_feedback_decay=0.95)),
+}
+_INNER = {"diloco": ("DiLoCo", {}),
+          "muloco": ("MuLoCo (inner Muon)", dict(optimizer="muon"))}
+
+
+def _recipe(method: str, h: int, exchange: str, outer: str):
+  m_label, m_fields = _INNER[method]
+  e_label, e_fields = _EXCHANGE[exchange]
+  o_label, o_fields = _OUTER[outer]
+  return (f"{m_label} H={h}, {e_label}, {o_label}",
+          dict(e_fields, diloco_every=h, **m_fields, **o_fields))
+
+
+for _m in _INNER:
+  for _h in (15, 30, 50, 100):
+    for _e in _EXCHANGE:
+      for _o in _OUTER:
+        RUNS[f"{_m}_h{_h}_{_e}_{_o}"] = _recipe(_m, _h, _e, _o)
+RUNS["dp_muon"] = ("data parallel, dense, Muon", dict(compressor="identity",
+                                                      optimizer="muon"))
+
+
 
 def _plot(rows, path: str, title: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  wire = all("wire_total_bytes" in r for r in rows)
+  key = "wire_total_bytes" if wire else "total_bytes"
+  fig, ax = plt.subplots(figsize=(8.5, 5.4) if wire else (7.5, 4.8))
   for r in rows:
-    ax.scatter(r["total_bytes"] / 1e6, r["valid_loss"], s=28)
-    ax.annotate(r["name"], (r["total_bytes"] / 1e6, r["valid_loss"]), fontsize=7,
+    ax.scatter(r[key] / 1e6, r["valid_loss"], s=28)
+    ax.annotate(r["name"], (r[key] / 1e6, r["valid_loss"]), fontsize=6 if wire else 7,
                 xytext=(4, 3), textcoords="offset points")
   base = next((r for r in rows if r["name"] == "dp"), None)
   if base:
     for pct, style in ((3, "--"), (5, ":")):
       ax.axhline(base["valid_loss"] * (1 + pct / 100), color="gray", ls=style, lw=0.8,
-                 label=f"dense + {pct}%")
-      ax.axvline(base["total_bytes"] / 1e6 / (500 if pct == 3 else 2000), color="gray",
-                 ls=style, lw=0.8)
+                 label=f"data parallel + {pct}%")
+      if not wire:
+        ax.axvline(base[key] / 1e6 / (500 if pct == 3 else 2000), color="gray",
+                   ls=style, lw=0.8)
+    if wire:
+      ax.axvline(base[key] / 1e6 / 500, color="black", ls="-.", lw=0.8,
+                 label="500x fewer wire bytes than data parallel")
     ax.legend(fontsize=8)
   ax.set_xscale("log")
-  ax.set_xlabel("bytes per device over the run (MB)")
+  ax.set_xlabel("wire bytes per device over the run (MB, ring algorithms)" if wire
+                else "bytes per device over the run (MB)")
   ax.set_ylabel("validation loss (nats/char)")
   ax.set_title(title, fontsize=9)
   ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _commit() -> str:
+  """The checkout's commit, with "+dirty" when tracked files differ."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".",
+                            ":(exclude)benchmarks/results"], cwd=root).returncode
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return rev + ("+dirty" if dirty else "")
+
+
+def _bytes_without_training(train, cfg: dict) -> tuple[float, float]:
+  """Operand and wire bytes per device over the run of ``cfg``, from its
+  transformation's statistics as ``train_and_evaluate`` reports them, with
+  no training (for results reused from an earlier JSONL without wire
+  bytes)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxcomp  # pylint: disable=g-import-not-at-top
+  from examples import common  # pylint: disable=g-import-not-at-top
+  from examples.char_lm import data as data_lib  # pylint: disable=g-import-not-at-top
+  from examples.char_lm import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = train.Config(**cfg)
+  tx = common.stages(config, train.learning_rate_schedule(config),
+                     muon_dimensions=model_lib.muon_dimensions)[-1].tx
+  model = model_lib.CharTransformer(
+      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
+      d_model=config.d_model, num_layers=config.num_layers,
+      num_heads=config.num_heads)
+  params = model.init(jax.random.key(config.seed),
+                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  if config.diloco_every:
+    state = jaxcomp.lowcomm.init(tx, params, mesh)[1]
+  else:
+    state = jaxcomp.init_sharded(tx, params, mesh, "data")[0]
+  stats = common.exchange_stats(state)
+  steps = config.epochs * config.steps_per_epoch / max(config.diloco_every, 1)
+  return float(stats.bytes_sent) * steps, float(stats.wire_bytes) * steps
+
+
+def table(results) -> str:
+  """The markdown table of ``results`` (rows as the JSONL holds them): wire
+  bytes (ring algorithms) and operand bytes where every row has both, else
+  operand bytes only (the earlier tables)."""
+  dp = next(r for r in results if r["name"] == "dp")
+  rel = lambda r: f"{100 * (r['valid_loss'] / dp['valid_loss'] - 1):+.2f}%"
+  if all("wire_total_bytes" in r for r in results):
+    hdr = ("run", "validation loss", "vs data parallel",
+           "wire bytes / device", "fewer wire bytes", "operand bytes / device",
+           "fewer operand bytes", "steps", "wall s")
+    rows = [(r["label"], f"{r['valid_loss']:.4f}", rel(r),
+             f"{r['wire_total_bytes']:,.0f}",
+             f"{dp['wire_total_bytes'] / r['wire_total_bytes']:,.1f}x",
+             f"{r['total_bytes']:,.0f}",
+             f"{dp['total_bytes'] / r['total_bytes']:,.1f}x",
+             str(r["steps"]), f"{r['seconds']:.0f}") for r in results]
+  else:
+    hdr = ("run", "validation loss", "vs dense", "bytes / device over the run",
+           "fewer than dense", "wall s")
+    rows = [(r["label"], f"{r['valid_loss']:.4f}", rel(r),
+             f"{r['total_bytes']:,.0f}",
+             f"{dp['dense_total_bytes'] / r['total_bytes']:,.1f}x",
+             f"{r['seconds']:.0f}") for r in results]
+  return "\n".join(["| " + " | ".join(hdr) + " |", "|" + " --- |" * len(hdr)]
+                   + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def main(argv=None) -> int:
@@ -158,6 +286,10 @@ def main(argv=None) -> int:
   ap.add_argument("--jsonl", help="append each run's result here")
   ap.add_argument("--resume", action="store_true",
                   help="skip the runs already in --jsonl (same names)")
+  ap.add_argument("--reuse", help="an earlier JSONL (without wire bytes): a "
+                  "run whose config equals one of its rows takes that row's "
+                  "result (the runs are deterministic), its bytes recounted "
+                  "from the transformation's statistics")
   ap.add_argument("--plot", help="write validation loss against total bytes here")
   ap.add_argument("--out", default=None, help="also write the table here")
   args = ap.parse_args(argv)
@@ -175,6 +307,10 @@ def main(argv=None) -> int:
   if args.resume and args.jsonl and os.path.exists(args.jsonl):
     with open(args.jsonl) as f:
       done = {r["name"]: r for r in map(json.loads, f)}
+  earlier = []
+  if args.reuse:
+    with open(args.reuse) as f:
+      earlier = [json.loads(line) for line in f]
   names = (["dp"] if "dp" not in args.runs else []) + list(args.runs)
   results = []
   for name in names:
@@ -185,12 +321,30 @@ def main(argv=None) -> int:
     cfg = dict(base, **fields)
     if name == "demo":
       cfg["learning_rate"] = args.demo_lr
+    same = [r for r in earlier
+            if r["config"] == {k: v for k, v in cfg.items() if k != "progress"}]
+    if same:
+      operand, on_wire = _bytes_without_training(train, cfg)
+      if abs(operand - same[0]["total_bytes"]) > 1e-9 * operand:
+        raise ValueError(f"{name}: {operand} operand bytes recounted, the "
+                         f"earlier run reported {same[0]['total_bytes']}")
+      row = dict(same[0], name=name, label=label, wire_total_bytes=on_wire,
+                 reused=f"{os.path.basename(args.reuse)}: {same[0]['name']}")
+      results.append(row)
+      print(f"{label}: reused {row['reused']}", flush=True)
+      if args.jsonl:
+        with open(args.jsonl, "a") as f:
+          f.write(json.dumps(row) + "\n")
+      continue
     t0 = time.perf_counter()
     r = train.train_and_evaluate(train.Config(**cfg))
     row = {"name": name, "label": label, "valid_loss": r["epochs"][-1]["valid_loss"],
            "total_bytes": r["bytes_per_step"] * r["steps"],
            "dense_total_bytes": r["dense_bytes_per_step"] * r["steps"],
+           "wire_total_bytes": r["wire_bytes_per_step"] * r["steps"],
+           "train_loss": r["epochs"][-1]["loss"],
            "steps": r["steps"], "seconds": time.perf_counter() - t0,
+           "commit": _commit(),
            "config": {k: v for k, v in cfg.items() if k != "progress"}}
     results.append(row)
     print(f"{label}: {row['seconds']:.0f} s ({r['steps']} steps), "
@@ -199,18 +353,11 @@ def main(argv=None) -> int:
       with open(args.jsonl, "a") as f:
         f.write(json.dumps(row) + "\n")
   dp = next(r for r in results if r["name"] == "dp")
-  hdr = ("run", "validation loss", "vs dense", "bytes / device over the run",
-         "fewer than dense", "wall s")
-  rows = [(r["label"], f"{r['valid_loss']:.4f}",
-           f"{100 * (r['valid_loss'] / dp['valid_loss'] - 1):+.2f}%",
-           f"{r['total_bytes']:,.0f}", f"{dp['dense_total_bytes'] / r['total_bytes']:,.1f}x",
-           f"{r['seconds']:.0f}") for r in results]
-  text = "\n".join(["| " + " | ".join(hdr) + " |", "|" + " --- |" * len(hdr)]
-                   + ["| " + " | ".join(r) + " |" for r in rows])
+  text = table(results)
   print(text)
   if args.plot:
     _plot(results, args.plot, f"character LM, {dp['steps']} steps, 8 devices: "
-          "validation loss against bytes (targets: +3% at 500x, +5% at 2000x fewer)")
+          "validation loss against bytes")
   if args.out:
     with open(args.out, "w") as f:
       f.write(f"$ python benchmarks/diloco_char_lm.py "

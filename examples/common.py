@@ -17,7 +17,7 @@ _HYPERPARAMETER_FIELDS = {
     "ratio": "ratio", "levels": "levels", "rank": "rank", "bits": "bits",
     "format": "format", "threshold": "threshold", "block_size": "block_size",
     "capacity_ratio": "ratio", "rounding": "rounding",
-    "value_bits": "value_bits",
+    "value_bits": "value_bits", "topk": "topk", "chunk": "chunk",
 }
 _ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
@@ -38,6 +38,12 @@ class CompressionConfig:
   rounding: str = "nearest"  # int8_block / fp8_block: or "stochastic" (unbiased)
   value_bits: int | None = None  # top-k: quantize the kept values (2, 4 or 8)
   error_feedback: bool | str | None = None  # None: on for biased ones
+  error_feedback_decay: float | None = None  # residual error feedback with
+  #                                            this decay (SparseLoCo: 0.95)
+  collective: str | None = None  # None: the compressor's default
+  #                                ("sender_mean": SparseLoCo's reference)
+  topk: int = 64  # chunked_topk / dct_topk: entries kept per chunk of
+  chunk: int = 64  # chunk x chunk elements (SparseLoCo: 64 of 64 x 64)
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
   ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
   optimizer: str = "adam"  # one of OPTIMIZERS, after the compressed mean
@@ -69,12 +75,25 @@ def add_compression_flags(p: argparse.ArgumentParser, defaults) -> None:
                  help="int8_block / fp8_block elements per scale")
   p.add_argument("--value-bits", type=int, choices=(2, 4, 8), default=d.value_bits,
                  help="top-k: send the kept values as this many bits (SparseLoCo: 2)")
+  p.add_argument("--topk", type=int, default=d.topk,
+                 help="chunked_topk / dct_topk: entries kept per chunk")
+  p.add_argument("--chunk", type=int, default=d.chunk,
+                 help="chunked_topk / dct_topk: chunks of up to chunk x chunk "
+                 "elements")
   p.add_argument("--rounding", choices=("nearest", "stochastic"),
                  default=d.rounding,
                  help="int8_block / fp8_block rounding (stochastic: unbiased, "
                  "no error feedback by default)")
   p.add_argument("--error-feedback", choices=[*_ERROR_FEEDBACK, "ef21", "dgc"],
                  default=ef, help="auto: on for biased compressors")
+  p.add_argument("--error-feedback-decay", type=float,
+                 default=d.error_feedback_decay,
+                 help="residual error feedback that keeps this fraction of "
+                 "what it holds back (SparseLoCo: 0.95)")
+  p.add_argument("--collective", default=d.collective,
+                 help="the collective (default: the compressor's; "
+                 "sender_mean: each coordinate averaged over the devices "
+                 "that sent it)")
   p.add_argument("--ratio-warmup-steps", type=int,
                  default=d.ratio_warmup_steps,
                  help="DGC's sparsity warm-up: stages of this many steps at "
@@ -100,17 +119,28 @@ def add_run_flags(p: argparse.ArgumentParser, defaults, names) -> None:
     p.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
 
 
-OPTIMIZERS = ("adam", "momentum", "sgd", "demo")
+OPTIMIZERS = ("adam", "momentum", "sgd", "muon", "demo")
 LR_SCHEDULES = ("constant", "cosine")  # char_lm's, after its warm-up
 
 
-def optimizer(name: str, learning_rate):
+def optimizer(name: str, learning_rate, muon_dimensions=None):
   """The examples' optimizer after the compressed mean: ``"adam"``,
   ``"momentum"`` (SGD with Nesterov momentum 0.9, the optimizer of the
-  PowerSGD and DGC papers) or ``"sgd"`` (plain SGD: for
+  PowerSGD and DGC papers), ``"sgd"`` (plain SGD: for
   ``error_feedback="dgc"``, whose momentum correction keeps the momentum
-  before the exchange). ``"demo"`` (:func:`jaxcomp.demo`) is handled by
-  :func:`stages`, as it replaces the compressed mean too.
+  before the exchange) or ``"muon"`` (``optax.contrib.muon``: Muon on the
+  matrices ``muon_dimensions`` names, Adam on the rest, with Moonlight's
+  update scaling ``consistent_rms=0.2`` so that one learning rate suits
+  both; MuLoCo's inner optimizer). ``"demo"`` (:func:`jaxcomp.demo`) is
+  handled by :func:`stages`, as it replaces the compressed mean too.
+
+  Args:
+    name: one of :data:`OPTIMIZERS`.
+    learning_rate: a number or an optax schedule.
+    muon_dimensions: ``"muon"`` only: ``optax.contrib.muon``'s
+      ``muon_weight_dimension_numbers`` (a callable of the parameters, e.g.
+      ``examples.char_lm.model.muon_dimensions``); None: Muon on every 2-D
+      parameter.
 
   Raises:
     ValueError: another name.
@@ -122,6 +152,9 @@ def optimizer(name: str, learning_rate):
     return optax.sgd(learning_rate, momentum=0.9, nesterov=True)
   if name == "sgd":
     return optax.sgd(learning_rate)
+  if name == "muon":
+    return optax.contrib.muon(learning_rate, consistent_rms=0.2,
+                              muon_weight_dimension_numbers=muon_dimensions)
   if name == "demo":
     raise ValueError("optimizer 'demo' (jaxcomp.demo) exchanges its own "
                      "momentum components: it replaces the compressed mean, "
@@ -142,8 +175,11 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
       compressor=args.compressor, ratio=args.ratio, levels=args.levels,
       rank=args.rank, bits=args.bits, format=args.format,
       threshold=args.threshold, block_size=args.block_size,
-      rounding=args.rounding, value_bits=args.value_bits, error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
+      rounding=args.rounding, value_bits=args.value_bits,
+      error_feedback=_ERROR_FEEDBACK.get(args.error_feedback,
                                          args.error_feedback),
+      error_feedback_decay=args.error_feedback_decay,
+      collective=args.collective, topk=args.topk, chunk=args.chunk,
       min_compress_size=args.min_compress_size,
       ratio_warmup_steps=args.ratio_warmup_steps,
       seed=args.seed, max_steps=args.max_steps,
@@ -162,7 +198,28 @@ def compressor_kwargs(config) -> dict[str, Any]:
           for name, field in _HYPERPARAMETER_FIELDS.items() if name in taken}
 
 
-def stages(config, learning_rate):
+def error_feedback(config):
+  """The ``error_feedback`` argument of the config: its
+  ``error_feedback`` (a name, True, False or None), or with
+  ``error_feedback_decay`` set, residual error feedback with that decay
+  (:class:`jaxcomp.feedback.ResidualFeedback`).
+
+  Raises:
+    ValueError: a decay with error feedback off or another scheme, or a
+      decay outside [0, 1].
+  """
+  decay = getattr(config, "error_feedback_decay", None)
+  if decay is None:
+    return config.error_feedback
+  if config.error_feedback not in (None, True, "residual"):
+    raise ValueError(f"error_feedback_decay={decay} is residual error "
+                     "feedback's decay; it needs error_feedback 'auto' or "
+                     f"'on', not {config.error_feedback!r}")
+  import jaxcomp
+  return jaxcomp.feedback.ResidualFeedback(decay=decay)
+
+
+def stages(config, learning_rate, muon_dimensions=None):
   """The run's transformations, as :func:`jaxcomp.sparsity_warmup` stages.
 
   Each is the compressed mean over ``"data"`` (``config``'s compressor,
@@ -172,6 +229,8 @@ def stages(config, learning_rate):
   steps, then 0.0625, ... down to ``config.ratio``, each stage its own
   transformation and compiled step, sending its own payload.
 
+  ``muon_dimensions`` goes to :func:`optimizer` (``"muon"``).
+
   Raises:
     ValueError: an unknown compressor, ``ratio_warmup_steps`` < 0, or > 0
       with a compressor that takes no ``ratio``.
@@ -179,6 +238,9 @@ def stages(config, learning_rate):
   import jaxcomp
   import optax
   kwargs = compressor_kwargs(config)
+  feedback = error_feedback(config)
+  collective = getattr(config, "collective", None)
+  inner = lambda: optimizer(config.optimizer, learning_rate, muon_dimensions)
 
   # FSDP runs (char_lm's --sharding fsdp) reduce-scatter into shards; HSDP
   # runs reduce-scatter exactly over a host's devices, then average each
@@ -203,21 +265,22 @@ def stages(config, learning_rate):
       outer = optax.sgd(getattr(config, "diloco_outer_lr", 0.7),
                         momentum=mom or None, nesterov=bool(mom))
       return jaxcomp.diloco(
-          optimizer(config.optimizer, learning_rate), outer,
+          inner(), outer,
           sync_every=diloco_every,
           fragments=fragments,
           compressor=config.compressor,
           min_compress_size=config.min_compress_size,
-          error_feedback=config.error_feedback, seed=config.seed, **kw)
+          error_feedback=feedback, collective=collective, seed=config.seed,
+          **kw)
     inside = ([jaxcomp.compressed_mean("identity", "devices", output="shard")]
               if sharding == "hsdp" else [])
     return optax.chain(
         *inside,
         jaxcomp.compressed_mean(config.compressor, axis,
                                 min_compress_size=config.min_compress_size,
-                                error_feedback=config.error_feedback,
+                                error_feedback=feedback, collective=collective,
                                 seed=config.seed, output=output, **kw),
-        optimizer(config.optimizer, learning_rate))
+        inner())
 
   if config.ratio_warmup_steps < 0:
     raise ValueError("ratio_warmup_steps must be >= 0, got "

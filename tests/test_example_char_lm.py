@@ -220,6 +220,48 @@ def test_fsdp_and_diloco_runs_train_and_report_their_bytes_and_memory():
     train.train_and_evaluate(train.Config(diloco_every=3, sharding="fsdp", **kw))
 
 
+def test_sparseloco_and_muloco_runs_train_and_count_their_bytes():
+  """The sweep's SparseLoCo and MuLoCo rows as char_lm configs: chunked
+  top-k with decayed error feedback and the sender mean, and Muon inside
+  DiLoCo, both learn; SparseLoCo's bytes are its payload formula per sync."""
+  import jaxcomp
+  kw = dict(TINY, epochs=1, steps_per_epoch=6, diloco_every=3,
+            diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+  untrained = train.train_and_evaluate(train.Config(max_steps=0, **kw))
+  sl = train.train_and_evaluate(train.Config(
+      compressor="chunked_topk", topk=64, chunk=64, value_bits=2,
+      error_feedback_decay=0.95, collective="sender_mean", **kw))
+  assert sl["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
+  comp = jaxcomp.compressors.get("chunked_topk")
+  per_sync = sum(comp.for_shapes((p.shape,)).payload_bytes(p.size)
+                 for p in jax.tree.leaves(sl["params"]))
+  assert sl["bytes_per_step"] == pytest.approx(per_sync / 3)
+  assert sl["wire_bytes_per_step"] == pytest.approx(7 * per_sync / 3)
+  mu = train.train_and_evaluate(train.Config(
+      compressor="identity", optimizer="muon", **kw))
+  assert mu["epochs"][0]["valid_loss"] < untrained["epochs"][0]["valid_loss"]
+  with pytest.raises(ValueError, match="error_feedback_decay=0.9 is residual"):
+    train.train_and_evaluate(train.Config(compressor="topk",
+                                          error_feedback="dgc",
+                                          error_feedback_decay=0.9, **kw))
+
+
+def test_muon_dimensions_name_the_blocks_matrices():
+  params = model_lib.CharTransformer(d_model=32, num_heads=2).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  dims = model_lib.muon_dimensions(params)
+  flat = {jax.tree_util.keystr(k): v for k, v in
+          jax.tree_util.tree_flatten_with_path(
+              dims, is_leaf=lambda x: x is None or isinstance(x, tuple))[0]}
+  att = "['Block_0']['MultiHeadDotProductAttention_0']"
+  assert flat[att + "['query']['kernel']"] == (0, (1, 2))
+  assert flat[att + "['out']['kernel']"] == ((0, 1), 2)
+  assert flat["['Block_0']['Dense_0']['kernel']"] == (0, 1)
+  for k in ("['Embed_0']['embedding']", "['pos_embedding']",
+            "['Dense_0']['kernel']", "['Block_0']['Dense_0']['bias']"):
+    assert flat[k] is None, k
+
+
 def test_hsdp_run_trains_as_replicated_and_reports_the_bytes_across_hosts():
   # HSDP on 2 hosts x 4 devices: identity trains as replicated data
   # parallelism; parameters take 1/4 of the replicated bytes per device;

@@ -124,6 +124,61 @@ def test_pseudo_gradient_exchange_is_exact_or_bounded(mesh8, compressor, kw, bou
       assert err <= bound * np.abs(pseudo).max() + 1e-7, (k, err)
 
 
+@pytest.mark.parametrize("momentum", [None, 0.6])
+def test_muloco_is_muon_per_worker_then_the_outer_step(mesh8, momentum):
+  """MuLoCo (DiLoCo with Optax's Muon inside, outer momentum a parameter)
+  over two intervals equals, computed apart: each worker running
+  optax.contrib.muon on its own gradients from the anchor (its Muon state
+  kept across syncs), and the outer step on the mean pseudo-gradient in
+  NumPy (Nesterov: ``m = mu m + g``, ``anchor -= lr (g + mu m)``).
+  (optax's Muon mixes Python floats with int32 counts, which strict
+  promotion refuses.)"""
+  with jax.numpy_dtype_promotion("standard"):
+    _check_muloco(mesh8, momentum)
+
+
+def _check_muloco(mesh8, momentum):
+  h, lr = 3, 0.7
+  inner = optax.contrib.muon(0.02)  # Muon on w (13 x 7), Adam on b
+  outer = optax.sgd(lr, momentum=momentum, nesterov=momentum is not None)
+  tx = jaxcomp.diloco(inner, outer, sync_every=h)
+  batches = _batches(mesh8, 2 * h)
+  local, st, _, _ = _run(tx, mesh8, batches)
+
+  anchor = jax.tree.map(np.asarray, _params())
+  mom = jax.tree.map(np.zeros_like, anchor)
+  inner_states = [inner.init(_params()) for _ in range(8)]
+  grad = jax.jit(jax.grad(_loss))
+  update = jax.jit(inner.update)
+  for start in range(0, 2 * h, h):
+    pseudo = []
+    for d in range(8):
+      p = jax.tree.map(jnp.asarray, anchor)
+      for b in batches[start:start + h]:
+        shard = jax.tree.map(lambda a, d=d: np.asarray(a)[8 * d:8 * d + 8], b)
+        u, inner_states[d] = update(grad(p, shard), inner_states[d], p)
+        p = optax.apply_updates(p, u)
+      pseudo.append(jax.tree.map(lambda a, q: a - np.asarray(q), anchor, p))
+    g = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *pseudo)
+    if momentum is None:
+      anchor = jax.tree.map(lambda a, x: a - lr * x, anchor, g)
+    else:
+      mom = jax.tree.map(lambda m, x: momentum * m + x, mom, g)
+      anchor = jax.tree.map(lambda a, x, m: a - lr * (x + momentum * m),
+                            anchor, g, mom)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(lowcomm.synced_params(st)[k]),
+                               anchor[k], rtol=2e-5, atol=2e-6)
+    for d in range(8):
+      np.testing.assert_array_equal(np.asarray(local[k])[d],
+                                    np.asarray(lowcomm.synced_params(st)[k]))
+  # Muon moved w unlike Adam would: the reference above is not vacuous.
+  adam, _, _, _ = _run(jaxcomp.diloco(optax.adam(0.02), outer, sync_every=h),
+                       mesh8, batches)
+  assert not np.allclose(np.asarray(adam["w"]), np.asarray(local["w"]),
+                         atol=1e-4)
+
+
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_resume_mid_interval_is_bit_exact(mesh8, tmp_path, overlap):
   # overlap_steps=1: the checkpoint falls between an exchange (step 3) and

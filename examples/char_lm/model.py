@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from optax.contrib import MuonDimensionNumbers
 
 
 class Block(nn.Module):
@@ -54,3 +56,26 @@ class CharTransformer(nn.Module):
       x = Block(self.d_model, self.num_heads)(x, mask)
     x = nn.LayerNorm()(x)
     return nn.Dense(self.vocab_size)(x).astype(jnp.float32)
+
+
+def muon_dimensions(params):
+  """Which parameters Muon orthogonalizes, as ``optax.contrib.muon``'s
+  ``muon_weight_dimension_numbers``: the hidden matrices of the blocks
+  (the MLP's ``(d, 4d)`` and ``(4d, d)`` kernels; attention's ``(d, heads,
+  head_dim)`` query, key and value kernels as ``(d, heads * head_dim)``
+  matrices and its ``(heads, head_dim, d)`` output kernel as a
+  ``(heads * head_dim, d)`` one). The embeddings, the output layer, biases
+  and norms get None: Adam (Muon's usual split, Jordan's modded-nanogpt and
+  MuLoCo)."""
+
+  def spec(path, x):
+    names = [getattr(k, "key", None) for k in path]
+    if not str(names[0]).startswith("Block_") or names[-1] != "kernel":
+      return None
+    if x.ndim == 2:
+      return MuonDimensionNumbers(0, 1)
+    if names[-2] == "out":  # (heads, head_dim, d)
+      return MuonDimensionNumbers((0, 1), 2)
+    return MuonDimensionNumbers(0, (1, 2))  # (d, heads, head_dim)
+
+  return jax.tree_util.tree_map_with_path(spec, params)

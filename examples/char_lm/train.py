@@ -81,7 +81,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.batch_size % n_dev:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of "
                      f"the device count {n_dev}")
-  stages = common.stages(config, learning_rate_schedule(config))
+  stages = common.stages(config, learning_rate_schedule(config),
+                         muon_dimensions=model_lib.muon_dimensions)
   corpus = data_lib.load(max_train_bytes=config.max_train_bytes)
   length = config.context + 1  # inputs and next-character targets
   valid = data_lib.fixed_windows(corpus.valid, config.valid_windows, length)

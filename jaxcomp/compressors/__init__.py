@@ -14,6 +14,7 @@ from jaxcomp.compressors.random_block import RandomBlock
 from jaxcomp.compressors.topk import TopK
 from jaxcomp.compressors.block_quant import FP8Block
 from jaxcomp.compressors.block_quant import IntBlock
+from jaxcomp.compressors.chunked_topk import ChunkedTopK
 from jaxcomp.compressors.dct import DCTTopK
 from jaxcomp.compressors.dgc import DGC
 from jaxcomp.compressors.dgc import dgc_warmup_schedule

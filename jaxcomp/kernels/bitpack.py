@@ -16,6 +16,8 @@ nothing of jaxcomp.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -85,3 +87,107 @@ def unpack_bits_reference(words: jax.Array, bits: int, n: int) -> jax.Array:
   mask = jnp.uint32((1 << bits) - 1)
   codes = (words.astype(jnp.uint32)[:, None] >> shifts) & mask
   return codes.reshape(-1)[:n]
+
+
+# -- Any width ----------------------------------------------------------------
+#
+# Codes of a width that does not divide 32 (the 12-bit index of an entry in
+# a 4096-element chunk) use the same layout with codes allowed to straddle a
+# word boundary: code ``j`` occupies bits ``[j * bits, (j + 1) * bits)`` of
+# the little-endian bit stream of the words (word ``i`` holds stream bits
+# ``[32 i, 32 i + 32)``). For widths that divide 32 these are the words of
+# :func:`pack_bits_reference`.
+
+MAX_CODE_BITS = 32
+
+
+def _check_width(bits: int) -> None:
+  if isinstance(bits, bool) or not isinstance(bits, int) or not (
+      1 <= bits <= MAX_CODE_BITS):
+    raise ValueError(f"bits must be an integer in [1, {MAX_CODE_BITS}], got "
+                     f"{bits=!r}")
+
+
+def code_words(n: int, bits: int) -> int:
+  """uint32 words that hold ``n`` codes of ``bits`` bits each, packed end to
+  end (:func:`pack_codes`): ``ceil(n * bits / 32)``.
+
+  Raises:
+    ValueError: ``bits`` not an integer in [1, 32].
+  """
+  _check_width(bits)
+  return -(-n * bits // 32)
+
+
+def _period(bits: int) -> tuple[int, int]:
+  """(codes, words) of one period of the layout: lcm(bits, 32) bits."""
+  g = math.gcd(bits, 32)
+  return 32 // g, bits // g
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+  """Packs codes (< 2**bits) of any width into uint32 words, end to end.
+
+  Args:
+    codes: integer array ``(n,)``; each value's low ``bits`` bits are kept.
+    bits: bits per code, 1 to 32.
+
+  Returns:
+    uint32 ``(code_words(n, bits),)``: ``4 * ceil(n * bits / 32)`` bytes.
+    For ``bits`` in :data:`SUPPORTED_BITS`, the words of
+    :func:`pack_bits_reference`.
+
+  Raises:
+    ValueError: ``bits`` not an integer in [1, 32], or ``codes`` not 1-D.
+  """
+  _check_width(bits)
+  if codes.ndim != 1:
+    raise ValueError(f"codes must be 1-D, got shape {codes.shape}")
+  if bits in SUPPORTED_BITS:
+    return pack_bits_reference(codes, bits)
+  n = codes.shape[0]
+  per, words = _period(bits)
+  mask = jnp.uint32((1 << bits) - 1) if bits < 32 else jnp.uint32(0xFFFFFFFF)
+  c = codes.astype(jnp.uint32) & mask
+  periods = -(-n // per)
+  c = jnp.pad(c, (0, periods * per - n)).reshape(periods, per)
+  # Each word of a period is the sum (= bitwise or: disjoint bits) of the
+  # pieces of the codes that overlap it; the layout within a period is
+  # static.
+  out = [jnp.zeros((periods,), jnp.uint32) for _ in range(words)]
+  for j in range(per):
+    start = j * bits
+    word, shift = divmod(start, 32)
+    out[word] = out[word] + (c[:, j] << jnp.uint32(shift))
+    if shift + bits > 32:
+      out[word + 1] = out[word + 1] + (c[:, j] >> jnp.uint32(32 - shift))
+  return jnp.stack(out, axis=1).reshape(-1)[:code_words(n, bits)]
+
+
+def unpack_codes(words: jax.Array, bits: int, n: int) -> jax.Array:
+  """Inverse of :func:`pack_codes`: uint32 codes ``(n,)``.
+
+  Raises:
+    ValueError: ``bits`` not an integer in [1, 32], or ``words`` not of
+      shape ``(code_words(n, bits),)``.
+  """
+  _check_width(bits)
+  if words.shape != (code_words(n, bits),):
+    raise ValueError(f"words must have shape ({code_words(n, bits)},) for "
+                     f"{n=} and {bits=}, got {words.shape}")
+  if bits in SUPPORTED_BITS:
+    return unpack_bits_reference(words, bits, n)
+  per, nwords = _period(bits)
+  periods = -(-n // per)
+  w = jnp.pad(words.astype(jnp.uint32), (0, periods * nwords - words.shape[0]))
+  w = w.reshape(periods, nwords)
+  mask = jnp.uint32((1 << bits) - 1) if bits < 32 else jnp.uint32(0xFFFFFFFF)
+  out = []
+  for j in range(per):
+    start = j * bits
+    word, shift = divmod(start, 32)
+    c = w[:, word] >> jnp.uint32(shift)
+    if shift + bits > 32:
+      c = c | (w[:, word + 1] << jnp.uint32(32 - shift))
+    out.append(c & mask)
+  return jnp.stack(out, axis=1).reshape(-1)[:n]
