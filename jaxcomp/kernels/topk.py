@@ -68,10 +68,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _select
+from . import _autotune
+from . import _launch
 from . import compact
 
-ROW = _select.ROW
+ROW = _launch.ROW
 _NUM_CANDIDATES = 32  # one SMEM/TMA transfer of 128 bytes holds 32 int32.
 # The 32 int32 thresholds: the same block (all of them) at every grid step,
 # copied to shared memory, where the kernels read them as scalars.
@@ -275,7 +276,7 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
   # Inside shard_map every branch must return indices typed as x is (a
   # branch computing from a kernel's or a constant's output may not be).
-  typed = lambda idx: idx + _select.zero_like(flat, jnp.int32)
+  typed = lambda idx: idx + _launch.zero_like(flat, jnp.int32)
   exact = lambda: typed(exact_from_top_k())
   if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
     return exact()
@@ -342,26 +343,28 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
 # ----------------------------------------------------------------------------
 
 
-def _count_kernel(t_ref, x_ref, o_ref, *, interpret: bool):
-  """``o_ref[c] = #(key >= t_ref[c])`` over one block of rows.
+def _count_kernel(thresholds_ref, x_ref, counts_ref, *, block: _launch.Block):
+  """``counts_ref[c] = #(key >= thresholds_ref[c])`` over one block of rows.
 
-  ``t_ref``: int32 (32,) thresholds (shared memory on GPU); ``x_ref``: (R, 32) float32;
-  ``o_ref``: int32 (32,), this block's counts.
+  ``thresholds_ref``: int32 (32,) thresholds (shared memory on GPU);
+  ``x_ref``: (R, 32) float32; ``counts_ref``: int32 (32,), this block's
+  counts.
   """
-  x = _select.wgmma(x_ref[...], interpret)
+  x = block.tile(x_ref[...])
   key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
   for c in range(_NUM_CANDIDATES):
-    per_row = jnp.sum((key >= t_ref[c]).astype(jnp.int32), axis=1)
-    o_ref[c] = jnp.sum(per_row)
+    per_row = jnp.sum((key >= thresholds_ref[c]).astype(jnp.int32), axis=1)
+    counts_ref[c] = jnp.sum(per_row)
 
 
-def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
-                 interpret: bool):
-  """Packs ``key > t`` and ``key == t`` (``t = t_ref[0]``) 32 per uint32."""
-  x = _select.wgmma(x_ref[...], interpret)
+def _mask_kernel(thresholds_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
+                 block: _launch.Block):
+  """Packs ``key > t`` and ``key == t`` (``t = thresholds_ref[0]``) 32 per
+  uint32 word: ``gt_ref``, ``eq_ref`` uint32 ``(R,)``, one word per row."""
+  x = block.tile(x_ref[...])
   key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
-  t = t_ref[0]
-  col = _select.column_iota(block_rows, interpret)
+  t = thresholds_ref[0]
+  col = block.column_iota(block_rows)
   gt_ref[...] = jnp.sum((key > t).astype(jnp.uint32) << col, axis=1,
                         dtype=jnp.uint32)
   eq_ref[...] = jnp.sum((key == t).astype(jnp.uint32) << col, axis=1,
@@ -369,35 +372,37 @@ def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
 
 
 def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
-             interpret: bool = False) -> jax.Array:
+             interpret: bool | _launch.Interpret = False) -> jax.Array:
   """Counts of ``key >= thresholds[c]`` over ``rows`` (Pallas), int32 (32,)."""
   grid = -(-rows.shape[0] // block_rows)
-  out = _select.blocked_call(
-      functools.partial(_count_kernel, interpret=interpret),
-      _select.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
+  counts, = _launch.blocked_call(
+      _count_kernel,
       grid=grid,
-      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
-      out_specs=pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)),
+      inputs=[("thresholds_ref", _THRESHOLDS_SPEC),
+              ("x_ref", _launch.rows_spec(block_rows))],
+      outputs=[("counts_ref",
+                _launch.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
+                pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)))],
       interpret=interpret,
       name="jaxcomp_topk_count",
   )(thresholds, rows)
-  return jnp.sum(out.reshape(grid, _NUM_CANDIDATES), axis=0)
+  return jnp.sum(counts.reshape(grid, _NUM_CANDIDATES), axis=0)
 
 
 def threshold_masks(rows: jax.Array, t: jax.Array, *, block_rows: int,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    interpret: bool | _launch.Interpret = False
+                    ) -> tuple[jax.Array, jax.Array]:
   """Packed masks ``key > t`` and ``key == t`` (Pallas), uint32 per row."""
   grid = -(-rows.shape[0] // block_rows)
   tvec = jnp.broadcast_to(t.astype(jnp.int32), (_NUM_CANDIDATES,))
-  word = _select.out_struct((rows.shape[0],), jnp.uint32, rows)
-  return _select.blocked_call(
-      functools.partial(_mask_kernel, block_rows=block_rows,
-                        interpret=interpret),
-      [word, word],
+  word = _launch.out_struct((rows.shape[0],), jnp.uint32, rows)
+  return _launch.blocked_call(
+      functools.partial(_mask_kernel, block_rows=block_rows),
       grid=grid,
-      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
-      out_specs=[_select.vector_spec(block_rows),
-                 _select.vector_spec(block_rows)],
+      inputs=[("thresholds_ref", _THRESHOLDS_SPEC),
+              ("x_ref", _launch.rows_spec(block_rows))],
+      outputs=[("gt_ref", word, _launch.vector_spec(block_rows)),
+               ("eq_ref", word, _launch.vector_spec(block_rows))],
       interpret=interpret,
       name="jaxcomp_topk_mask",
   )(tvec, rows)
@@ -416,7 +421,7 @@ def radix_passes(radix_bits: int) -> list[tuple[int, int]]:
 
 
 def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
-                 interpret: bool = False) -> jax.Array:
+                 interpret: bool | _launch.Interpret = False) -> jax.Array:
   """Exact ``k``-th largest key of ``rows`` (int32 scalar), by counting."""
   passes = radix_passes(radix_bits)
   shifts = jnp.array([p[0] for p in passes], jnp.int32)
@@ -435,7 +440,7 @@ def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
     return base + (digit << shift)
 
   return jax.lax.fori_loop(0, len(passes), one_pass,
-                           _select.zero_like(rows, jnp.int32))
+                           _launch.zero_like(rows, jnp.int32))
 
 
 def _live_words(words: jax.Array, n: int) -> jax.Array:
@@ -451,7 +456,8 @@ def _live_words(words: jax.Array, n: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
 def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
-         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+         interpret: bool | _launch.Interpret = False
+         ) -> tuple[jax.Array, jax.Array]:
   """Exact top-k of ``|x|`` with one Pallas pass over ``x``.
 
   The XLA fast path's selection (:func:`topk_threshold_xla`: a threshold
@@ -467,13 +473,13 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   Raises:
     ValueError: bad ``k`` or knobs.
   """
-  _select.check_block_rows(config.block_rows)
+  _launch.check_block_rows(config.block_rows)
   flat = x.reshape(-1)
   n = flat.shape[0]
   _check_k(n, k)
   if k == 0:
     return _empty(flat)
-  rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
+  rows, _ = _launch.to_rows(flat, config.block_rows)
 
   def exact_from_top_k():
     t = radix_select(rows, k, block_rows=config.block_rows,
@@ -504,7 +510,8 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
 def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
                  config: TopKConfig = DEFAULT_CONFIG,
                  implementation: str | None = None,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool | _launch.Interpret = False
+                 ) -> tuple[jax.Array, jax.Array]:
   """DGC top-k: threshold from a random sample, compaction into ``k`` slots.
 
   The threshold ``t`` is the ``ceil(m * k / n)``-th largest ``|x|`` of
@@ -529,10 +536,10 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   ks = max(1, math.ceil(m * k / n))
   pick = jax.random.randint(key, (m,), 0, n)
   t = _kth_largest_key(flat[pick], ks)
-  if _select.resolve_implementation(implementation, op="sampled_topk", n=n,
-                                    dtype=x.dtype) == "pallas":
-    _select.check_block_rows(config.block_rows)
-    rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
+  if _autotune.resolve_implementation(implementation, op="sampled_topk", n=n,
+                                      dtype=x.dtype) == "pallas":
+    _launch.check_block_rows(config.block_rows)
+    rows, _ = _launch.to_rows(flat, config.block_rows)
     gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
                              interpret=interpret)
     words = gt | eq
@@ -577,8 +584,8 @@ def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
   only when asked (``implementation="pallas"``): its earlier radix-select
   version was slower than the XLA path on an H100 at every size measured,
   and the one-pass version has not run on a GPU yet."""
-  if _select.resolve_implementation(implementation, op="topk", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  if _autotune.resolve_implementation(implementation, op="topk", n=x.size,
+                                      dtype=x.dtype) == "pallas":
     return topk(x, k, config=config)
   if x.size < fast_path_min_size():
     return topk_exact_small(x, k)
