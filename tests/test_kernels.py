@@ -43,17 +43,13 @@ def _set(idx):
 
 
 def test_resolve_implementation():
-  gpu = _launch.nvidia_gpu()
-  assert _autotune.resolve_implementation(None) == "xla"
-  big = _autotune.SIGN_KERNEL_MIN_SIZE
-  # The rewritten kernels are unmeasured on a GPU: XLA by default.
-  assert _autotune.resolve_implementation(None, op="sign", n=big) == (
-      "pallas" if gpu and "sign" in _autotune.MEASURED_PALLAS_OPS else "xla")
-  assert _autotune.resolve_implementation(None, op="sign", n=big + 1) == "xla"
-  assert _autotune.resolve_implementation(None, op="sign", n=big,
-                                        dtype=jnp.bfloat16) == "xla"
-  for op in ("qsgd", "int8", "topk", "sampled_topk"):
-    assert _autotune.resolve_implementation(None, op=op, n=big) == "xla"
+  """Named implementations are returned as named; None is XLA off NVIDIA
+  GPUs (on one it is measured: tests/test_autotune.py)."""
+  big = 1 << 22
+  if not _launch.nvidia_gpu():
+    assert _autotune.resolve_implementation(None) == "xla"
+    for op in ("sign", "qsgd", "int8", "fp8", "topk", "sampled_topk"):
+      assert _autotune.resolve_implementation(None, op=op, n=big) == "xla"
   assert _autotune.resolve_implementation("xla") == "xla"
   assert _autotune.resolve_implementation("pallas") == "pallas"
   with pytest.raises(ValueError, match="implementation"):

@@ -1043,12 +1043,80 @@ def fp8_block_quantize(
 # ----------------------------------------------------------------------------
 
 
+def _scratch_seed(x: jax.Array) -> tuple:
+  """A seed for a scratch run of an op (autotuning)."""
+  del x
+  return (jnp.array([0x9E3779B9, 7], jnp.uint32),)
+
+
+def _scratch_uniform(x: jax.Array) -> tuple:
+  """Uniform numbers for a scratch run of an op (autotuning)."""
+  return (jax.random.uniform(jax.random.key(1), (x.size,), jnp.float32),)
+
+
+def _in_place(n: int, group: int, dtype) -> bool:
+  """Whether the Pallas path reads ``x`` in place (whole (8, group) tiles
+  of a float32 or 16-bit float), or pays a padding copy."""
+  return n > 0 and n % (8 * group) == 0 and jnp.dtype(dtype) in _IN_PLACE
+
+
+def _rounding_of(uniform, seed, *, required: bool) -> str:
+  """``"seed"``, ``"array"`` (uniform numbers passed in) or ``"nearest"``.
+
+  Raises:
+    ValueError: both ``uniform`` and ``seed``, or neither where
+      ``required``.
+  """
+  if uniform is not None and seed is not None:
+    raise ValueError("pass either uniform random values or a seed, not both")
+  if uniform is None and seed is None and required:
+    raise ValueError("stochastic rounding needs uniform= or seed=")
+  return "seed" if seed is not None else (
+      "array" if uniform is not None else "nearest")
+
+
+def _extras_of(rounding: str):
+  return {"seed": _scratch_seed, "array": _scratch_uniform}.get(
+      rounding, lambda x: ())
+
+
+def _split_rounding(rounding: str, r: tuple):
+  """``(uniform, seed)`` from a scratch run's extra operands."""
+  return ((None, r[0]) if rounding == "seed"
+          else (r[0], None) if rounding == "array" else (None, None))
+
+
 def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
                        implementation: str | None = None):
-  """QSGD through the kernel or the reference (:func:`_autotune.resolve_implementation`); pass
-  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`."""
-  if _autotune.resolve_implementation(implementation, op="qsgd",
-                                      n=x.size, dtype=x.dtype) == "pallas":
+  """QSGD through the kernel or the reference: ``implementation``, or with
+  None the one :func:`jaxcomp.kernels.resolve_implementation` picks (XLA
+  off NVIDIA GPUs, the faster one measured on an NVIDIA GPU); pass
+  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`.
+
+  Raises:
+    ValueError: both or neither of ``uniform`` and ``seed``, and what the
+      chosen path raises.
+  """
+  rounding = _rounding_of(uniform, seed, required=True)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      u, s = _split_rounding(rounding, r)
+      if impl == "pallas":
+        return qsgd_quantize(v, u, levels=levels, bucket_size=bucket_size,
+                             seed=s, interpret=interpret)
+      return qsgd_quantize_reference(v, u, levels=levels,
+                                     bucket_size=bucket_size, seed=s)
+    return f
+
+  tunable = _autotune.Tunable(
+      op="qsgd", n=x.size, dtype=x.dtype, run=run, extras=_extras_of(rounding),
+      params={"bits": qsgd_bits(levels), "bucket_size": bucket_size,
+              "rounding": rounding,
+              "in_place": _in_place(x.size, bucket_size, x.dtype)},
+      supported=bucket_size % ROW == 0)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size,
                          seed=seed)
   return qsgd_quantize_reference(x, uniform, levels=levels,
@@ -1056,19 +1124,52 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
 
 
 def sign_pack_auto(x, *, implementation: str | None = None):
-  """Sign packing through the kernel or the reference (:func:`_autotune.resolve_implementation`)."""
-  if _autotune.resolve_implementation(implementation, op="sign",
-                                      n=x.size, dtype=x.dtype) == "pallas":
+  """Sign packing through the kernel or the reference (``implementation``,
+  or with None as :func:`qsgd_quantize_auto` picks)."""
+
+  def run(impl, interpret):
+    if impl == "pallas":
+      return lambda v: sign_pack(v, interpret=interpret)
+    return sign_pack_reference
+
+  tunable = _autotune.Tunable(
+      op="sign", n=x.size, dtype=x.dtype, run=run,
+      params={"in_place": _in_place(x.size, ROW, x.dtype)})
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return sign_pack(x)
   return sign_pack_reference(x)
 
 
+def _block_tunable(op: str, x, *, block_size, rounding: str, run, **params):
+  return _autotune.Tunable(
+      op=op, n=x.size, dtype=x.dtype, run=run, extras=_extras_of(rounding),
+      params={"block_size": block_size, "rounding": rounding,
+              "in_place": _in_place(x.size, block_size, x.dtype), **params},
+      supported=block_size % ROW == 0)
+
+
 def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylint: disable=redefined-builtin
                             implementation: str | None = None):
-  """fp8 block quantization through the kernel or the reference; pass
-  ``seed`` for stochastic rounding."""
-  if _autotune.resolve_implementation(implementation, op="fp8",
-                                      n=x.size, dtype=x.dtype) == "pallas":
+  """fp8 block quantization through the kernel or the reference
+  (``implementation``, or with None as :func:`qsgd_quantize_auto` picks);
+  pass ``seed`` for stochastic rounding."""
+  rounding = _rounding_of(None, seed, required=False)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      s = _split_rounding(rounding, r)[1]
+      if impl == "pallas":
+        return fp8_block_quantize(v, block_size=block_size, format=format,
+                                  seed=s, interpret=interpret)
+      return fp8_block_quantize_reference(v, block_size=block_size,
+                                          format=format, seed=s)
+    return f
+
+  tunable = _block_tunable("fp8", x, block_size=block_size, rounding=rounding,
+                           run=run, format=format)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return fp8_block_quantize(x, block_size=block_size, format=format, seed=seed)
   return fp8_block_quantize_reference(x, block_size=block_size, format=format,
                                       seed=seed)
@@ -1076,10 +1177,26 @@ def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylin
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
                              seed=None, implementation: str | None = None):
-  """int8 block quantization through the kernel or the reference; pass
-  ``stochastic_uniform`` or ``seed`` for stochastic rounding."""
-  if _autotune.resolve_implementation(implementation, op="int8",
-                                      n=x.size, dtype=x.dtype) == "pallas":
+  """int8 block quantization through the kernel or the reference
+  (``implementation``, or with None as :func:`qsgd_quantize_auto` picks);
+  pass ``stochastic_uniform`` or ``seed`` for stochastic rounding."""
+  rounding = _rounding_of(stochastic_uniform, seed, required=False)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      u, s = _split_rounding(rounding, r)
+      if impl == "pallas":
+        return int8_block_quantize(v, block_size=block_size,
+                                   stochastic_uniform=u, seed=s,
+                                   interpret=interpret)
+      return int8_block_quantize_reference(v, block_size=block_size,
+                                           stochastic_uniform=u, seed=s)
+    return f
+
+  tunable = _block_tunable("int8", x, block_size=block_size,
+                           rounding=rounding, run=run)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return int8_block_quantize(x, block_size=block_size,
                                stochastic_uniform=stochastic_uniform, seed=seed)
   return int8_block_quantize_reference(x, block_size=block_size,

@@ -505,8 +505,6 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
 # ----------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
-                                             "implementation", "interpret"))
 def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
                  config: TopKConfig = DEFAULT_CONFIG,
                  implementation: str | None = None,
@@ -517,7 +515,9 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   The threshold ``t`` is the ``ceil(m * k / n)``-th largest ``|x|`` of
   ``m = max(1, round(n * sample_ratio))`` elements drawn uniformly (with
   replacement) with ``key``. Elements with ``|x| >= t`` are taken in ascending
-  index order, at most ``k``; missing slots hold index 0 and value 0.0.
+  index order, at most ``k``; missing slots hold index 0 and value 0.0. The
+  mask pass runs on the Pallas kernel or in XLA (``implementation``, or
+  with None as :func:`jaxcomp.kernels.resolve_implementation` picks).
 
   Returns:
     ``(values[k] in x.dtype, indices[k] int32)``.
@@ -527,17 +527,40 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   """
   if not 0 < sample_ratio <= 1:
     raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  _check_k(x.size, k)
+
+  def run(impl, interpret):
+    return lambda v, key_: _sampled_topk(
+        v, k, key_, sample_ratio=sample_ratio, config=config,
+        implementation=impl, interpret=interpret)
+
+  tunable = _autotune.Tunable(
+      op="sampled_topk", n=x.size, dtype=x.dtype, run=run,
+      extras=lambda v: (jax.random.key(2),),
+      params={"density": _density_class(x.size, k),
+              "sample_ratio": sample_ratio,
+              "in_place": _rows_in_place(x.size, x.dtype),
+              **_config_params(config)},
+      supported=k > 0)
+  implementation = _autotune.resolve_implementation(implementation,
+                                                    tunable=tunable)
+  return _sampled_topk(x, k, key, sample_ratio=sample_ratio, config=config,
+                       implementation=implementation, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
+                                             "implementation", "interpret"))
+def _sampled_topk(x, k, key, *, sample_ratio, config, implementation,
+                  interpret):
   flat = x.reshape(-1)
   n = flat.shape[0]
-  _check_k(n, k)
   if k == 0:
     return _empty(flat)
   m = max(1, min(n, round(n * sample_ratio)))
   ks = max(1, math.ceil(m * k / n))
   pick = jax.random.randint(key, (m,), 0, n)
   t = _kth_largest_key(flat[pick], ks)
-  if _autotune.resolve_implementation(implementation, op="sampled_topk", n=n,
-                                      dtype=x.dtype) == "pallas":
+  if implementation == "pallas":
     _launch.check_block_rows(config.block_rows)
     rows, _ = _launch.to_rows(flat, config.block_rows)
     gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
@@ -547,6 +570,23 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
     words = _words_xla(flat, lambda kk: kk >= t)
   idx, valid = compact.compact(words, k)
   return _gather(flat, idx, valid), idx
+
+
+def _density_class(n: int, k: int) -> str:
+  """``k / n`` to the nearest power of two, e.g. ``"2^-7"`` for 1%: top-k
+  selections of about the same density share an autotuning decision."""
+  return f"2^{round(math.log2(k / n))}" if k > 0 and n > 0 else "0"
+
+
+def _rows_in_place(n: int, dtype) -> bool:
+  """Whether the Pallas path reads ``x`` in place (:func:`_launch.to_rows`)."""
+  return n > 0 and n % (8 * ROW) == 0 and jnp.dtype(dtype) == jnp.float32
+
+
+def _config_params(config: TopKConfig) -> dict:
+  """The knobs that differ from :data:`DEFAULT_CONFIG`, for a tuning key."""
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+          if getattr(config, f.name) != getattr(DEFAULT_CONFIG, f.name)}
 
 
 def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -578,15 +618,32 @@ def fast_path_min_size() -> int:
 
 def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
               config: TopKConfig = DEFAULT_CONFIG):
-  """Exact top-k set of ``|x|`` in ascending index order: on the XLA path
-  ``lax.top_k`` below :func:`fast_path_min_size` elements and
-  :func:`topk_threshold_xla` from there; the Pallas path (:func:`topk`)
-  only when asked (``implementation="pallas"``): its earlier radix-select
-  version was slower than the XLA path on an H100 at every size measured,
-  and the one-pass version has not run on a GPU yet."""
-  if _autotune.resolve_implementation(implementation, op="topk", n=x.size,
-                                      dtype=x.dtype) == "pallas":
+  """Exact top-k set of ``|x|`` in ascending index order: the Pallas path
+  (:func:`topk`) or the XLA path (``lax.top_k`` below
+  :func:`fast_path_min_size` elements, :func:`topk_threshold_xla` from
+  there), by ``implementation``, or with None as
+  :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off NVIDIA GPUs,
+  the faster one measured on an NVIDIA GPU: the earlier radix-select kernel
+  was slower than the XLA path on an H100 at every size measured)."""
+
+  def run(impl, interpret):
+    if impl == "pallas":
+      return lambda v: topk(v, k, config=config, interpret=interpret)
+    return lambda v: _topk_xla(v, k, config)
+
+  tunable = _autotune.Tunable(
+      op="topk", n=x.size, dtype=x.dtype, run=run,
+      params={"density": _density_class(x.size, k),
+              "in_place": _rows_in_place(x.size, x.dtype),
+              **_config_params(config)},
+      supported=k > 0)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return topk(x, k, config=config)
+  return _topk_xla(x, k, config)
+
+
+def _topk_xla(x, k, config):
   if x.size < fast_path_min_size():
     return topk_exact_small(x, k)
   return topk_threshold_xla(x, k, config=config)
