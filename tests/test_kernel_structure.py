@@ -32,6 +32,8 @@ def _paths(n, dtype=jnp.float32):
   x = S((n,), dtype)
   return {
       "sign_pack": (lambda x: quantize.sign_pack(x), (x,)),
+      "qsgd_2bit_b32": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=1, bucket_size=32, seed=s), (x, SEED)),
       "qsgd_4bit_b128": (lambda x, s: quantize.qsgd_quantize(
           x, levels=7, bucket_size=128, seed=s), (x, SEED)),
       "qsgd_8bit_b256": (lambda x, s: quantize.qsgd_quantize(

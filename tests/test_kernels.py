@@ -291,7 +291,7 @@ class TestKernelsCompiled:
       (20_000, jnp.float32, 7, 128),  # 3 blocks of 64 buckets, last partial
       (40_960, jnp.float32, 127, 256),  # whole blocks of 64 buckets
       (70_001, jnp.bfloat16, 7, 512),  # 3 blocks, bf16, partial bucket
-      (3001, jnp.float32, 1, 32),  # 2-bit codes of one row: word-major out
+      (3001, jnp.float32, 1, 32),  # 2-bit codes, buckets of 32: 4 a row
       (5000, jnp.float32, 4000, 96),  # 3 rows: the XLA-norm fallback
   ])
   def test_qsgd_seed_dither_in_kernel(self, n, dtype, levels, bucket):
@@ -617,6 +617,8 @@ def test_persistent_grid_block_order_gives_the_same_bits(workers):
                                                      config=QCFG, interpret=i),
       "fp8": lambda i: quantize.fp8_block_quantize(x, block_size=128, format="e5m2",
                                                    seed=seed, config=QCFG, interpret=i),
+      "qsgd_2bit": lambda i: quantize.qsgd_quantize(
+          x, levels=1, bucket_size=32, seed=seed, config=QCFG, interpret=i),
       "topk": lambda i: topk.topk(x, 100, config=TCFG, interpret=i),
   }
   plain = {k: jax.tree.map(np.asarray, f(True)) for k, f in runs.items()}

@@ -62,12 +62,16 @@ It writes:
 
 * the packed words as ``(num_groups, group_rows * bits)`` uint32, row-major
   in wire order (word ``k * bits + w`` of a group is word ``w`` of its
-  ``k``-th row of 32), so the flat word stream is a free reshape. Where a
-  group has fewer than 4 words (16 bytes: TMA's minimum row stride; QSGD
-  2-bit codes in buckets of 32, sign in groups of 32) the kernel writes them
-  word-major, ``(group_rows * bits, num_groups)``, and XLA transposes them;
-* one float32 per group: the QSGD norm, the int8 scale, or the sign path's
-  sum of ``|x|`` (XLA adds those ``n / group`` values for the scale).
+  ``k``-th row of 32), so the flat word stream is a free reshape. QSGD's
+  2-bit codes in buckets of 32 (2 words and 1 norm a bucket, rows narrower
+  than TMA's 16 bytes) take 4 buckets a row: 8 words and 4 norms, in wire
+  order too. Where sign packing groups fewer than 4 rows (lengths that are
+  not multiples of 1024, to avoid a padding copy) the kernel writes its
+  words word-major, ``(group_rows, num_groups)``, and XLA transposes them
+  (``n / 32`` words);
+* one float32 per group (per bucket): the QSGD norm, the int8 scale, or the
+  sign path's sum of ``|x|`` (XLA adds those ``n / group`` values for the
+  scale).
 
 QSGD norms are the kernel's: float32 sums in another order than XLA's
 ``group_reduce``, and a square root from ``rsqrt`` plus one Heron step
@@ -522,17 +526,23 @@ class _Plan:
   is ``block_groups`` such rows. ``in_kernel`` says whether the kernel
   reduces each group itself (one-pass) or is handed one multiplier per
   32-element row computed by XLA first (``group == 32`` then).
+  ``buckets_per_row`` > 1: a row holds that many buckets of 32, one per
+  column slice, each with its own statistic (written ``(B,
+  buckets_per_row)``): QSGD's 2-bit codes in buckets of 32, whose 2 words
+  and 1 norm per bucket are rows narrower than TMA's 16 bytes, are written
+  4 buckets a row (8 words, 4 norms) in wire order.
   """
   group: int
   block_groups: int
   in_kernel: bool
+  buckets_per_row: int = 1
 
   @property
   def group_rows(self) -> int:
     return self.group // ROW
 
 
-def _one_pass_plan(group: int, block_rows: int, inputs: int = 1
+def _one_pass_plan(group: int, block_rows: int, inputs: int = 1, bits: int = 8
                    ) -> _Plan | None:
   """The one-pass layout for buckets / blocks of ``group`` elements, or None
   where it does not apply: ``group`` not a multiple of 32, ``group // 32``
@@ -546,13 +556,23 @@ def _one_pass_plan(group: int, block_rows: int, inputs: int = 1
   not."""
   if group % ROW:
     return None
+  per_row = _buckets_per_row(group, bits)
+  group *= per_row
   g = group // ROW
   if block_rows % g:
     return None
   block_groups = max(64, block_rows // g)
   if inputs * block_groups * group * 4 > MAX_INPUT_BLOCK_BYTES:
     return None
-  return _Plan(group=group, block_groups=block_groups, in_kernel=True)
+  return _Plan(group=group, block_groups=block_groups, in_kernel=True,
+               buckets_per_row=per_row)
+
+
+def _buckets_per_row(group: int, bits: int) -> int:
+  """Buckets a row of the kernel's view holds: 4 where one bucket's words
+  (``group / 32 * bits``) would make rows narrower than TMA's 16 bytes
+  (QSGD's 2-bit codes in buckets of 32; 4 norms make 16 bytes), else 1."""
+  return 4 if group == ROW and bits < 4 else 1
 
 
 def _sign_plan(n: int, block_rows: int) -> _Plan:
@@ -716,19 +736,24 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref=None, *, mult_ref=None,
   multipliers ``levels / norm`` from ``mult_ref``), rounding with
   ``u_ref`` or ``seed_ref``."""
   xs = _columns(x_ref, plan, block)
-  if mult_ref is None:
+  if mult_ref is not None:
+    ms = [_per_row(block.row(mult_ref[...]), plan)] * len(xs)
+  elif plan.buckets_per_row == 1:
     norms = _kernel_sqrt(_row_total([v * v for v in xs], jnp.sum, jnp.add))
     norms_ref[...] = norms
-    m = _qsgd_multiplier(norms, levels)
-  else:
-    m = block.row(mult_ref[...])
-  m = _per_row(m, plan)
+    ms = [_per_row(_qsgd_multiplier(norms, levels), plan)] * len(xs)
+  else:  # a bucket per column slice: norms_ref (B, buckets_per_row)
+    ms = []
+    for k, v in enumerate(xs):
+      norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
+      norms_ref[:, k] = norm
+      ms.append(_per_row(_qsgd_multiplier(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   uniform = _rounding(plan, block, col, u_ref, seed_ref)
   shift = _word_shift(col, bits)
   for k, x in enumerate(xs):
     u = uniform(k)
-    r = jnp.abs(x) * m
+    r = jnp.abs(x) * ms[k]
     level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
     codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
@@ -815,7 +840,12 @@ def _quantize_pack_call(op: str, x_groups, row_mult, u_groups, seed, *,
   else:
     outputs = [("words_ref", _launch.out_struct((num_groups, width), jnp.uint32, x_groups),
                 pl.BlockSpec((plan.block_groups, width), lambda i: (i, 0)))]
-  if plan.in_kernel:
+  if plan.in_kernel and plan.buckets_per_row > 1:
+    per_row = plan.buckets_per_row
+    outputs.append((stat_name,
+                    _launch.out_struct((num_groups, per_row), jnp.float32, x_groups),
+                    pl.BlockSpec((plan.block_groups, per_row), lambda i: (i, 0))))
+  elif plan.in_kernel:
     outputs.append((stat_name,
                     _launch.out_struct((num_groups,), jnp.float32, x_groups),
                     _launch.vector_spec(plan.block_groups)))
@@ -831,7 +861,7 @@ def _quantize_pack_call(op: str, x_groups, row_mult, u_groups, seed, *,
   )(*operands)
   # Row-major (group, word) is the wire's order.
   words = (out[0].T if word_major else out[0]).reshape(-1)
-  return words, (out[1] if plan.in_kernel else None)
+  return words, (out[1].reshape(-1) if plan.in_kernel else None)
 
 
 def _row_values(per_group: jax.Array, group: int, num_rows: int) -> jax.Array:
@@ -858,7 +888,7 @@ def _quantize(x, op: str, *, bits, group, multiplier, top, uniform, seed,
   if uniform is not None and seed is not None:
     raise ValueError("pass either uniform random values or a seed, not both")
   plan = _one_pass_plan(group, config.block_rows,
-                        inputs=1 if uniform is None else 2)
+                        inputs=1 if uniform is None else 2, bits=bits)
   u_source = None if uniform is None else _uniform_f32(uniform)
   if plan is not None:
     xg, grid = _to_groups(x, plan)
@@ -1113,7 +1143,9 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
       op="qsgd", n=x.size, dtype=x.dtype, run=run, extras=_extras_of(rounding),
       params={"bits": qsgd_bits(levels), "bucket_size": bucket_size,
               "rounding": rounding,
-              "in_place": _in_place(x.size, bucket_size, x.dtype)},
+              "in_place": _in_place(
+                  x.size, bucket_size * _buckets_per_row(bucket_size, qsgd_bits(levels)),
+                  x.dtype)},
       supported=bucket_size % ROW == 0)
   if _autotune.resolve_implementation(implementation,
                                       tunable=tunable) == "pallas":
