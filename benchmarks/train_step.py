@@ -61,7 +61,7 @@ def main(argv=None) -> int:
   from examples.fashion_mnist import data as data_lib
   from examples.fashion_mnist.train import CNN
 
-  gpu = jaxcomp.kernels._select.nvidia_gpu()
+  gpu = jaxcomp.kernels.nvidia_gpu()
   impls = ["xla", "pallas"] if gpu else ["xla"]
   n_dev = jax.device_count()
   mesh = jax.make_mesh((n_dev,), ("data",))

@@ -21,7 +21,7 @@ import jaxcomp
 from tests.helpers import sharded_update, stacked
 
 pytestmark = pytest.mark.skipif(
-    not jaxcomp.kernels._select.nvidia_gpu(),
+    not jaxcomp.kernels.nvidia_gpu(),
     reason="the Pallas kernels compile only on an NVIDIA GPU backend")
 
 CASES = {

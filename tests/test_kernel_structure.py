@@ -17,7 +17,7 @@ import pytest
 
 from jaxcomp.compressors import block_quant
 from jaxcomp.compressors import qsgd
-from jaxcomp.kernels import _select
+from jaxcomp.kernels import _launch
 from jaxcomp.kernels import quantize
 from jaxcomp.inspect import kernel_structure as structure
 
@@ -32,6 +32,8 @@ def _paths(n, dtype=jnp.float32):
   x = S((n,), dtype)
   return {
       "sign_pack": (lambda x: quantize.sign_pack(x), (x,)),
+      "qsgd_2bit_b32": (lambda x, s: quantize.qsgd_quantize(
+          x, levels=1, bucket_size=32, seed=s), (x, SEED)),
       "qsgd_4bit_b128": (lambda x, s: quantize.qsgd_quantize(
           x, levels=7, bucket_size=128, seed=s), (x, SEED)),
       "qsgd_8bit_b256": (lambda x, s: quantize.qsgd_quantize(
@@ -224,16 +226,16 @@ def test_many_blocks_run_on_a_persistent_pipelined_grid(name, dtype):
   fn, args = _paths(N_LARGE, dtype)[name]
   (launch,) = structure.kernel_launches(fn, *args)
   print(name, jnp.dtype(dtype).name, launch)
-  assert launch.grid == (_select.DEFAULT_SM_COUNT, 1, 1), launch
+  assert launch.grid == (_launch.DEFAULT_SM_COUNT, 1, 1), launch
   assert launch.loops >= 1, launch
   assert launch.shared_bytes <= 227 * 1024, launch
   fn, args = _paths(N_TILED, dtype)[name]
   (launch,) = structure.kernel_launches(fn, *args)
-  assert launch.grid[0] < _select.DEFAULT_SM_COUNT and launch.loops == 0, launch
+  assert launch.grid[0] < _launch.DEFAULT_SM_COUNT and launch.loops == 0, launch
 
 
 def test_pipeline_stages_fit_shared_memory():
-  assert _select.pipeline_stages(36 * 1024, 100) == 3
-  assert _select.pipeline_stages(84 * 1024, 100) == 2  # 3 would need 252 KiB
-  assert _select.pipeline_stages(150 * 1024, 100) == 1
-  assert _select.pipeline_stages(1024, 2) == 2  # no more stages than steps
+  assert _launch.pipeline_stages(36 * 1024, 100) == 3
+  assert _launch.pipeline_stages(84 * 1024, 100) == 2  # 3 would need 252 KiB
+  assert _launch.pipeline_stages(150 * 1024, 100) == 1
+  assert _launch.pipeline_stages(1024, 2) == 2  # no more stages than steps

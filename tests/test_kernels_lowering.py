@@ -41,7 +41,7 @@ def _cases():
           x, levels=127, bucket_size=256, seed=s), (f32_tiled, seed)),
       "qsgd_seed_b512_16bit": (lambda x, s: quantize.qsgd_quantize(
           x, levels=4000, bucket_size=512, seed=s), (f32, seed)),
-      "qsgd_seed_b32_2bit_word_major": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b32_2bit": (lambda x, s: quantize.qsgd_quantize(
           x, levels=1, bucket_size=32, seed=s), (f32, seed)),
       "qsgd_seed_b96_fallback": (lambda x, s: quantize.qsgd_quantize(
           x, levels=7, bucket_size=96, seed=s), (f32, seed)),

@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("jaxcomp.bench.kernels",
                 "top-k and quantization kernels vs memory pass / lax.top_k / "
                 "XLA reference"),
+    "device-check": ("jaxcomp.bench.device_check",
+                     "check a GPU end to end within a time budget: compiled "
+                     "kernel tests, kernel benchmark, example steps, "
+                     "autotuner table"),
 }
 
 
@@ -31,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = build_parser().parse_args(argv)
+  args.argv = argv[1:]  # the subcommand's own arguments, for its records
   return importlib.import_module(args._module).main(args) or 0
 
 

@@ -92,8 +92,8 @@ class IntBlock(_Rounded):
     max_bits: wire width when ``bits`` is scheduled (one of 2, 4, 8), or None.
     implementation: for 8 bits, ``"pallas"`` (the int8 block kernel of
       :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
-      ``"xla"`` (its reference), or None (the path measured faster on the
-      backend: XLA, see ``jaxcomp.kernels._select``).
+      ``"xla"`` (its reference), or None (XLA off NVIDIA GPUs, the path
+      measured faster on one: :class:`jaxcomp.kernels.Autotuner`).
 
   Raises:
     ValueError: ``bits``/``max_bits`` outside (2, 4, 8), ``bits > max_bits``,
@@ -213,7 +213,8 @@ class FP8Block(_Rounded):
     implementation: ``"pallas"`` (the one-pass fp8 block kernel of
       :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
       ``"xla"`` (its reference, the same codes bit for bit), or None (XLA
-      until a GPU measures the kernel, see ``jaxcomp.kernels._select``).
+      off NVIDIA GPUs, the path measured faster on one:
+      :class:`jaxcomp.kernels.Autotuner`).
 
   Raises:
     ValueError: unknown ``format``, ``rounding`` or ``implementation``,

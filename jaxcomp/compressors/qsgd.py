@@ -42,8 +42,9 @@ class QSGD(Compressor):
   Encoding runs the Pallas quantize-and-pack kernel or its ``jnp`` reference
   (:mod:`jaxcomp.kernels.quantize`; the same words given the same norms,
   and the kernel's norms within a few float32 ulp of the reference's);
-  ``implementation=None`` takes the reference (the earlier kernel was
-  slower on an H100; the one-pass kernel is not measured yet).
+  ``implementation=None`` takes the reference off NVIDIA GPUs and, on one,
+  the path measured faster there for this size and bucket
+  (:func:`jaxcomp.kernels.autotune`).
 
   ``levels`` may follow a schedule (``optax.inject_hyperparams``) with
   ``max_levels`` as the static maximum: the code width is then
@@ -57,7 +58,8 @@ class QSGD(Compressor):
       4-bit codes hold.
     bucket_size: elements sharing one norm, >= 1 (a multiple of 32 for the
       Pallas kernel); default 128.
-    implementation: ``"pallas"``, ``"xla"`` or None (measured-faster path).
+    implementation: ``"pallas"``, ``"xla"`` or None (XLA off NVIDIA GPUs,
+      the path measured faster on one: :class:`jaxcomp.kernels.Autotuner`).
     max_levels: static maximum of a scheduled ``levels``, or None.
 
   Raises:

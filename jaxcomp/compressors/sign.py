@@ -45,9 +45,10 @@ class ScaledSign(Compressor):
   ``4 * ceil(n / 32) + 4`` bytes. Wire format and reference:
   :func:`jaxcomp.kernels.quantize.sign_pack_reference`; packing runs the
   Pallas kernel or the reference (``implementation="pallas" | "xla"``; None
-  takes the reference until the rewritten kernel is measured on a GPU: the
-  earlier kernel was 1.8x faster on an H100 for float32 buckets of at least
-  2^22 elements in whole 256-element tiles).
+  takes the reference off NVIDIA GPUs and the path measured faster on one,
+  :class:`jaxcomp.kernels.Autotuner`: the earlier kernel was 1.8x faster on
+  an H100 for float32 buckets of at least 2^22 elements in whole
+  256-element tiles).
 
   Error bound: ``||decode(encode(x)) - x||_2^2 = ||x||_2^2 - ||x||_1^2 / n``
   exactly (the L1-scaled sign is the orthogonal projection of ``x`` onto

@@ -59,17 +59,21 @@ class Threshold(SparsePayload):
     return num_selected(self.capacity_ratio, n)
 
   def encode(self, x, key):
-    """One pass packs ``|x| >= threshold`` into bit masks; when at most the
-    capacity passes, they are compacted in index order (no sort); when more
-    pass, the capacity's largest of them are taken exactly
-    (:func:`~jaxcomp.compressors.sparse.largest_eligible`)."""
+    """One pass packs ``|x| >= threshold`` into bit masks and counts them;
+    when at most the capacity passes, they are compacted in index order (no
+    sort); when more pass, the capacity's largest of them are taken exactly
+    (:func:`~jaxcomp.compressors.sparse.largest_eligible`), and nothing is
+    compacted first."""
     del key
     cap = self.capacity(x.shape[0])
     thr = _hparams.as_f32(self.threshold)
     passes = lambda v: jnp.abs(v).astype(jnp.float32) >= thr
-    idx, valid, total = compact.select(x, passes, cap)
-    values, idx = lax.cond(
-        total <= cap,
-        lambda: (jnp.where(valid, x[idx], 0), idx),
-        lambda: largest_eligible(x, passes(x), cap))
+    words = compact.pack(x, passes)
+
+    def fits():
+      idx, valid = compact.compact(words, cap)
+      return jnp.where(valid, x[idx], 0), idx
+
+    values, idx = lax.cond(compact.count(words) <= cap, fits,
+                           lambda: largest_eligible(x, passes(x), cap))
     return {"values": values, "indices": idx}

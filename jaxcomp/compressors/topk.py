@@ -22,17 +22,18 @@ class TopK(SparsePayload):
   """Sends the k = ceil(ratio * n) entries of largest magnitude.
 
   Exact selection: the same set as ``lax.top_k`` of ``|x|`` (ties go to the
-  lower index). What runs, with ``implementation=None`` on every backend, is
+  lower index). What runs with ``implementation=None`` off NVIDIA GPUs (and
+  on one where it measures faster: :class:`jaxcomp.kernels.Autotuner`) is
   the XLA path (:func:`jaxcomp.kernels.topk.topk_auto`): ``lax.top_k`` and an
   index sort below :func:`jaxcomp.kernels.topk.fast_path_min_size` elements
   (2^19 on CPU, 2^22 on GPU), and from there the sampled-threshold fast path
   (a threshold bracket from an evenly spaced sample, bit-mask compaction of
   the candidates, an exact sort of the bracket only). The Pallas path (the
   same selection with its one pass over ``x`` in a mask kernel, a radix
-  select only when the sample misleads) runs only with
-  ``implementation="pallas"`` (its earlier radix-select version was slower
-  than the XLA path on an H100 at every size measured; this one is not
-  measured). Biased, so
+  select only when the sample misleads) runs with
+  ``implementation="pallas"``, or with None on an NVIDIA GPU where it
+  measures faster (its earlier radix-select version was slower than the XLA
+  path on an H100 at every size measured). Biased, so
   :func:`jaxcomp.compressed_mean` turns residual error feedback on by
   default. Not linear: the payloads are all-gathered and every device
   scatter-adds all of them.

@@ -29,7 +29,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
+
+import jax
+import jax.extend.core
+from jax.extend.mlir import ir
+# jax.interpreters.mlir is JAX's public module for lowering rules; its
+# make_ir_context is the context with the dialects JAX registers (the gpu
+# dialect's memory spaces of a Mosaic GPU kernel's module among them), which
+# a bare ``ir.Context()`` lacks.
+from jax.interpreters import mlir as jax_mlir
 
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 _FUNC_RE = re.compile(r"func\.func\s+(?:public|private)\s+@([\w$.\-]+)\((.*?)\)\s*(?:->|\{)")
@@ -256,7 +266,6 @@ def analyze(text: str, n: int, x_arg: int = 0) -> Structure:
 def export_structure(fn, *args, x_arg: int = 0) -> Structure:
   """Exports ``jax.jit(fn)`` for CUDA with ``args`` (ShapeDtypeStructs) and
   analyzes it; ``args[x_arg]`` is the input ``x``."""
-  import jax
   exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
   n = 1
   for d in args[x_arg].shape:
@@ -297,9 +306,6 @@ def kernel_ops(fn, *args) -> list[KernelOps]:
   """Counts the operations of each ``pallas_call`` in ``fn(*args)`` (traced
   with ``jax.make_jaxpr``; call the kernels with ``interpret=True`` so that
   they appear as ``pallas_call`` with their body's jaxpr)."""
-  import math  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.extend.core  # pylint: disable=g-import-not-at-top
 
   def calls(jaxpr, branch=False):
     for eqn in jaxpr.eqns:
@@ -362,11 +368,6 @@ class KernelLaunch:
 def kernel_launches(fn, *args) -> list[KernelLaunch]:
   """The launch of each Mosaic GPU kernel in ``jax.jit(fn)`` exported for
   CUDA with ``args`` (ShapeDtypeStructs); no GPU needed."""
-  import jax  # pylint: disable=g-import-not-at-top
-  # jax's own context: the dialects of the kernel's module are registered
-  # there (the gpu dialect's memory spaces); no public API makes one.
-  from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
-  from jax.extend.mlir import ir  # pylint: disable=g-import-not-at-top
   text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   ctx = jax_mlir.make_ir_context()
   ctx.allow_unregistered_dialects = True  # the kernel's stable_mosaic_gpu ops

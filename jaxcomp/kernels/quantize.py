@@ -62,12 +62,16 @@ It writes:
 
 * the packed words as ``(num_groups, group_rows * bits)`` uint32, row-major
   in wire order (word ``k * bits + w`` of a group is word ``w`` of its
-  ``k``-th row of 32), so the flat word stream is a free reshape. Where a
-  group has fewer than 4 words (16 bytes: TMA's minimum row stride; QSGD
-  2-bit codes in buckets of 32, sign in groups of 32) the kernel writes them
-  word-major, ``(group_rows * bits, num_groups)``, and XLA transposes them;
-* one float32 per group: the QSGD norm, the int8 scale, or the sign path's
-  sum of ``|x|`` (XLA adds those ``n / group`` values for the scale).
+  ``k``-th row of 32), so the flat word stream is a free reshape. QSGD's
+  2-bit codes in buckets of 32 (2 words and 1 norm a bucket, rows narrower
+  than TMA's 16 bytes) take 4 buckets a row: 8 words and 4 norms, in wire
+  order too. Where sign packing groups fewer than 4 rows (lengths that are
+  not multiples of 1024, to avoid a padding copy) the kernel writes its
+  words word-major, ``(group_rows, num_groups)``, and XLA transposes them
+  (``n / 32`` words);
+* one float32 per group (per bucket): the QSGD norm, the int8 scale, or the
+  sign path's sum of ``|x|`` (XLA adds those ``n / group`` values for the
+  scale).
 
 QSGD norms are the kernel's: float32 sums in another order than XLA's
 ``group_reduce``, and a square root from ``rsqrt`` plus one Heron step
@@ -108,13 +112,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import _select
+from . import _autotune
+from . import _launch
 from . import dither
 from .bitpack import pack_bits_reference
 from .bitpack import packed_words
 from .bitpack import unpack_bits_reference
 
-ROW = _select.ROW
+ROW = _launch.ROW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,12 +388,6 @@ def _fp8_format(fmt: str):
   return FP8_FORMATS[fmt]
 
 
-def _block_top(mode: str) -> float:
-  """The value a block's ``max|x|`` maps to: 127 for int8, the fp8 format's
-  largest finite value for ``"fp8_<format>"``."""
-  return FP8_FORMATS[mode[4:]][2] if mode.startswith("fp8") else 127
-
-
 def _fp8_code(y: jax.Array, fmt: str) -> jax.Array:
   """uint32 fp8 codes (0..255) of float32 ``y`` (``|y|`` at most the
   format's largest finite value, or NaN), rounded to nearest even with
@@ -527,17 +526,23 @@ class _Plan:
   is ``block_groups`` such rows. ``in_kernel`` says whether the kernel
   reduces each group itself (one-pass) or is handed one multiplier per
   32-element row computed by XLA first (``group == 32`` then).
+  ``buckets_per_row`` > 1: a row holds that many buckets of 32, one per
+  column slice, each with its own statistic (written ``(B,
+  buckets_per_row)``): QSGD's 2-bit codes in buckets of 32, whose 2 words
+  and 1 norm per bucket are rows narrower than TMA's 16 bytes, are written
+  4 buckets a row (8 words, 4 norms) in wire order.
   """
   group: int
   block_groups: int
   in_kernel: bool
+  buckets_per_row: int = 1
 
   @property
   def group_rows(self) -> int:
     return self.group // ROW
 
 
-def _one_pass_plan(group: int, block_rows: int, inputs: int = 1
+def _one_pass_plan(group: int, block_rows: int, inputs: int = 1, bits: int = 8
                    ) -> _Plan | None:
   """The one-pass layout for buckets / blocks of ``group`` elements, or None
   where it does not apply: ``group`` not a multiple of 32, ``group // 32``
@@ -551,13 +556,23 @@ def _one_pass_plan(group: int, block_rows: int, inputs: int = 1
   not."""
   if group % ROW:
     return None
+  per_row = _buckets_per_row(group, bits)
+  group *= per_row
   g = group // ROW
   if block_rows % g:
     return None
   block_groups = max(64, block_rows // g)
   if inputs * block_groups * group * 4 > MAX_INPUT_BLOCK_BYTES:
     return None
-  return _Plan(group=group, block_groups=block_groups, in_kernel=True)
+  return _Plan(group=group, block_groups=block_groups, in_kernel=True,
+               buckets_per_row=per_row)
+
+
+def _buckets_per_row(group: int, bits: int) -> int:
+  """Buckets a row of the kernel's view holds: 4 where one bucket's words
+  (``group / 32 * bits``) would make rows narrower than TMA's 16 bytes
+  (QSGD's 2-bit codes in buckets of 32; 4 norms make 16 bytes), else 1."""
+  return 4 if group == ROW and bits < 4 else 1
 
 
 def _sign_plan(n: int, block_rows: int) -> _Plan:
@@ -573,7 +588,7 @@ def _sign_plan(n: int, block_rows: int) -> _Plan:
                in_kernel=True)
 
 
-def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
+def _to_groups(v: jax.Array, plan: _Plan):
   """Flat ``v`` as ``(num_groups, group)`` rows and the grid.
 
   A float32, bfloat16 or float16 ``v`` whose size is a multiple of ``8 *
@@ -581,20 +596,16 @@ def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
   dtype: the kernel converts it to float32 in registers, so 16-bit inputs
   are read in place, half the bytes of a float32 copy. The last block may
   be partial (TMA zero-fills the rows past the end on load and drops them on
-  store). Any other input is converted to float32 and zero-padded once: to
-  whole tiles, or to whole blocks in interpret mode (whose reads past the
-  end are not zeros; there whole blocks are read in place too).
+  store; :func:`_launch.blocked_call` does the same in interpret mode). Any
+  other input is converted to float32 and zero-padded once to whole tiles.
   """
   n = v.size
   flat = v.reshape(-1)
-  per_block = plan.block_groups * plan.group
   tile = 8 * plan.group
-  whole = n % per_block == 0 if interpret else n % tile == 0
-  if flat.dtype in _IN_PLACE and whole and n:
+  if flat.dtype in _IN_PLACE and n % tile == 0 and n:
     padded = n
   else:
-    grid = max(1, -(-n // per_block))
-    padded = grid * per_block if interpret else max(tile, -(-n // tile) * tile)
+    padded = max(tile, -(-n // tile) * tile)
     flat = jnp.pad(flat.astype(jnp.float32), (0, padded - n))
   num_groups = padded // plan.group
   return (flat.reshape(num_groups, plan.group),
@@ -605,167 +616,256 @@ def _to_groups(v: jax.Array, plan: _Plan, interpret: bool):
 _IN_PLACE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _groups_spec(plan: _Plan, interpret: bool, dtype=jnp.float32):
+def _groups_spec(plan: _Plan, dtype=jnp.float32):
   """BlockSpec of ``block_groups`` rows of a ``(num_groups, group)`` array
   (float32, or 16-bit floats read in place); column slices of 32 of it are
   ``(block_groups, 32)`` tiles: 128 bytes wide for float32, 64 for 16-bit
   types (the swizzle follows the tile's width in bytes)."""
-  shape = (plan.block_groups, plan.group)
-  index_map = lambda i: (i, 0)
-  if interpret:
-    return pl.BlockSpec(shape, index_map)
-  return plgpu.BlockSpec(
-      shape, index_map,
-      transforms=(plgpu.TilingTransform((8, ROW)),
-                  plgpu.SwizzleTransform(ROW * jnp.dtype(dtype).itemsize)))
+  return _launch.tiled_spec((plan.block_groups, plan.group), lambda i: (i, 0),
+                            dtype)
 
 
 SEED_WORDS = 32  # the seed travels as 128 bytes: TMA copies whole warpgroups
 
+# What every quantize kernel below shares. A block holds ``B =
+# block_groups`` groups (buckets / blocks) of ``group_rows`` rows of 32; the
+# kernel loads the ``group_rows`` column slices of 32 as ``(B, 32)`` tiles,
+# reduces each group in registers where it computes its statistic, encodes
+# each slice and packs it into ``bits`` words per row of 32, and writes
+# ``words_ref (B, group_rows * bits) uint32``: word ``k * bits + w`` of a
+# group is word ``w`` of its ``k``-th row of 32, so the flat output is the
+# wire's word stream (``(group_rows * bits, B)`` instead where
+# ``word_major``). Refs the kernels may take besides: ``mult_ref (B,) f32``,
+# the multiplier of each row's bucket / block computed by XLA (the fallback
+# of groups that do not fit one pass, ``group == 32``); ``u_ref (B, group)
+# f32`` the uniform rounding numbers, or ``seed_ref (32,) uint32`` (words 0,
+# 1: the hash seed, the numbers computed from each element's flat index).
 
-def _quantize_pack_kernel(*refs, mode: str, bits: int, levels: int,
-                          source: str | None, plan: _Plan, word_major: bool,
-                          interpret: bool):
-  """One block of ``B = block_groups`` groups -> ``group_rows * bits`` packed
-  words per group, in stream order.
 
-  Refs, in order: ``x_ref (B, group) f32``; ``mult_ref (B,) f32`` unless
-  ``plan.in_kernel`` (the multiplier ``m`` of each row's bucket / block,
-  ``group == 32``); ``u_ref (B, group) f32`` if ``source == "array"`` or
-  ``seed_ref (32,) uint32`` (words 0, 1: the hash seed) if ``source ==
-  "seed"``; then the outputs ``o_ref (B, group_rows * bits) uint32``, where
-  word ``k * bits + w`` of group ``g`` is word ``w`` of its ``k``-th row of
-  32 (so the flat output is the wire's word stream; ``(group_rows * bits, B)``
-  instead if ``word_major``), and if ``plan.in_kernel``
-  ``stat_ref (B,) f32``: the L2 norm (``qsgd``), the scale ``max|x| / 127``
-  (``int8``) or the sum of ``|x|`` (``sign``) of each group.
-  """
-  refs = list(refs)
-  x_ref = refs.pop(0)
-  mult_ref = None if plan.in_kernel else refs.pop(0)
-  u_ref = refs.pop(0) if source == "array" else None
-  seed_ref = refs.pop(0) if source == "seed" else None
-  o_ref = refs.pop(0)
-  stat_ref = refs.pop(0) if plan.in_kernel else None
-  b, g = plan.block_groups, plan.group_rows
-  xs = [_select.wgmma(x_ref[:, pl.ds(ROW * k, ROW)], interpret).astype(jnp.float32)
-        for k in range(g)]
+def _columns(x_ref, plan: _Plan, block: _launch.Block) -> list[jax.Array]:
+  """The block's ``group_rows`` column slices of 32, float32 ``(B, 32)``."""
+  return [block.tile(x_ref[:, pl.ds(ROW * k, ROW)]).astype(jnp.float32)
+          for k in range(plan.group_rows)]
 
-  def row_total(values, reduce, combine):
-    total = None
-    for v in values:
-      part = reduce(v, axis=1)
-      total = part if total is None else combine(total, part)
-    return total
 
-  m = None
-  if mode == "sign":
-    stat_ref[...] = row_total([jnp.abs(v) for v in xs], jnp.sum, jnp.add)
-  elif plan.in_kernel and mode == "qsgd":
-    norms = _kernel_sqrt(row_total([v * v for v in xs], jnp.sum, jnp.add))
-    stat_ref[...] = norms
-    m = _qsgd_multiplier(norms, levels)
-  elif plan.in_kernel:  # int8, fp8
-    scales = row_total([jnp.abs(v) for v in xs], jnp.max,
-                       jnp.maximum) / jnp.float32(_block_top(mode))
-    stat_ref[...] = scales
+def _row_total(values, reduce, combine):
+  """``reduce`` along the rows of each value, combined: one per group."""
+  total = None
+  for v in values:
+    part = reduce(v, axis=1)
+    total = part if total is None else combine(total, part)
+  return total
+
+
+def _per_row(m: jax.Array, plan: _Plan) -> jax.Array:
+  """A per-group ``(B,)`` value broadcast along the rows, ``(B, 32)``."""
+  return jax.lax.broadcast_in_dim(m, (plan.block_groups, ROW), (0,))
+
+
+def _rounding(plan: _Plan, block: _launch.Block, col, u_ref, seed_ref):
+  """A function of the slice number ``k`` giving the ``(B, 32)`` float32
+  rounding numbers of that slice: read from ``u_ref``, or hashed from
+  ``seed_ref``'s seed and each element's flat index (block offset + group *
+  group size + 32 k + column); None where neither ref is given."""
+  if u_ref is not None:
+    return lambda k: block.tile(u_ref[:, pl.ds(ROW * k, ROW)])
+  if seed_ref is None:
+    return None
+  b = plan.block_groups
+  seed = (seed_ref[0], seed_ref[1])
+  index = block.index.astype(jnp.uint32)
+  # Flat index of element (group r, row k, column c) of this block.
+  base = ((index * jnp.uint32(b) + block.row_iota(b))
+          * jnp.uint32(plan.group) + col)
+  return lambda k: dither.to_unit(dither.hash_bits(seed, base + jnp.uint32(ROW * k)))
+
+
+def _word_shift(col, bits: int):
+  """Bit offset of each element's code in its word."""
+  return (col % jnp.uint32(32 // bits)) * jnp.uint32(bits)
+
+
+def _store_words(codes, k: int, words_ref, *, col, shift, bits: int,
+                 word_major: bool) -> None:
+  """Packs the uint32 codes of slice ``k`` into its ``bits`` words per row
+  (disjoint bit ranges: the sum is the bitwise or)."""
+  shifted = codes << shift
+  per_word = 32 // bits
+  for w in range(bits):
+    part = shifted if bits == 1 else jnp.where(
+        col // jnp.uint32(per_word) == jnp.uint32(w), shifted, jnp.uint32(0))
+    word = jnp.sum(part, axis=1, dtype=jnp.uint32)
+    if word_major:
+      words_ref[k * bits + w] = word
+    else:
+      words_ref[:, k * bits + w] = word
+
+
+def _block_multiplier(xs, plan, block, scales_ref, mult_ref, top: float):
+  """int8 / fp8: each block's scale ``max|x| / top`` (written to
+  ``scales_ref``) and its multiplier, or the rows' multipliers from
+  ``mult_ref``, broadcast along the rows."""
+  if mult_ref is None:
+    scales = _row_total([jnp.abs(v) for v in xs], jnp.max,
+                        jnp.maximum) / jnp.float32(top)
+    scales_ref[...] = scales
     m = _int8_multiplier(scales)
   else:
-    m = _select.wgmma_row(mult_ref[...], interpret)
-  if m is not None:
-    m = jax.lax.broadcast_in_dim(m, (b, ROW), (0,))
-  col = _select.column_iota(b, interpret)
-  if source == "seed":
-    seed = (seed_ref[0], seed_ref[1])
-    block = _select.block_index(interpret).astype(jnp.uint32)
-    # Flat index of element (group r, row k, column c) of this block.
-    base = ((block * jnp.uint32(b) + _select.row_iota(b, interpret))
-            * jnp.uint32(plan.group) + col)
-  per_word = 32 // bits
-  shift = (col % jnp.uint32(per_word)) * jnp.uint32(bits)
+    m = block.row(mult_ref[...])
+  return _per_row(m, plan)
+
+
+def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _Plan,
+                 word_major: bool, block: _launch.Block):
+  """Sign bits (``x < 0``) packed 32 per word, and each group's sum of
+  ``|x|`` (``abs_sums_ref (B,) f32``: XLA adds them for the scale)."""
+  xs = _columns(x_ref, plan, block)
+  abs_sums_ref[...] = _row_total([jnp.abs(v) for v in xs], jnp.sum, jnp.add)
+  col = block.column_iota(plan.block_groups)
+  shift = _word_shift(col, 1)
   for k, x in enumerate(xs):
-    if source == "array":
-      u = _select.wgmma(u_ref[:, pl.ds(ROW * k, ROW)], interpret)
-    elif source == "seed":
-      u = dither.to_unit(dither.hash_bits(seed, base + jnp.uint32(ROW * k)))
-    if mode == "sign":
-      codes = (x < 0).astype(jnp.uint32)
-    elif mode == "qsgd":
-      r = jnp.abs(x) * m
-      level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
-      codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
-    elif mode.startswith("fp8"):
-      fmt = mode[4:]
-      fmax = FP8_FORMATS[fmt][2]
-      y = jnp.clip(x * m, -fmax, fmax)
-      codes = _fp8_code(y, fmt)
-      if source:
-        codes = _fp8_stochastic(y, codes, u, fmt)
-    else:  # int8
-      y = x * m
-      q = _floor_to_int(y + u) if source else jnp.round(y).astype(jnp.int32)
-      codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
-    shifted = codes << shift
-    for w in range(bits):
-      part = shifted if bits == 1 else jnp.where(
-          col // jnp.uint32(per_word) == jnp.uint32(w), shifted, jnp.uint32(0))
-      word = jnp.sum(part, axis=1, dtype=jnp.uint32)
-      if word_major:
-        o_ref[k * bits + w] = word
-      else:
-        o_ref[:, k * bits + w] = word
+    _store_words((x < 0).astype(jnp.uint32), k, words_ref, col=col,
+                 shift=shift, bits=1, word_major=word_major)
 
 
-def _quantize_pack_call(x_groups, row_mult, u_groups, seed, *, mode, bits,
-                        levels, plan, grid, interpret):
-  """Runs the kernel: ``(words uint32 (num_groups * group_rows * bits,),
-  stats float32 (num_groups,) or None)``, ``words`` already in wire order."""
-  source = "array" if u_groups is not None else (
-      "seed" if seed is not None else None)
+def _qsgd_kernel(x_ref, words_ref, norms_ref=None, *, mult_ref=None,
+                 u_ref=None, seed_ref=None, levels: int, bits: int,
+                 plan: _Plan, word_major: bool, block: _launch.Block):
+  """QSGD codes ``sign << (bits - 1) | level`` packed ``32 / bits`` per
+  word, and each bucket's L2 norm (``norms_ref (B,) f32``; or the rows'
+  multipliers ``levels / norm`` from ``mult_ref``), rounding with
+  ``u_ref`` or ``seed_ref``."""
+  xs = _columns(x_ref, plan, block)
+  if mult_ref is not None:
+    ms = [_per_row(block.row(mult_ref[...]), plan)] * len(xs)
+  elif plan.buckets_per_row == 1:
+    norms = _kernel_sqrt(_row_total([v * v for v in xs], jnp.sum, jnp.add))
+    norms_ref[...] = norms
+    ms = [_per_row(_qsgd_multiplier(norms, levels), plan)] * len(xs)
+  else:  # a bucket per column slice: norms_ref (B, buckets_per_row)
+    ms = []
+    for k, v in enumerate(xs):
+      norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
+      norms_ref[:, k] = norm
+      ms.append(_per_row(_qsgd_multiplier(norm, levels), plan))
+  col = block.column_iota(plan.block_groups)
+  uniform = _rounding(plan, block, col, u_ref, seed_ref)
+  shift = _word_shift(col, bits)
+  for k, x in enumerate(xs):
+    u = uniform(k)
+    r = jnp.abs(x) * ms[k]
+    level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
+    codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
+    _store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
+                 word_major=word_major)
+
+
+def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
+                 u_ref=None, seed_ref=None, plan: _Plan, word_major: bool,
+                 block: _launch.Block):
+  """int8 codes ``clip(round(x * m), -127, 127)`` (or ``floor(x * m + u)``
+  with ``u_ref`` / ``seed_ref``) as bytes packed 4 per word, and each
+  block's scale ``max|x| / 127`` (``scales_ref (B,) f32``; or the rows'
+  multipliers from ``mult_ref``)."""
+  xs = _columns(x_ref, plan, block)
+  m = _block_multiplier(xs, plan, block, scales_ref, mult_ref, 127)
+  col = block.column_iota(plan.block_groups)
+  uniform = _rounding(plan, block, col, u_ref, seed_ref)
+  shift = _word_shift(col, 8)
+  for k, x in enumerate(xs):
+    u = None if uniform is None else uniform(k)
+    y = x * m
+    q = jnp.round(y).astype(jnp.int32) if u is None else _floor_to_int(y + u)
+    codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
+    _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
+                 word_major=word_major)
+
+
+def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
+                u_ref=None, seed_ref=None, fmt: str, plan: _Plan,
+                word_major: bool, block: _launch.Block):
+  """fp8 codes of ``clip(x * m, -F, F)`` (nearest even, or stochastic with
+  ``u_ref`` / ``seed_ref``) as bytes packed 4 per word, and each block's
+  scale ``max|x| / F`` (``scales_ref (B,) f32``; or the rows' multipliers
+  from ``mult_ref``); ``F`` the format's largest finite value."""
+  fmax = FP8_FORMATS[fmt][2]
+  xs = _columns(x_ref, plan, block)
+  m = _block_multiplier(xs, plan, block, scales_ref, mult_ref, fmax)
+  col = block.column_iota(plan.block_groups)
+  uniform = _rounding(plan, block, col, u_ref, seed_ref)
+  shift = _word_shift(col, 8)
+  for k, x in enumerate(xs):
+    u = None if uniform is None else uniform(k)
+    y = jnp.clip(x * m, -fmax, fmax)
+    codes = _fp8_code(y, fmt)
+    if u is not None:
+      codes = _fp8_stochastic(y, codes, u, fmt)
+    _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
+                 word_major=word_major)
+
+
+# op -> (kernel, bits of a code, name of its per-group statistic's ref).
+_KERNELS = {"sign": (_sign_kernel, "abs_sums_ref"),
+            "qsgd": (_qsgd_kernel, "norms_ref"),
+            "int8": (_int8_kernel, "scales_ref"),
+            "fp8": (_fp8_kernel, "scales_ref")}
+
+
+def _quantize_pack_call(op: str, x_groups, row_mult, u_groups, seed, *,
+                        bits: int, plan: _Plan, grid: int, interpret,
+                        **statics):
+  """Runs ``op``'s kernel: ``(words uint32 (num_groups * group_rows * bits,),
+  statistic float32 (num_groups,) or None)``, ``words`` already in wire
+  order. ``statics``: the kernel's own (``levels``, ``fmt``)."""
+  kernel, stat_name = _KERNELS[op]
   operands = [x_groups]
-  in_specs = [_groups_spec(plan, interpret, x_groups.dtype)]
+  inputs = [("x_ref", _groups_spec(plan, x_groups.dtype))]
   if row_mult is not None:
     operands.append(row_mult)
-    in_specs.append(_select.vector_spec(plan.block_groups))
-  if source == "array":
+    inputs.append(("mult_ref", _launch.vector_spec(plan.block_groups)))
+  if u_groups is not None:
     operands.append(u_groups)
-    in_specs.append(_groups_spec(plan, interpret))
-  elif source == "seed":
+    inputs.append(("u_ref", _groups_spec(plan)))
+  elif seed is not None:
     operands.append(jnp.pad(_check_seed(seed), (0, SEED_WORDS - 2)))
-    in_specs.append(pl.BlockSpec((SEED_WORDS,), lambda i: (0,)))
+    inputs.append(("seed_ref", pl.BlockSpec((SEED_WORDS,), lambda i: (0,))))
   num_groups = x_groups.shape[0]
   width = plan.group_rows * bits
   # TMA needs rows of whole 16 bytes: narrower groups of words are written
   # word-major, (width, num_groups), and transposed by XLA afterwards.
   word_major = width % 4 != 0
   if word_major:
-    out_shape = [_select.out_struct((width, num_groups), jnp.uint32, x_groups)]
-    out_specs = [pl.BlockSpec((width, plan.block_groups), lambda i: (0, i))]
+    outputs = [("words_ref", _launch.out_struct((width, num_groups), jnp.uint32, x_groups),
+                pl.BlockSpec((width, plan.block_groups), lambda i: (0, i)))]
   else:
-    out_shape = [_select.out_struct((num_groups, width), jnp.uint32, x_groups)]
-    out_specs = [pl.BlockSpec((plan.block_groups, width), lambda i: (i, 0))]
-  if plan.in_kernel:
-    out_shape.append(_select.out_struct((num_groups,), jnp.float32, x_groups))
-    out_specs.append(_select.vector_spec(plan.block_groups))
-  out = _select.blocked_call(
-      functools.partial(
-          _quantize_pack_kernel, mode=mode, bits=bits, levels=levels,
-          source=source, plan=plan, word_major=word_major,
-          interpret=interpret),
-      out_shape,
+    outputs = [("words_ref", _launch.out_struct((num_groups, width), jnp.uint32, x_groups),
+                pl.BlockSpec((plan.block_groups, width), lambda i: (i, 0)))]
+  if plan.in_kernel and plan.buckets_per_row > 1:
+    per_row = plan.buckets_per_row
+    outputs.append((stat_name,
+                    _launch.out_struct((num_groups, per_row), jnp.float32, x_groups),
+                    pl.BlockSpec((plan.block_groups, per_row), lambda i: (i, 0))))
+  elif plan.in_kernel:
+    outputs.append((stat_name,
+                    _launch.out_struct((num_groups,), jnp.float32, x_groups),
+                    _launch.vector_spec(plan.block_groups)))
+  if op == "qsgd":
+    statics["bits"] = bits
+  out = _launch.blocked_call(
+      functools.partial(kernel, plan=plan, word_major=word_major, **statics),
       grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
+      inputs=inputs,
+      outputs=outputs,
       interpret=interpret,
-      name=f"jaxcomp_{mode}_pack",
+      name=f"jaxcomp_{op if op != 'fp8' else 'fp8_' + statics['fmt']}_pack",
   )(*operands)
   # Row-major (group, word) is the wire's order.
   words = (out[0].T if word_major else out[0]).reshape(-1)
-  return words, (out[1] if plan.in_kernel else None)
+  return words, (out[1].reshape(-1) if plan.in_kernel else None)
 
 
 def _row_values(per_group: jax.Array, group: int, num_rows: int) -> jax.Array:
-  return _select.pad_rows_vector(jnp.repeat(per_group, group // ROW), num_rows)
+  return _launch.pad_rows_vector(jnp.repeat(per_group, group // ROW), num_rows)
 
 
 def _check_pallas_group(name: str, group: int) -> None:
@@ -775,45 +875,47 @@ def _check_pallas_group(name: str, group: int) -> None:
         f" got {name}={group}; use implementation='xla'")
 
 
-def _quantize(x, *, mode, bits, levels, group, multiplier, uniform, seed,
-              config, interpret):
-  """The QSGD / int8 Pallas path: one pass where :func:`_one_pass_plan`
+def _quantize(x, op: str, *, bits, group, multiplier, top, uniform, seed,
+              config, interpret, **statics):
+  """The QSGD / int8 / fp8 Pallas path: one pass where :func:`_one_pass_plan`
   applies, else XLA reduces the groups first and the kernel gets one
   multiplier per row. Returns ``(words, per-group statistic)`` with
-  ``words`` of ``ceil(n / group) * group * bits / 32`` (or more) words."""
-  _select.check_block_rows(config.block_rows)
-  _check_size("bucket_size" if mode == "qsgd" else "block_size", group)
-  _check_pallas_group("bucket_size" if mode == "qsgd" else "block_size", group)
+  ``words`` of ``ceil(n / group) * group * bits / 32`` (or more) words.
+  ``top``: what a block's ``max|x|`` maps to (int8 / fp8)."""
+  _launch.check_block_rows(config.block_rows)
+  _check_size("bucket_size" if op == "qsgd" else "block_size", group)
+  _check_pallas_group("bucket_size" if op == "qsgd" else "block_size", group)
   if uniform is not None and seed is not None:
     raise ValueError("pass either uniform random values or a seed, not both")
   plan = _one_pass_plan(group, config.block_rows,
-                        inputs=1 if uniform is None else 2)
+                        inputs=1 if uniform is None else 2, bits=bits)
   u_source = None if uniform is None else _uniform_f32(uniform)
   if plan is not None:
-    xg, grid = _to_groups(x, plan, interpret)
-    ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]
+    xg, grid = _to_groups(x, plan)
+    ug = None if u_source is None else _to_groups(u_source, plan)[0]
     return _quantize_pack_call(
-        xg, None, ug, seed, mode=mode, bits=bits, levels=levels, plan=plan,
-        grid=grid, interpret=interpret)
+        op, xg, None, ug, seed, bits=bits, plan=plan, grid=grid,
+        interpret=interpret, **statics)
   # Fallback: XLA's per-group statistic, handed over as per-row multipliers.
   xf = x.reshape(-1).astype(jnp.float32)
-  if mode == "qsgd":
+  if op == "qsgd":
     stat = jnp.sqrt(group_reduce(xf, group, "sum", jnp.square))
   else:
-    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(_block_top(mode))
+    stat = group_reduce(xf, group, "max", jnp.abs) / jnp.float32(top)
   plan = _Plan(group=ROW, block_groups=config.block_rows, in_kernel=False)
-  xg, grid = _to_groups(x, plan, interpret)
-  ug = None if u_source is None else _to_groups(u_source, plan, interpret)[0]
+  xg, grid = _to_groups(x, plan)
+  ug = None if u_source is None else _to_groups(u_source, plan)[0]
   row_mult = _row_values(multiplier(stat), group, xg.shape[0])
   words, _ = _quantize_pack_call(
-      xg, row_mult, ug, seed, mode=mode, bits=bits, levels=levels, plan=plan,
-      grid=grid, interpret=interpret)
+      op, xg, row_mult, ug, seed, bits=bits, plan=plan, grid=grid,
+      interpret=interpret, **statics)
   return words, stat
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+              interpret: bool | _launch.Interpret = False
+              ) -> tuple[jax.Array, jax.Array]:
   """Pallas sign packing: the words of :func:`sign_pack_reference`, and its
   scale up to float32 summation order (the kernel sums ``|x|`` per group of
   rows as it packs, so the scale costs no second pass over ``x``).
@@ -824,13 +926,13 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   Raises:
     ValueError: ``config.block_rows`` not a positive multiple of 64.
   """
-  _select.check_block_rows(config.block_rows)
+  _launch.check_block_rows(config.block_rows)
   n = x.size
   plan = _sign_plan(n, config.block_rows)
-  xg, grid = _to_groups(x, plan, interpret)
+  xg, grid = _to_groups(x, plan)
   words, group_abs = _quantize_pack_call(
-      xg, None, None, None, mode="sign", bits=1, levels=0, plan=plan,
-      grid=grid, interpret=interpret)
+      "sign", xg, None, None, None, bits=1, plan=plan, grid=grid,
+      interpret=interpret)
   scale = jnp.sum(group_abs) / jnp.float32(n)
   return words[:packed_words(n, 1)], scale
 
@@ -841,7 +943,8 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
                   levels: int, bucket_size: int,
                   seed: jax.Array | None = None,
                   config: QuantizeConfig = DEFAULT_CONFIG,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  interpret: bool | _launch.Interpret = False
+              ) -> tuple[jax.Array, jax.Array]:
   """Pallas QSGD: the words of :func:`qsgd_codes_reference` under the norms
   it returns.
 
@@ -855,7 +958,8 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
       itself, so no ``n``-sized random array exists; the same codes as the
       reference given ``uniform=dither.uniform(key, n)``.
     config: kernel block size.
-    interpret: run the kernel in interpret mode (any backend).
+    interpret: run the kernel in interpret mode (any backend); a
+      :class:`jaxcomp.kernels.Interpret` for its options.
 
   Returns:
     ``(words uint32 (packed_words(n, bits),), norms float32
@@ -875,9 +979,10 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
   if uniform is None and seed is None:
     raise ValueError("stochastic rounding needs uniform= or seed=")
   words, norms = _quantize(
-      x, mode="qsgd", bits=bits, levels=levels, group=bucket_size,
-      multiplier=lambda s: _qsgd_multiplier(s, levels), uniform=uniform,
-      seed=seed, config=config, interpret=interpret)
+      x, "qsgd", bits=bits, group=bucket_size,
+      multiplier=lambda s: _qsgd_multiplier(s, levels), top=None,
+      uniform=uniform, seed=seed, config=config, interpret=interpret,
+      levels=levels)
   num_buckets = -(-x.size // bucket_size)
   return words[:packed_words(x.size, bits)], norms[:num_buckets]
 
@@ -889,7 +994,8 @@ def int8_block_quantize(
     stochastic_uniform: jax.Array | None = None,
     seed: jax.Array | None = None,
     config: QuantizeConfig = DEFAULT_CONFIG,
-    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    interpret: bool | _launch.Interpret = False
+    ) -> tuple[jax.Array, jax.Array]:
   """Pallas int8 block quantization; the same ``(q, scales)`` as
   :func:`int8_block_quantize_reference` bit for bit (a maximum does not
   depend on the order it is taken in).
@@ -910,9 +1016,9 @@ def int8_block_quantize(
       ``stochastic_uniform`` and ``seed``, a bad ``seed``.
   """
   words, scales = _quantize(
-      x, mode="int8", bits=8, levels=0, group=block_size,
-      multiplier=_int8_multiplier, uniform=stochastic_uniform, seed=seed,
-      config=config, interpret=interpret)
+      x, "int8", bits=8, group=block_size, multiplier=_int8_multiplier,
+      top=127, uniform=stochastic_uniform, seed=seed, config=config,
+      interpret=interpret)
   num_blocks = -(-x.size // block_size)
   scales = scales[:num_blocks]
   q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(-1)
@@ -927,7 +1033,8 @@ def fp8_block_quantize(
     stochastic_uniform: jax.Array | None = None,
     seed: jax.Array | None = None,
     config: QuantizeConfig = DEFAULT_CONFIG,
-    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    interpret: bool | _launch.Interpret = False
+    ) -> tuple[jax.Array, jax.Array]:
   """Pallas fp8 block quantization: the ``(codes, scales)`` of
   :func:`fp8_block_quantize_reference` bit for bit, in one pass over ``x``
   (block maxima, the multiplier and the fp8 rounding in registers; the
@@ -953,9 +1060,9 @@ def fp8_block_quantize(
   """
   _fp8_format(format)
   words, scales = _quantize(
-      x, mode=f"fp8_{format}", bits=8, levels=0, group=block_size,
-      multiplier=_int8_multiplier, uniform=stochastic_uniform, seed=seed,
-      config=config, interpret=interpret)
+      x, "fp8", bits=8, group=block_size, multiplier=_int8_multiplier,
+      top=FP8_FORMATS[format][2], uniform=stochastic_uniform, seed=seed,
+      config=config, interpret=interpret, fmt=format)
   num_blocks = -(-x.size // block_size)
   codes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
   return codes[:x.size], scales[:num_blocks]
@@ -966,12 +1073,82 @@ def fp8_block_quantize(
 # ----------------------------------------------------------------------------
 
 
+def _scratch_seed(x: jax.Array) -> tuple:
+  """A seed for a scratch run of an op (autotuning)."""
+  del x
+  return (jnp.array([0x9E3779B9, 7], jnp.uint32),)
+
+
+def _scratch_uniform(x: jax.Array) -> tuple:
+  """Uniform numbers for a scratch run of an op (autotuning)."""
+  return (jax.random.uniform(jax.random.key(1), (x.size,), jnp.float32),)
+
+
+def _in_place(n: int, group: int, dtype) -> bool:
+  """Whether the Pallas path reads ``x`` in place (whole (8, group) tiles
+  of a float32 or 16-bit float), or pays a padding copy."""
+  return n > 0 and n % (8 * group) == 0 and jnp.dtype(dtype) in _IN_PLACE
+
+
+def _rounding_of(uniform, seed, *, required: bool) -> str:
+  """``"seed"``, ``"array"`` (uniform numbers passed in) or ``"nearest"``.
+
+  Raises:
+    ValueError: both ``uniform`` and ``seed``, or neither where
+      ``required``.
+  """
+  if uniform is not None and seed is not None:
+    raise ValueError("pass either uniform random values or a seed, not both")
+  if uniform is None and seed is None and required:
+    raise ValueError("stochastic rounding needs uniform= or seed=")
+  return "seed" if seed is not None else (
+      "array" if uniform is not None else "nearest")
+
+
+def _extras_of(rounding: str):
+  return {"seed": _scratch_seed, "array": _scratch_uniform}.get(
+      rounding, lambda x: ())
+
+
+def _split_rounding(rounding: str, r: tuple):
+  """``(uniform, seed)`` from a scratch run's extra operands."""
+  return ((None, r[0]) if rounding == "seed"
+          else (r[0], None) if rounding == "array" else (None, None))
+
+
 def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
                        implementation: str | None = None):
-  """QSGD through the kernel or the reference (``_select`` policy); pass
-  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`."""
-  if _select.resolve_implementation(implementation, op="qsgd", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  """QSGD through the kernel or the reference: ``implementation``, or with
+  None the one :func:`jaxcomp.kernels.resolve_implementation` picks (XLA
+  off NVIDIA GPUs, the faster one measured on an NVIDIA GPU); pass
+  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`.
+
+  Raises:
+    ValueError: both or neither of ``uniform`` and ``seed``, and what the
+      chosen path raises.
+  """
+  rounding = _rounding_of(uniform, seed, required=True)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      u, s = _split_rounding(rounding, r)
+      if impl == "pallas":
+        return qsgd_quantize(v, u, levels=levels, bucket_size=bucket_size,
+                             seed=s, interpret=interpret)
+      return qsgd_quantize_reference(v, u, levels=levels,
+                                     bucket_size=bucket_size, seed=s)
+    return f
+
+  tunable = _autotune.Tunable(
+      op="qsgd", n=x.size, dtype=x.dtype, run=run, extras=_extras_of(rounding),
+      params={"bits": qsgd_bits(levels), "bucket_size": bucket_size,
+              "rounding": rounding,
+              "in_place": _in_place(
+                  x.size, bucket_size * _buckets_per_row(bucket_size, qsgd_bits(levels)),
+                  x.dtype)},
+      supported=bucket_size % ROW == 0)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size,
                          seed=seed)
   return qsgd_quantize_reference(x, uniform, levels=levels,
@@ -979,19 +1156,52 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
 
 
 def sign_pack_auto(x, *, implementation: str | None = None):
-  """Sign packing through the kernel or the reference (``_select`` policy)."""
-  if _select.resolve_implementation(implementation, op="sign", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  """Sign packing through the kernel or the reference (``implementation``,
+  or with None as :func:`qsgd_quantize_auto` picks)."""
+
+  def run(impl, interpret):
+    if impl == "pallas":
+      return lambda v: sign_pack(v, interpret=interpret)
+    return sign_pack_reference
+
+  tunable = _autotune.Tunable(
+      op="sign", n=x.size, dtype=x.dtype, run=run,
+      params={"in_place": _in_place(x.size, ROW, x.dtype)})
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return sign_pack(x)
   return sign_pack_reference(x)
 
 
+def _block_tunable(op: str, x, *, block_size, rounding: str, run, **params):
+  return _autotune.Tunable(
+      op=op, n=x.size, dtype=x.dtype, run=run, extras=_extras_of(rounding),
+      params={"block_size": block_size, "rounding": rounding,
+              "in_place": _in_place(x.size, block_size, x.dtype), **params},
+      supported=block_size % ROW == 0)
+
+
 def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylint: disable=redefined-builtin
                             implementation: str | None = None):
-  """fp8 block quantization through the kernel or the reference; pass
-  ``seed`` for stochastic rounding."""
-  if _select.resolve_implementation(implementation, op="fp8", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  """fp8 block quantization through the kernel or the reference
+  (``implementation``, or with None as :func:`qsgd_quantize_auto` picks);
+  pass ``seed`` for stochastic rounding."""
+  rounding = _rounding_of(None, seed, required=False)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      s = _split_rounding(rounding, r)[1]
+      if impl == "pallas":
+        return fp8_block_quantize(v, block_size=block_size, format=format,
+                                  seed=s, interpret=interpret)
+      return fp8_block_quantize_reference(v, block_size=block_size,
+                                          format=format, seed=s)
+    return f
+
+  tunable = _block_tunable("fp8", x, block_size=block_size, rounding=rounding,
+                           run=run, format=format)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return fp8_block_quantize(x, block_size=block_size, format=format, seed=seed)
   return fp8_block_quantize_reference(x, block_size=block_size, format=format,
                                       seed=seed)
@@ -999,10 +1209,26 @@ def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylin
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
                              seed=None, implementation: str | None = None):
-  """int8 block quantization through the kernel or the reference; pass
-  ``stochastic_uniform`` or ``seed`` for stochastic rounding."""
-  if _select.resolve_implementation(implementation, op="int8", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  """int8 block quantization through the kernel or the reference
+  (``implementation``, or with None as :func:`qsgd_quantize_auto` picks);
+  pass ``stochastic_uniform`` or ``seed`` for stochastic rounding."""
+  rounding = _rounding_of(stochastic_uniform, seed, required=False)
+
+  def run(impl, interpret):
+    def f(v, *r):
+      u, s = _split_rounding(rounding, r)
+      if impl == "pallas":
+        return int8_block_quantize(v, block_size=block_size,
+                                   stochastic_uniform=u, seed=s,
+                                   interpret=interpret)
+      return int8_block_quantize_reference(v, block_size=block_size,
+                                           stochastic_uniform=u, seed=s)
+    return f
+
+  tunable = _block_tunable("int8", x, block_size=block_size,
+                           rounding=rounding, run=run)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return int8_block_quantize(x, block_size=block_size,
                                stochastic_uniform=stochastic_uniform, seed=seed)
   return int8_block_quantize_reference(x, block_size=block_size,

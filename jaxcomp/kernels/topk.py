@@ -68,10 +68,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import _select
+from . import _autotune
+from . import _launch
 from . import compact
 
-ROW = _select.ROW
+ROW = _launch.ROW
 _NUM_CANDIDATES = 32  # one SMEM/TMA transfer of 128 bytes holds 32 int32.
 # The 32 int32 thresholds: the same block (all of them) at every grid step,
 # copied to shared memory, where the kernels read them as scalars.
@@ -103,7 +104,9 @@ DEFAULT_CONFIG = TopKConfig()
 
 # The fast path's default sample per backend (65,536 elsewhere). On one CPU
 # core the whole top-k of 1.86M float32 at 1% took 5.7 ms with 65,536
-# samples (the sort 2.5 ms of it) and 3.1 to 4.4 ms with 16,384
+# samples (the sample's sort 2.5 ms of it) and 3.1 to 4.4 ms with 16,384,
+# when the sample was sorted; its top-k (now) takes 0.19 ms at 16,384 and
+# 0.58 at 65,536, and the whole selection 2.5 and 3.3 ms in one run
 # (python benchmarks/topk_breakdown.py [--sample-size 65536]).
 SAMPLE_SIZE = {"cpu": 16384}
 
@@ -133,9 +136,18 @@ def _abs_f32(x: jax.Array) -> jax.Array:
   return jnp.abs(x.astype(jnp.float32))
 
 
+def _largest_abs(flat: jax.Array, k: int) -> jax.Array:
+  """The ``k`` largest ``|flat|``, descending, float32 ``(k,)``: XLA:CPU's
+  top-k (a partial sort). The barrier keeps XLA from rewriting "some
+  elements of a top-k" into a sort of all of ``flat`` with a slower float
+  comparator (16,384 samples: 0.06 ms against 11 ms, and 0.43 ms for a
+  sort of their int32 keys, on this project's 2-core CPU)."""
+  return jax.lax.optimization_barrier(jax.lax.top_k(_abs_f32(flat), k)[0])
+
+
 def _kth_largest_key(flat: jax.Array, k: int) -> jax.Array:
   """int32 key (see :func:`abs_key`) of the ``k``-th largest ``|flat|``."""
-  return abs_key(jax.lax.top_k(_abs_f32(flat), k)[0][k - 1])
+  return abs_key(_largest_abs(flat, k)[k - 1])
 
 
 def _empty(x):
@@ -275,15 +287,16 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
   # Inside shard_map every branch must return indices typed as x is (a
   # branch computing from a kernel's or a constant's output may not be).
-  typed = lambda idx: idx + _select.zero_like(flat, jnp.int32)
+  typed = lambda idx: idx + _launch.zero_like(flat, jnp.int32)
   exact = lambda: typed(exact_from_top_k())
   if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
     return exact()
 
   stride = n // s
-  sample = abs_key(flat[: s * stride : stride])
-  sorted_sample = jnp.sort(sample)
-  t_lo = sorted_sample[s - rank]
+  # The sample's rank largest, descending: their keys are the sorted
+  # sample's last rank (|x| and its key order alike).
+  top = abs_key(_largest_abs(flat[: s * stride : stride], rank))
+  t_lo = top[rank - 1]
   # One pass over x: the candidates' mask. Whether the k-th largest key is
   # t_lo itself (ties) is only asked when the candidates overflow.
   ge, gt_of = masks(t_lo)
@@ -299,7 +312,7 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
     if 1 <= rank_hi < rank and band_cap < cap:
       # Keys above the upper sample threshold are in for sure; only the band
       # below it needs sorting.
-      t_hi = sorted_sample[s - rank_hi]
+      t_hi = top[rank_hi - 1]
       c_above = jnp.sum(ckey > t_hi)
       band = valid & (ckey <= t_hi)
       band_count = jnp.sum(band)
@@ -342,26 +355,28 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
 # ----------------------------------------------------------------------------
 
 
-def _count_kernel(t_ref, x_ref, o_ref, *, interpret: bool):
-  """``o_ref[c] = #(key >= t_ref[c])`` over one block of rows.
+def _count_kernel(thresholds_ref, x_ref, counts_ref, *, block: _launch.Block):
+  """``counts_ref[c] = #(key >= thresholds_ref[c])`` over one block of rows.
 
-  ``t_ref``: int32 (32,) thresholds (shared memory on GPU); ``x_ref``: (R, 32) float32;
-  ``o_ref``: int32 (32,), this block's counts.
+  ``thresholds_ref``: int32 (32,) thresholds (shared memory on GPU);
+  ``x_ref``: (R, 32) float32; ``counts_ref``: int32 (32,), this block's
+  counts.
   """
-  x = _select.wgmma(x_ref[...], interpret)
+  x = block.tile(x_ref[...])
   key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
   for c in range(_NUM_CANDIDATES):
-    per_row = jnp.sum((key >= t_ref[c]).astype(jnp.int32), axis=1)
-    o_ref[c] = jnp.sum(per_row)
+    per_row = jnp.sum((key >= thresholds_ref[c]).astype(jnp.int32), axis=1)
+    counts_ref[c] = jnp.sum(per_row)
 
 
-def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
-                 interpret: bool):
-  """Packs ``key > t`` and ``key == t`` (``t = t_ref[0]``) 32 per uint32."""
-  x = _select.wgmma(x_ref[...], interpret)
+def _mask_kernel(thresholds_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
+                 block: _launch.Block):
+  """Packs ``key > t`` and ``key == t`` (``t = thresholds_ref[0]``) 32 per
+  uint32 word: ``gt_ref``, ``eq_ref`` uint32 ``(R,)``, one word per row."""
+  x = block.tile(x_ref[...])
   key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
-  t = t_ref[0]
-  col = _select.column_iota(block_rows, interpret)
+  t = thresholds_ref[0]
+  col = block.column_iota(block_rows)
   gt_ref[...] = jnp.sum((key > t).astype(jnp.uint32) << col, axis=1,
                         dtype=jnp.uint32)
   eq_ref[...] = jnp.sum((key == t).astype(jnp.uint32) << col, axis=1,
@@ -369,35 +384,37 @@ def _mask_kernel(t_ref, x_ref, gt_ref, eq_ref, *, block_rows: int,
 
 
 def count_ge(rows: jax.Array, thresholds: jax.Array, *, block_rows: int,
-             interpret: bool = False) -> jax.Array:
+             interpret: bool | _launch.Interpret = False) -> jax.Array:
   """Counts of ``key >= thresholds[c]`` over ``rows`` (Pallas), int32 (32,)."""
   grid = -(-rows.shape[0] // block_rows)
-  out = _select.blocked_call(
-      functools.partial(_count_kernel, interpret=interpret),
-      _select.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
+  counts, = _launch.blocked_call(
+      _count_kernel,
       grid=grid,
-      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
-      out_specs=pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)),
+      inputs=[("thresholds_ref", _THRESHOLDS_SPEC),
+              ("x_ref", _launch.rows_spec(block_rows))],
+      outputs=[("counts_ref",
+                _launch.out_struct((grid * _NUM_CANDIDATES,), jnp.int32, rows),
+                pl.BlockSpec((_NUM_CANDIDATES,), lambda i: (i,)))],
       interpret=interpret,
       name="jaxcomp_topk_count",
   )(thresholds, rows)
-  return jnp.sum(out.reshape(grid, _NUM_CANDIDATES), axis=0)
+  return jnp.sum(counts.reshape(grid, _NUM_CANDIDATES), axis=0)
 
 
 def threshold_masks(rows: jax.Array, t: jax.Array, *, block_rows: int,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    interpret: bool | _launch.Interpret = False
+                    ) -> tuple[jax.Array, jax.Array]:
   """Packed masks ``key > t`` and ``key == t`` (Pallas), uint32 per row."""
   grid = -(-rows.shape[0] // block_rows)
   tvec = jnp.broadcast_to(t.astype(jnp.int32), (_NUM_CANDIDATES,))
-  word = _select.out_struct((rows.shape[0],), jnp.uint32, rows)
-  return _select.blocked_call(
-      functools.partial(_mask_kernel, block_rows=block_rows,
-                        interpret=interpret),
-      [word, word],
+  word = _launch.out_struct((rows.shape[0],), jnp.uint32, rows)
+  return _launch.blocked_call(
+      functools.partial(_mask_kernel, block_rows=block_rows),
       grid=grid,
-      in_specs=[_THRESHOLDS_SPEC, _select.rows_spec(block_rows, interpret)],
-      out_specs=[_select.vector_spec(block_rows),
-                 _select.vector_spec(block_rows)],
+      inputs=[("thresholds_ref", _THRESHOLDS_SPEC),
+              ("x_ref", _launch.rows_spec(block_rows))],
+      outputs=[("gt_ref", word, _launch.vector_spec(block_rows)),
+               ("eq_ref", word, _launch.vector_spec(block_rows))],
       interpret=interpret,
       name="jaxcomp_topk_mask",
   )(tvec, rows)
@@ -416,7 +433,7 @@ def radix_passes(radix_bits: int) -> list[tuple[int, int]]:
 
 
 def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
-                 interpret: bool = False) -> jax.Array:
+                 interpret: bool | _launch.Interpret = False) -> jax.Array:
   """Exact ``k``-th largest key of ``rows`` (int32 scalar), by counting."""
   passes = radix_passes(radix_bits)
   shifts = jnp.array([p[0] for p in passes], jnp.int32)
@@ -435,7 +452,7 @@ def radix_select(rows: jax.Array, k: int, *, block_rows: int, radix_bits: int,
     return base + (digit << shift)
 
   return jax.lax.fori_loop(0, len(passes), one_pass,
-                           _select.zero_like(rows, jnp.int32))
+                           _launch.zero_like(rows, jnp.int32))
 
 
 def _live_words(words: jax.Array, n: int) -> jax.Array:
@@ -451,7 +468,8 @@ def _live_words(words: jax.Array, n: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
 def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
-         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+         interpret: bool | _launch.Interpret = False
+         ) -> tuple[jax.Array, jax.Array]:
   """Exact top-k of ``|x|`` with one Pallas pass over ``x``.
 
   The XLA fast path's selection (:func:`topk_threshold_xla`: a threshold
@@ -467,13 +485,13 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   Raises:
     ValueError: bad ``k`` or knobs.
   """
-  _select.check_block_rows(config.block_rows)
+  _launch.check_block_rows(config.block_rows)
   flat = x.reshape(-1)
   n = flat.shape[0]
   _check_k(n, k)
   if k == 0:
     return _empty(flat)
-  rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
+  rows, _ = _launch.to_rows(flat, config.block_rows)
 
   def exact_from_top_k():
     t = radix_select(rows, k, block_rows=config.block_rows,
@@ -499,18 +517,19 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
 # ----------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
-                                             "implementation", "interpret"))
 def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
                  config: TopKConfig = DEFAULT_CONFIG,
                  implementation: str | None = None,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool | _launch.Interpret = False
+                 ) -> tuple[jax.Array, jax.Array]:
   """DGC top-k: threshold from a random sample, compaction into ``k`` slots.
 
   The threshold ``t`` is the ``ceil(m * k / n)``-th largest ``|x|`` of
   ``m = max(1, round(n * sample_ratio))`` elements drawn uniformly (with
   replacement) with ``key``. Elements with ``|x| >= t`` are taken in ascending
-  index order, at most ``k``; missing slots hold index 0 and value 0.0.
+  index order, at most ``k``; missing slots hold index 0 and value 0.0. The
+  mask pass runs on the Pallas kernel or in XLA (``implementation``, or
+  with None as :func:`jaxcomp.kernels.resolve_implementation` picks).
 
   Returns:
     ``(values[k] in x.dtype, indices[k] int32)``.
@@ -520,19 +539,42 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   """
   if not 0 < sample_ratio <= 1:
     raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  _check_k(x.size, k)
+
+  def run(impl, interpret):
+    return lambda v, key_: _sampled_topk(
+        v, k, key_, sample_ratio=sample_ratio, config=config,
+        implementation=impl, interpret=interpret)
+
+  tunable = _autotune.Tunable(
+      op="sampled_topk", n=x.size, dtype=x.dtype, run=run,
+      extras=lambda v: (jax.random.key(2),),
+      params={"density": _density_class(x.size, k),
+              "sample_ratio": sample_ratio,
+              "in_place": _rows_in_place(x.size, x.dtype),
+              **_config_params(config)},
+      supported=k > 0)
+  implementation = _autotune.resolve_implementation(implementation,
+                                                    tunable=tunable)
+  return _sampled_topk(x, k, key, sample_ratio=sample_ratio, config=config,
+                       implementation=implementation, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
+                                             "implementation", "interpret"))
+def _sampled_topk(x, k, key, *, sample_ratio, config, implementation,
+                  interpret):
   flat = x.reshape(-1)
   n = flat.shape[0]
-  _check_k(n, k)
   if k == 0:
     return _empty(flat)
   m = max(1, min(n, round(n * sample_ratio)))
   ks = max(1, math.ceil(m * k / n))
   pick = jax.random.randint(key, (m,), 0, n)
   t = _kth_largest_key(flat[pick], ks)
-  if _select.resolve_implementation(implementation, op="sampled_topk", n=n,
-                                    dtype=x.dtype) == "pallas":
-    _select.check_block_rows(config.block_rows)
-    rows, _ = _select.to_rows(flat, config.block_rows, interpret=interpret)
+  if implementation == "pallas":
+    _launch.check_block_rows(config.block_rows)
+    rows, _ = _launch.to_rows(flat, config.block_rows)
     gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
                              interpret=interpret)
     words = gt | eq
@@ -540,6 +582,23 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
     words = _words_xla(flat, lambda kk: kk >= t)
   idx, valid = compact.compact(words, k)
   return _gather(flat, idx, valid), idx
+
+
+def _density_class(n: int, k: int) -> str:
+  """``k / n`` to the nearest power of two, e.g. ``"2^-7"`` for 1%: top-k
+  selections of about the same density share an autotuning decision."""
+  return f"2^{round(math.log2(k / n))}" if k > 0 and n > 0 else "0"
+
+
+def _rows_in_place(n: int, dtype) -> bool:
+  """Whether the Pallas path reads ``x`` in place (:func:`_launch.to_rows`)."""
+  return n > 0 and n % (8 * ROW) == 0 and jnp.dtype(dtype) == jnp.float32
+
+
+def _config_params(config: TopKConfig) -> dict:
+  """The knobs that differ from :data:`DEFAULT_CONFIG`, for a tuning key."""
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+          if getattr(config, f.name) != getattr(DEFAULT_CONFIG, f.name)}
 
 
 def topk_exact_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -571,15 +630,32 @@ def fast_path_min_size() -> int:
 
 def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
               config: TopKConfig = DEFAULT_CONFIG):
-  """Exact top-k set of ``|x|`` in ascending index order: on the XLA path
-  ``lax.top_k`` below :func:`fast_path_min_size` elements and
-  :func:`topk_threshold_xla` from there; the Pallas path (:func:`topk`)
-  only when asked (``implementation="pallas"``): its earlier radix-select
-  version was slower than the XLA path on an H100 at every size measured,
-  and the one-pass version has not run on a GPU yet."""
-  if _select.resolve_implementation(implementation, op="topk", n=x.size,
-                                    dtype=x.dtype) == "pallas":
+  """Exact top-k set of ``|x|`` in ascending index order: the Pallas path
+  (:func:`topk`) or the XLA path (``lax.top_k`` below
+  :func:`fast_path_min_size` elements, :func:`topk_threshold_xla` from
+  there), by ``implementation``, or with None as
+  :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off NVIDIA GPUs,
+  the faster one measured on an NVIDIA GPU: the earlier radix-select kernel
+  was slower than the XLA path on an H100 at every size measured)."""
+
+  def run(impl, interpret):
+    if impl == "pallas":
+      return lambda v: topk(v, k, config=config, interpret=interpret)
+    return lambda v: _topk_xla(v, k, config)
+
+  tunable = _autotune.Tunable(
+      op="topk", n=x.size, dtype=x.dtype, run=run,
+      params={"density": _density_class(x.size, k),
+              "in_place": _rows_in_place(x.size, x.dtype),
+              **_config_params(config)},
+      supported=k > 0)
+  if _autotune.resolve_implementation(implementation,
+                                      tunable=tunable) == "pallas":
     return topk(x, k, config=config)
+  return _topk_xla(x, k, config)
+
+
+def _topk_xla(x, k, config):
   if x.size < fast_path_min_size():
     return topk_exact_small(x, k)
   return topk_threshold_xla(x, k, config=config)

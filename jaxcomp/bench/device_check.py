@@ -1,0 +1,432 @@
+"""One command that checks a GPU end to end: ``python -m jaxcomp.bench
+device-check``.
+
+Within a wall-time budget (``--budget``, default 480 s: 8 minutes on an
+H100) it runs, in this order, each section in a process of its own:
+
+1. **tests**: the compiled (non-interpret) kernel tests
+   (``tests/test_kernels.py::TestKernelsCompiled``,
+   ``tests/test_backend_paths.py``, and the autotuner's own tests, its
+   measurement on this GPU included);
+2. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
+   PyTorch is importable): ``python -m jaxcomp.bench kernels
+   --implementation both [--torch]`` at 1e6 and 2.5e7 float32 and bfloat16
+   elements;
+3. **examples**: one compressed train step of each example
+   (``examples/multihost``, ``examples/fashion_mnist`` on its bundled
+   digits, ``examples/char_lm``) with top-k, then, as the budget allows, with
+   QSGD, sign, int8 and fp8 blocks; ``implementation=None`` autotunes
+   their buckets into a fresh cache file;
+4. **autotune**: the autotuner's table: every key the example steps
+   measured, and each kernel compressor's encode at 2^20 and 2^24
+   elements.
+
+Each section gets a share of what is left of the budget (40, 20, 25 and 15
+percent of it, what one leaves unused passing on); a section that runs out
+is stopped and reported, and what does not fit is skipped. Everything goes
+under ``<output-dir>/<device kind>-<date>/`` (default output dir
+``benchmarks/results``)::
+
+  summary.md       the device, versions, command, and a table per section
+  device.json      the same as data
+  tests.txt        pytest's output (and tests.xml, its JUnit report)
+  kernels.txt      the benchmark's table (and kernels.json, its rows)
+  examples.txt     each example run's output
+  autotune.txt     the autotuner's table (and autotune.json; the cache
+                   file the runs filled: autotune_cache.json)
+
+The command exits 1 if a kernel test fails (or none ran, or a section
+failed), 0 otherwise. Run it from a source checkout (it needs ``tests/`` and
+``examples/``); a section whose files are missing is skipped.
+
+Off NVIDIA GPUs (or with ``--form interpret``) it runs a short form, which
+CI runs as a test (``tests/test_device_check.py``) so that the command
+cannot rot: one kernel test in interpret mode, the sign and int8 XLA rows of
+the benchmark at 16,384 elements, one top-k train step of the multi-host
+example's MLP in one process, and the autotuner's table for sign and int8
+blocks on a simulated GPU (the Pallas candidates in interpret mode, timed for
+real at 4,096 elements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp import compressors
+from jaxcomp import kernels
+
+SECTIONS = ("tests", "kernels", "examples", "autotune")
+SHARES = {"tests": 0.40, "kernels": 0.20, "examples": 0.25, "autotune": 0.15}
+COMPILED_TESTS = ["tests/test_kernels.py::TestKernelsCompiled",
+                  "tests/test_backend_paths.py", "tests/test_autotune.py"]
+INTERPRET_TESTS = [
+    "tests/test_kernels.py::TestKernelsInterpret::test_int8_round_half_to_even"]
+EXAMPLE_COMPRESSORS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
+AUTOTUNE_OPS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
+INTERPRET_AUTOTUNE_OPS = ("sign", "int8_block")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--budget", type=float, default=480.0,
+                      help="wall-time budget in seconds (default 480)")
+  parser.add_argument("--output-dir", default=os.path.join("benchmarks",
+                                                           "results"),
+                      help="results go to <output-dir>/<device>-<date>/")
+  parser.add_argument("--form", choices=("auto", "compiled", "interpret"),
+                      default="auto", help="auto: compiled on an NVIDIA GPU, "
+                      "else the short interpret-mode form")
+  parser.add_argument("--sections", nargs="+", choices=SECTIONS,
+                      default=list(SECTIONS), help="run only these")
+  parser.add_argument("--tests", nargs="+", default=None,
+                      help="pytest targets instead of the form's kernel tests")
+  parser.add_argument("--root", default=None,
+                      help="the source checkout (default: the one holding "
+                      "this jaxcomp, else the current directory)")
+  parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+
+
+@dataclasses.dataclass
+class Result:
+  """One section's outcome, for the summary."""
+  section: str
+  status: str  # "passed", "failed", "done", "skipped: ...", "stopped: ..."
+  seconds: float = 0.0
+  detail: str = ""
+  table: str = ""  # markdown, printed under the summary's table
+
+  @property
+  def failed(self) -> bool:
+    return self.status.startswith(("failed", "stopped"))
+
+
+def _root(args) -> str:
+  if args.root:
+    return os.path.abspath(args.root)
+  here = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  if os.path.isdir(os.path.join(here, "tests")):
+    return here
+  return os.getcwd()
+
+
+def _slug(text: str) -> str:
+  return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def _env(root: str) -> dict[str, str]:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _run(cmd: list[str], *, root: str, timeout: float, log: str,
+         env: dict[str, str] | None = None) -> tuple[int | None, float, str]:
+  """Runs ``cmd`` in ``root``, its output appended to ``log``; returns
+  ``(exit code or None when stopped at timeout, seconds, output)``."""
+  start = time.monotonic()
+  try:
+    proc = subprocess.run(cmd, cwd=root, env=env or _env(root),
+                          capture_output=True, text=True,
+                          timeout=max(1.0, timeout))
+    code, out = proc.returncode, proc.stdout + proc.stderr
+  except subprocess.TimeoutExpired as e:
+    code = None
+    out = ((e.stdout or b"").decode(errors="replace") if isinstance(
+        e.stdout, bytes) else (e.stdout or "")) + ((e.stderr or b"").decode(
+            errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""))
+  seconds = time.monotonic() - start
+  with open(log, "a", encoding="utf-8") as f:
+    f.write(f"$ {' '.join(cmd)}\n{out}\n[exit {code}, {seconds:.1f} s]\n\n")
+  return code, seconds, out
+
+
+def _probe(root: str) -> dict[str, Any]:
+  """The device and versions, read in a process of its own (this one
+  starts no backend, so that it holds no GPU memory while the sections
+  run)."""
+  code = ("import json, jax, importlib.metadata as m\n"
+          "from jaxcomp import kernels\n"
+          "d = jax.devices()[0]\n"
+          "v = lambda p: m.version(p)\n"
+          "print(json.dumps({'device_kind': str(getattr(d, 'device_kind', d.platform)),"
+          " 'platform': d.platform, 'device_count': jax.device_count(),"
+          " 'nvidia_gpu': kernels.nvidia_gpu(), 'jax': jax.__version__,"
+          " 'jaxlib': v('jaxlib'), 'jaxcomp': v('jaxcomp')}))\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, env=_env(root),
+                       capture_output=True, text=True, timeout=300, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _pytest_counts(text: str) -> dict[str, int]:
+  counts = {}
+  tail = [l for l in text.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+  for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
+                            tail[-1] if tail else ""):
+    counts[what.rstrip("s") if what.startswith("error") else what] = int(n)
+  return counts
+
+
+def _tests(args, root, run_dir, timeout, compiled) -> Result:
+  targets = args.tests or (COMPILED_TESTS if compiled else INTERPRET_TESTS)
+  files = {t.split("::")[0] for t in targets}
+  missing = [f for f in files if not os.path.exists(os.path.join(root, f))]
+  if missing:
+    return Result("tests", f"skipped: {', '.join(sorted(missing))} not found "
+                  "(run from a source checkout)")
+  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={os.path.join(run_dir, 'tests.xml')}", *targets]
+  code, seconds, out = _run(cmd, root=root, timeout=timeout,
+                            log=os.path.join(run_dir, "tests.txt"))
+  counts = _pytest_counts(out)
+  detail = ", ".join(f"{v} {k}" for k, v in counts.items()) + " (tests.txt)"
+  if code is None:
+    return Result("tests", "stopped: out of budget", seconds, detail)
+  ran = sum(counts.get(k, 0) for k in ("passed", "failed", "error"))
+  if code == 5 or ran == 0:
+    return Result("tests", "failed: no test ran", seconds, detail)
+  return Result("tests", "passed" if code == 0 else "failed", seconds, detail)
+
+
+def _kernels(args, root, run_dir, timeout, compiled) -> Result:
+  del args
+  cmd = [sys.executable, "-m", "jaxcomp.bench", "kernels",
+         "--json", os.path.join(run_dir, "kernels.json")]
+  if compiled:
+    cmd += ["--implementation", "both", "--sizes", "1e6", "2.5e7",
+            "--dtype", "f32", "bf16"]
+    if importlib.util.find_spec("torch") is not None:
+      cmd.append("--torch")
+  else:
+    cmd += ["--implementation", "xla", "--sizes", "16384", "--repeats", "2",
+            "--ops", "sign", "int8"]
+  log = os.path.join(run_dir, "kernels.txt")
+  code, seconds, out = _run(cmd, root=root, timeout=timeout, log=log)
+  rows = out.count("\n") if code == 0 else 0
+  table = ""
+  try:
+    with open(os.path.join(run_dir, "kernels.json"), encoding="utf-8") as f:
+      data = json.load(f)["rows"]
+    rows = len(data)
+    lines = ["| dtype | op | implementation | n | ms | GB/s | vs XLA reference |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data:
+      ms = "failed" if r["seconds"] is None else f"{r['seconds'] * 1e3:.3f}"
+      gbs = "" if r["seconds"] is None else f"{r['gb_per_s']:.1f}"
+      ref = r.get("ratio_ref")
+      lines.append(f"| {r['dtype']} | {r['op']} | {r['impl']} | {r['n']:,} | "
+                   f"{ms} | {gbs} | {'' if ref is None else f'{ref:.2f}x'} |")
+    table = "\n".join(lines)
+  except (OSError, ValueError, KeyError):
+    pass
+  if code is None:
+    return Result("kernels", "stopped: out of budget", seconds,
+                  f"{rows} rows (kernels.txt)", table)
+  return Result("kernels", "done" if code == 0 else "failed", seconds,
+                f"{rows} rows (kernels.txt, kernels.json)", table)
+
+
+def _example_commands(compressor: str, compiled: bool) -> list[tuple[str, list[str]]]:
+  runs = [("multihost", [os.path.join("examples", "multihost", "train_mlp.py"),
+                         "--steps=1", f"--compressor={compressor}"])]
+  if compiled:
+    runs += [("fashion_mnist", ["-m", "examples.fashion_mnist.main",
+                                f"--compressor={compressor}", "--epochs=1",
+                                "--max-steps=1", "--batch-size=64",
+                                "--no-progress", "--dataset=digits"]),
+             ("char_lm", ["-m", "examples.char_lm.main",
+                          f"--compressor={compressor}", "--epochs=1",
+                          "--max-steps=1", "--no-progress"])]
+  return runs
+
+
+def _examples(args, root, run_dir, timeout, compiled) -> Result:
+  del args
+  if not os.path.isdir(os.path.join(root, "examples")):
+    return Result("examples", "skipped: examples/ not found (run from a "
+                  "source checkout)")
+  env = _env(root)
+  env["JAXCOMP_AUTOTUNE_CACHE"] = os.path.join(run_dir, "autotune_cache.json")
+  env.pop("JAXCOMP_KERNELS", None)
+  deadline = time.monotonic() + timeout
+  compressors = EXAMPLE_COMPRESSORS if compiled else EXAMPLE_COMPRESSORS[:1]
+  rows, failed, skipped, start = [], 0, 0, time.monotonic()
+  log = os.path.join(run_dir, "examples.txt")
+  for compressor in compressors:
+    for name, cmd in _example_commands(compressor, compiled):
+      left = deadline - time.monotonic()
+      if left < 10:
+        skipped += 1
+        rows.append(f"| {name} | {compressor} | skipped: budget | |")
+        continue
+      code, seconds, _ = _run([sys.executable, *cmd], root=root, timeout=left,
+                              log=log, env=env)
+      status = ("ran" if code == 0 else "stopped: budget" if code is None
+                else f"failed (exit {code})")
+      failed += code not in (0, None)
+      rows.append(f"| {name} | {compressor} | {status} | {seconds:.1f} |")
+  ran = sum("| ran |" in r for r in rows)
+  table = "\n".join(["| example | compressor | one train step | seconds |",
+                     "| --- | --- | --- | --- |", *rows])
+  status = "failed" if failed else "passed"
+  return Result("examples", status, time.monotonic() - start,
+                f"{ran} of {len(rows)} ran, {failed} failed, {skipped} "
+                "skipped (examples.txt)", table)
+
+
+def _autotune(args, root, run_dir, timeout, compiled) -> Result:
+  cmd = [sys.executable, "-m", "jaxcomp.bench", "device-check",
+         "--section", "autotune", "--run-dir", run_dir,
+         "--form", "compiled" if compiled else "interpret"]
+  code, seconds, _ = _run(cmd, root=root, timeout=timeout,
+                          log=os.path.join(run_dir, "autotune.txt"))
+  table, detail = "", "autotune.txt"
+  try:
+    with open(os.path.join(run_dir, "autotune.json"), encoding="utf-8") as f:
+      rows = json.load(f)["decisions"]
+    table = _autotune_table(rows)
+    chosen = [r["implementation"] for r in rows]
+    detail = (f"{len(rows)} keys: pallas {chosen.count('pallas')}, xla "
+              f"{chosen.count('xla')} (autotune.txt, autotune.json)")
+  except (OSError, ValueError, KeyError):
+    pass
+  if code is None:
+    return Result("autotune", "stopped: out of budget", seconds, detail, table)
+  return Result("autotune", "done" if code == 0 else "failed", seconds, detail,
+                table)
+
+
+def _autotune_table(rows: list[dict]) -> str:
+  lines = ["| key | from | choice | pallas ms | xla ms | xla / pallas |",
+           "| --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    s = r.get("seconds", {})
+    p, x = s.get("pallas"), s.get("xla")
+    fmt = lambda v: "failed" if v is None else f"{v * 1e3:.4f}"
+    ratio = f"{x / p:.2f}" if p and x else ""
+    lines.append(f"| {r['key']} | {r['from']} | {r['implementation']} | "
+                 f"{fmt(p) if s else ''} | {fmt(x) if s else ''} | {ratio} |")
+  return "\n".join(lines)
+
+
+def _autotune_section(run_dir: str, compiled: bool) -> int:
+  """The autotune section, in this process: the keys the example steps
+  measured (their cache file) and each kernel compressor's encode at a few
+  sizes, under a tuner of its own (a simulated GPU in the interpret form)."""
+  cache = os.path.join(run_dir, "autotune_cache.json")
+  rows = []
+  if compiled:
+    tuner = kernels.Autotuner(cache_path=cache)
+    sizes = (1 << 20, 1 << 24)
+    for entry_key, entry in kernels_cache_entries(cache, tuner.table_name()):
+      rows.append({"key": entry_key, "from": "example steps", **entry})
+  else:
+    tuner = kernels.Autotuner(
+        cache_path=cache, nvidia=True, interpret=True,
+        device_kind=f"simulated GPU ({jax.devices()[0].platform}, interpret)",
+        timer=lambda key, impl, fn, a: kernels.measure_seconds(
+            fn, a, repeats=2, max_calls=2))
+    sizes = (4096,)
+  for name in AUTOTUNE_OPS if compiled else INTERPRET_AUTOTUNE_OPS:
+    c = compressors.get(name)
+    for n in sizes:
+      for d in kernels.autotune(c.encode, jax.ShapeDtypeStruct((n,), jnp.float32),
+                                jax.random.key(0), tuner=tuner):
+        rows.append({"key": str(d.key), "from": f"{name} encode, n={n:,}",
+                     **d.to_json(), "source": d.source})
+  with open(os.path.join(run_dir, "autotune.json"), "w", encoding="utf-8") as f:
+    json.dump({"device": tuner.device_kind, "table": tuner.table_name(),
+               "decisions": rows}, f, indent=1)
+  print(f"device: {tuner.device_kind}")
+  print(_autotune_table(rows))
+  return 0
+
+
+def kernels_cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
+  """The entries of ``table`` in the cache file at ``path``."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return sorted(json.load(f)["tables"].get(table, {}).items())
+  except (OSError, ValueError, KeyError):
+    return []
+
+
+RUNNERS = {"tests": _tests, "kernels": _kernels, "examples": _examples,
+           "autotune": _autotune}
+
+
+def _summary(info: dict, results: list[Result], command: str) -> str:
+  form = info["form"]
+  lines = [f"# jaxcomp device check: {info['device_kind']}, {info['date']}", "",
+           f"`{command}`, {form} form: {info['device_count']} "
+           f"{info['platform']} device(s), JAX {info['jax']}, jaxlib "
+           f"{info['jaxlib']}, jaxcomp {info['jaxcomp']}, budget "
+           f"{info['budget']:.0f} s, {info['seconds']:.0f} s used.", "",
+           "| section | status | seconds | result |", "| --- | --- | --- | --- |"]
+  for r in results:
+    lines.append(f"| {r.section} | {r.status} | {r.seconds:.1f} | {r.detail} |")
+  for r in results:
+    if r.table:
+      lines += ["", f"## {r.section}", "", r.table]
+  return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+  if args.section == "autotune":
+    return _autotune_section(args.run_dir, args.form == "compiled")
+  start = time.monotonic()
+  root = _root(args)
+  info = _probe(root)
+  compiled = (info["nvidia_gpu"] if args.form == "auto"
+              else args.form == "compiled")
+  info.update(form="compiled" if compiled else "interpret",
+              date=datetime.date.today().isoformat(), budget=args.budget)
+  run_dir = os.path.join(os.path.abspath(args.output_dir),
+                         f"{_slug(info['device_kind'])}-{info['date']}")
+  os.makedirs(run_dir, exist_ok=True)
+  for name in ("tests.txt", "kernels.txt", "examples.txt", "autotune.txt",
+               "autotune_cache.json"):
+    if os.path.exists(os.path.join(run_dir, name)):
+      os.remove(os.path.join(run_dir, name))
+  command = " ".join(["python -m jaxcomp.bench device-check",
+                       *map(shlex.quote, getattr(args, "argv", None) or [])])
+  print(f"device check of {info['device_kind']} ({info['form']} form, budget "
+        f"{args.budget:.0f} s) -> {run_dir}", flush=True)
+  results = []
+  sections = [s for s in SECTIONS if s in args.sections]
+  for i, name in enumerate(sections):
+    left = args.budget - (time.monotonic() - start)
+    shares = sum(SHARES[s] for s in sections[i:])
+    timeout = left * SHARES[name] / shares
+    if timeout < 5:
+      results.append(Result(name, "skipped: out of budget"))
+    else:
+      results.append(RUNNERS[name](args, root, run_dir, timeout, compiled))
+    r = results[-1]
+    print(f"{name:<9} {r.status:<24} {r.seconds:7.1f} s  {r.detail}", flush=True)
+  lock = os.path.join(run_dir, "autotune_cache.json.lock")
+  if os.path.exists(lock):
+    os.remove(lock)
+  info["seconds"] = time.monotonic() - start
+  info["sections"] = [dataclasses.asdict(r) for r in results]
+  info["command"] = command
+  with open(os.path.join(run_dir, "device.json"), "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+  with open(os.path.join(run_dir, "summary.md"), "w", encoding="utf-8") as f:
+    f.write(_summary(info, results, command))
+  print(f"wrote {os.path.join(run_dir, 'summary.md')}")
+  return 1 if any(r.failed for r in results) else 0

@@ -1,0 +1,700 @@
+"""Which implementation of a kernel op runs, ``"pallas"`` or ``"xla"``: the
+one the caller names, the one the environment forces, or, with
+``implementation=None`` on an NVIDIA GPU, the one measured faster on that
+GPU (autotuning), as Triton autotunes a kernel per shape and XLA measures
+its cuBLAS / cuDNN candidates while it compiles.
+
+Autotuning. The first time a trace asks for an op with ``implementation=None``
+at a :class:`TuneKey` (op, dtype, size class ``2**(c-1) < n <= 2**c`` and
+the parameters that change the kernel: code width, bucket / block size,
+rounding, whether ``x`` is read in place), the :class:`Autotuner` times both
+paths on a scratch buffer of that size on the local GPU (a compile and warm
+call, then 5 trials of at least 1 ms of back-to-back calls; the median per
+call), takes the faster (XLA where the Pallas path fails to compile or run,
+e.g. Mosaic GPU kernels on a GPU before Hopper), and keeps the choice in
+memory and in a JSON cache file. The size is static, so the choice is made
+before tracing goes on. Off NVIDIA GPUs nothing is timed: XLA.
+
+The cache file (default ``$XDG_CACHE_HOME/jaxcomp/autotune.json``, else
+``~/.cache/jaxcomp/autotune.json``) holds one table per device kind, JAX,
+jaxlib and jaxcomp version; a lookup reads only the table of the running
+versions, so an upgrade measures again. A file that cannot be read as a cache
+is ignored with a warning (and replaced by the next measurement). Writers
+take a lock (``fcntl.flock`` on ``<path>.lock``) and replace the file
+atomically, merging what other processes wrote meanwhile.
+
+Processes of one job (``jax.process_count() > 1``) agree: process 0 decides
+(from its cache or by measuring) and publishes each choice in the job's
+distributed key-value store; the other processes wait for it there and never
+read their own cache file or measure, so every process traces the same
+program.
+
+Environment (read at trace time, so set it before the first trace):
+
+* ``JAXCOMP_KERNELS``: ``autotune`` (default), ``xla`` (autotuning off: XLA
+  for every op), or ``pallas`` (the Pallas kernels for every op whose
+  parameters they take; an error off NVIDIA GPUs). An ``implementation``
+  named by the caller wins over it.
+* ``JAXCOMP_AUTOTUNE_CACHE``: the cache file's path, or ``none`` for no file
+  (memory only).
+
+Every choice is logged once per key and process on the ``jaxcomp.kernels``
+logger (``logging.INFO``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from . import _launch
+
+try:
+  import fcntl
+except ImportError:  # not POSIX: the atomic replace alone keeps the file whole
+  fcntl = None
+
+logger = logging.getLogger("jaxcomp.kernels")
+
+IMPLEMENTATIONS = ("pallas", "xla")
+ENV_KERNELS = "JAXCOMP_KERNELS"
+ENV_CACHE = "JAXCOMP_AUTOTUNE_CACHE"
+MODES = ("autotune", "xla", "pallas")
+CACHE_FORMAT = 1
+# How long a process other than 0 waits for process 0's choice of a key
+# (which may include compiling and timing both paths), milliseconds.
+AGREEMENT_TIMEOUT_MS = 10 * 60 * 1000
+
+
+def size_class(n: int) -> int:
+  """``c`` with ``2**(c-1) < n <= 2**c`` (0 for ``n <= 1``): the sizes that
+  share one autotuning decision."""
+  return max(0, (int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneKey:
+  """What one autotuning decision covers (see the module doc).
+
+  Attributes:
+    op: ``"sign"``, ``"qsgd"``, ``"int8"``, ``"fp8"``, ``"topk"`` or
+      ``"sampled_topk"``.
+    dtype: the input's dtype name, e.g. ``"float32"``.
+    size_class: ``c`` of :func:`size_class`: ``2**(c-1) < n <= 2**c``.
+    params: sorted ``(name, value)`` pairs of the parameters that change
+      the kernel, values as strings.
+  """
+  op: str
+  dtype: str
+  size_class: int
+  params: tuple[tuple[str, str], ...] = ()
+
+  def __str__(self) -> str:
+    parts = [self.op, self.dtype, f"n<=2^{self.size_class}"]
+    return " ".join(parts + [f"{k}={v}" for k, v in self.params])
+
+
+def _no_extras(x: jax.Array) -> tuple:
+  del x
+  return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+  """An op call whose implementation is to be chosen, as the op's
+  ``*_auto`` function describes it.
+
+  Attributes:
+    op: the op's name (:attr:`TuneKey.op`).
+    n: element count of its input.
+    dtype: its input's dtype.
+    run: ``run(implementation, interpret)`` returns the op as a function
+      ``f(x, *extras)`` of a scratch input ``x`` of ``n`` elements of
+      ``dtype`` (and of ``extras(x)``), on that implementation
+      (``interpret``: the Pallas kernels in interpret mode, for a simulated
+      GPU on a CPU).
+    params: the parameters that change the kernel (:attr:`TuneKey.params`).
+    extras: the op's other operands for a scratch run (e.g. a seed), from
+      the scratch ``x``.
+    supported: whether the Pallas path takes these parameters (e.g. a
+      bucket size that is a multiple of 32); if not, XLA, untimed.
+  """
+  op: str
+  n: int
+  dtype: Any
+  run: Callable[[str, bool], Callable[..., Any]]
+  params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  extras: Callable[[jax.Array], tuple] = _no_extras
+  supported: bool = True
+
+  @property
+  def key(self) -> TuneKey:
+    return TuneKey(op=self.op, dtype=jnp.dtype(self.dtype).name,
+                   size_class=size_class(self.n),
+                   params=tuple(sorted((str(k), str(v))
+                                       for k, v in self.params.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """One implementation choice and where it came from.
+
+  Attributes:
+    key: what it covers.
+    implementation: ``"pallas"`` or ``"xla"``.
+    source: ``"measured"``, ``"cache file"``, ``"process 0"`` (another
+      process of the job), or ``"not timed: <reason>"``.
+    seconds: measured seconds per call of each implementation (None for
+      one that failed); empty where nothing was timed here.
+    errors: the first line of each failed implementation's error.
+    n: the size that was timed (0 where nothing was).
+    device: the device kind.
+    when: UTC time of the measurement, ISO 8601.
+  """
+  key: TuneKey
+  implementation: str
+  source: str
+  seconds: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+  errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  n: int = 0
+  device: str = ""
+  when: str = ""
+
+  def to_json(self) -> dict:
+    return {"implementation": self.implementation, "seconds": dict(self.seconds),
+            "errors": dict(self.errors), "n": self.n, "when": self.when}
+
+  @classmethod
+  def from_json(cls, key: TuneKey, device: str, entry: Mapping) -> Decision:
+    implementation = entry["implementation"]
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation {implementation!r}")
+    return cls(key=key, implementation=implementation, source="cache file",
+               seconds=dict(entry.get("seconds", {})),
+               errors=dict(entry.get("errors", {})), n=int(entry.get("n", 0)),
+               device=device, when=str(entry.get("when", "")))
+
+  def describe(self) -> str:
+    """One line: the key, the choice, and the times behind it."""
+    times = ", ".join(
+        f"{impl} {'failed' if s is None else f'{s * 1e3:.4f} ms'}"
+        for impl, s in sorted(self.seconds.items()))
+    detail = self.source + (f": {times}" if times else "")
+    if self.n:
+      detail += f" at n={self.n:,}"
+    return f"{self.key} on {self.device}: {self.implementation} ({detail})"
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def environment_versions() -> dict[str, str]:
+  """The versions that key a cache table: JAX, jaxlib and jaxcomp (read
+  from the installed distributions: this package imports nothing of
+  jaxcomp)."""
+  return {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
+          "jaxcomp": _version("jaxcomp")}
+
+
+def default_cache_path() -> str | None:
+  """``$JAXCOMP_AUTOTUNE_CACHE`` (None where it is ``none``), else
+  ``$XDG_CACHE_HOME/jaxcomp/autotune.json`` or
+  ``~/.cache/jaxcomp/autotune.json``."""
+  path = os.environ.get(ENV_CACHE)
+  if path is not None and path.strip():
+    return None if path.strip().lower() == "none" else os.path.expanduser(path)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxcomp", "autotune.json")
+
+
+class CacheFile:
+  """The JSON file of autotuning decisions:
+  ``{"format": 1, "tables": {table: {str(key): entry}}}``, one table per
+  device kind and versions (:meth:`Autotuner.table_name`)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._warned = False
+
+  def _load(self) -> dict:
+    """The file's tables; {} for a missing file, and for an unreadable one
+    (with a warning, once)."""
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        data = json.load(f)
+      if (not isinstance(data, dict) or data.get("format") != CACHE_FORMAT
+          or not isinstance(data.get("tables"), dict)
+          or not all(isinstance(t, dict) for t in data["tables"].values())):
+        raise ValueError(f"not a format-{CACHE_FORMAT} autotuning cache")
+      return data["tables"]
+    except FileNotFoundError:
+      return {}
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+      if not self._warned:
+        self._warned = True
+        warnings.warn(
+            f"jaxcomp.kernels: the autotuning cache {self.path} cannot be "
+            f"read ({type(e).__name__}: {e}); it is ignored, and the next "
+            "measurement replaces it. Set JAXCOMP_AUTOTUNE_CACHE to use "
+            "another file.", RuntimeWarning, stacklevel=4)
+      return {}
+
+  def read(self, table: str) -> dict[str, dict]:
+    """The entries of ``table`` (``{str(key): entry}``)."""
+    return dict(self._load().get(table, {}))
+
+  @contextlib.contextmanager
+  def _locked(self):
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    if fcntl is None:
+      yield
+      return
+    with open(self.path + ".lock", "a", encoding="utf-8") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      try:
+        yield
+      finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+  def write(self, table: str, key: str, entry: Mapping) -> None:
+    """Adds ``entry`` under ``key`` of ``table``, keeping every other entry
+    the file holds now (read under the lock), and replaces the file
+    atomically."""
+    with self._locked():
+      tables = self._load()
+      tables.setdefault(table, {})[key] = dict(entry)
+      folder = os.path.dirname(os.path.abspath(self.path))
+      fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".json",
+                                 dir=folder)
+      try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+          json.dump({"format": CACHE_FORMAT, "tables": tables}, f, indent=1,
+                    sort_keys=True)
+        os.replace(tmp, self.path)
+      except BaseException:
+        with contextlib.suppress(OSError):
+          os.unlink(tmp)
+        raise
+
+
+Timer = Callable[[TuneKey, str, Callable[..., Any], tuple], float]
+
+
+def measure_seconds(fn: Callable[..., Any], args: tuple, *, repeats: int = 5,
+                    min_trial_seconds: float = 1e-3,
+                    max_calls: int = 100) -> float:
+  """Median seconds per call of ``jax.jit(fn)(*args)``: one call to compile
+  and warm up, then ``repeats`` trials of back-to-back calls (as many as
+  take ``min_trial_seconds``, at most ``max_calls``) waited for together.
+
+  Raises:
+    Whatever compiling or running ``fn`` raises.
+  """
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(jitted(*args))
+  one = time.perf_counter() - start
+  calls = max(1, min(max_calls, math.ceil(min_trial_seconds / max(one, 1e-7))))
+  trials = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready([jitted(*args) for _ in range(calls)])
+    trials.append((time.perf_counter() - start) / calls)
+  return statistics.median(trials)
+
+
+def _default_timer(key: TuneKey, implementation: str, fn, args) -> float:
+  del key, implementation
+  return measure_seconds(fn, args)
+
+
+def _kv_client():
+  """The job's distributed key-value store (the coordination service that
+  ``jax.distributed.initialize`` starts), or None.
+
+  JAX has no public accessor for it; ``jax._src.distributed.global_state``
+  is what JAX's own compilation cache and Orbax use to share values between
+  the processes of a job at trace and compile time. Isolated here.
+  """
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return getattr(getattr(distributed, "global_state", None), "client", None)
+
+
+class Autotuner:
+  """Chooses ``"pallas"`` or ``"xla"`` for ``implementation=None`` (see the
+  module doc); one per process is the default (:func:`default_autotuner`),
+  and :func:`use_autotuner` puts another in its place.
+
+  Args:
+    timer: ``timer(key, implementation, fn, args) -> seconds`` per call of
+      ``fn(*args)``; default :func:`measure_seconds`. Tests inject one.
+    cache_path: the cache file; default :func:`default_cache_path` (read
+      at each lookup); ``"none"`` for memory only.
+    device_kind: the GPU's name, e.g. ``"NVIDIA H100 80GB HBM3"``; default
+      the first local device's ``device_kind``.
+    nvidia: whether autotuning applies (an NVIDIA GPU backend); default
+      ``jaxcomp.kernels.nvidia_gpu()``. True on a CPU simulates one (with
+      ``interpret=True``, so that the Pallas candidates run).
+    interpret: time the Pallas kernels in interpret mode (a simulated GPU).
+    versions: ``{"jax", "jaxlib", "jaxcomp"}`` versions keying the cache
+      table; default :func:`environment_versions`.
+    agree: in a job of several processes, take process 0's choices (True,
+      the default); False lets each process decide alone, which can make
+      them compile different programs (for tests of the agreement).
+    kv: the job's key-value store; default the one
+      ``jax.distributed.initialize`` started.
+  """
+
+  def __init__(self, *, timer: Timer | None = None,
+               cache_path: str | None = None, device_kind: str | None = None,
+               nvidia: bool | None = None, interpret: bool = False,
+               versions: Mapping[str, str] | None = None, agree: bool = True,
+               kv=None):
+    self.timer = timer or _default_timer
+    self._cache_path = cache_path
+    self._device_kind = device_kind
+    self._nvidia = nvidia
+    self.interpret = interpret
+    self.versions = dict(versions or environment_versions())
+    self.agree = agree
+    self._kv = kv
+    self._decisions: dict[TuneKey, Decision] = {}
+    self._files: dict[str, CacheFile] = {}
+    self._lock = threading.RLock()
+    self._seen: list[list[Decision]] = []  # recorders of autotune()
+
+  @property
+  def nvidia(self) -> bool:
+    return _launch.nvidia_gpu() if self._nvidia is None else self._nvidia
+
+  @property
+  def device_kind(self) -> str:
+    if self._device_kind is None:
+      device = jax.local_devices()[0]
+      self._device_kind = str(getattr(device, "device_kind", device.platform))
+    return self._device_kind
+
+  @property
+  def cache_path(self) -> str | None:
+    if self._cache_path is None:
+      return default_cache_path()
+    return None if self._cache_path.lower() == "none" else self._cache_path
+
+  def table_name(self) -> str:
+    """The cache table of this device kind and these versions."""
+    v = self.versions
+    return (f"{self.device_kind} | jax {v.get('jax')} | jaxlib "
+            f"{v.get('jaxlib')} | jaxcomp {v.get('jaxcomp')}")
+
+  def _file(self) -> CacheFile | None:
+    path = self.cache_path
+    if path is None:
+      return None
+    if path not in self._files:
+      self._files[path] = CacheFile(path)
+    return self._files[path]
+
+  def decisions(self) -> list[Decision]:
+    """Every decision this process holds, in the order it was made."""
+    with self._lock:
+      return list(self._decisions.values())
+
+  def clear(self) -> None:
+    """Forgets the decisions held in memory (the cache file stays)."""
+    with self._lock:
+      self._decisions.clear()
+
+  def resolve(self, tunable: Tunable) -> str:
+    """``"pallas"`` or ``"xla"`` for ``tunable`` under
+    ``implementation=None``.
+
+    Raises:
+      ValueError: ``JAXCOMP_KERNELS`` is not one of :data:`MODES`, or is
+        ``pallas`` off an NVIDIA GPU.
+      RuntimeError: another process of the job did not publish its choice
+        within :data:`AGREEMENT_TIMEOUT_MS`.
+    """
+    mode = os.environ.get(ENV_KERNELS, "autotune").strip().lower() or "autotune"
+    if mode not in MODES:
+      raise ValueError(
+          f"{ENV_KERNELS}={os.environ.get(ENV_KERNELS)!r} must be one of "
+          f"{MODES}: autotune (the default), xla (every op on XLA) or pallas "
+          "(every op on the Pallas kernels)")
+    if mode == "xla":
+      return "xla"
+    if not self.nvidia:
+      if mode == "pallas":
+        raise ValueError(
+            f"{ENV_KERNELS}=pallas forces the Mosaic GPU kernels, which need "
+            f"an NVIDIA GPU; the default backend is {jax.default_backend()}. "
+            f"Unset {ENV_KERNELS} (or set it to xla) here.")
+      return "xla"  # nothing is timed off NVIDIA GPUs
+    key = tunable.key
+    with self._lock:
+      if mode == "pallas":
+        reason = f"forced by {ENV_KERNELS}=pallas" + (
+            "" if tunable.supported else "; the Pallas path does not take "
+            "these parameters")
+        decision = self._keep(Decision(
+            key=key, implementation="pallas" if tunable.supported else "xla",
+            source=f"not timed: {reason}", device=self.device_kind))
+      else:
+        decision = self._decisions.get(key)
+        if decision is None or decision.source.startswith("not timed: forced"):
+          decision = self._keep(self._agreed(key, tunable))
+      for seen in self._seen:
+        seen.append(decision)
+      return decision.implementation
+
+  def _keep(self, decision: Decision) -> Decision:
+    """Holds ``decision`` in memory and logs it (once per key)."""
+    old = self._decisions.get(decision.key)
+    if old != decision:
+      self._decisions[decision.key] = decision
+      logger.info("%s", decision.describe())
+    return decision
+
+  def _agreed(self, key: TuneKey, tunable: Tunable) -> Decision:
+    """This process's decision, or in a job of several processes process
+    0's (published in the key-value store)."""
+    if not self.agree or jax.process_count() == 1:
+      return self._decide(key, tunable)
+    kv = self._kv if self._kv is not None else _kv_client()
+    if kv is None:
+      return Decision(
+          key=key, implementation="xla", device=self.device_kind,
+          source="not timed: no key-value store to agree on a choice between "
+          "the job's processes")
+    name = f"jaxcomp/autotune/{self.table_name()}/{key}"
+    if jax.process_index() == 0:
+      try:  # published already (this process decided, then forgot it)
+        published = kv.key_value_try_get(name)
+      except Exception:  # pylint: disable=broad-except
+        published = None  # the store raises where it holds no such key
+      if published is not None:
+        return Decision(key=key, implementation=published,
+                        source="process 0", device=self.device_kind)
+      decision = self._decide(key, tunable)
+      kv.key_value_set(name, decision.implementation)
+      return decision
+    try:
+      implementation = kv.blocking_key_value_get(name, AGREEMENT_TIMEOUT_MS)
+    except Exception as e:  # the store raises its own error types
+      raise RuntimeError(
+          f"process {jax.process_index()} waited {AGREEMENT_TIMEOUT_MS} ms "
+          f"for process 0's implementation choice of {key} and got none "
+          f"({e}); the processes may be tracing different programs. Start "
+          "every process with the same configuration, or set "
+          f"{ENV_KERNELS}=xla to turn autotuning off") from e
+    return Decision(key=key, implementation=implementation, source="process 0",
+                    device=self.device_kind)
+
+  def _decide(self, key: TuneKey, tunable: Tunable) -> Decision:
+    """From the cache file, or measured (and written to it)."""
+    if not tunable.supported:
+      return Decision(key=key, implementation="xla", device=self.device_kind,
+                      source="not timed: the Pallas path does not take these "
+                      "parameters")
+    file, table = self._file(), self.table_name()
+    if file is not None:
+      entry = file.read(table).get(str(key))
+      if entry is not None:
+        try:
+          return Decision.from_json(key, self.device_kind, entry)
+        except (KeyError, TypeError, ValueError) as e:
+          warnings.warn(f"jaxcomp.kernels: ignoring the cache entry for {key} "
+                        f"in {file.path}: {e!r}", RuntimeWarning, stacklevel=5)
+    decision = self._measure(key, tunable)
+    if file is not None:
+      try:
+        file.write(table, str(key), decision.to_json())
+      except OSError as e:
+        warnings.warn(f"jaxcomp.kernels: cannot write the autotuning cache "
+                      f"{file.path} ({e}); the choice is kept in memory",
+                      RuntimeWarning, stacklevel=5)
+    return decision
+
+  def _measure(self, key: TuneKey, tunable: Tunable) -> Decision:
+    """Times both implementations on a scratch input of ``tunable.n``
+    elements on the local device, outside the trace in progress."""
+    seconds: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+
+    def measure():
+      device = jax.local_devices()[0]
+      x = jax.device_put(
+          jax.random.normal(jax.random.key(0), (tunable.n,), jnp.float32)
+          .astype(tunable.dtype), device)
+      extras = tunable.extras(x)
+      for implementation in IMPLEMENTATIONS:
+        try:
+          fn = tunable.run(implementation, self.interpret)
+          seconds[implementation] = float(
+              self.timer(key, implementation, fn, (x, *extras)))
+        except Exception as e:  # pylint: disable=broad-except
+          # A kernel that does not compile or run here (e.g. Mosaic GPU on a
+          # GPU before Hopper) loses to the other path.
+          seconds[implementation] = None
+          errors[implementation] = (
+              f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+          if implementation == "xla":
+            raise
+
+    _outside_traces(measure)
+    pallas, xla = seconds["pallas"], seconds["xla"]
+    implementation = "pallas" if pallas is not None and pallas < xla else "xla"
+    return Decision(
+        key=key, implementation=implementation, source="measured",
+        seconds=seconds, errors=errors, n=tunable.n, device=self.device_kind,
+        when=datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"))
+
+
+def _outside_traces(fn: Callable[[], None]) -> None:
+  """Runs ``fn()`` on a thread of its own: JAX keeps its trace state per
+  thread, so there the jitted calls of a measurement compile and run
+  (inside the caller's ``jax.jit`` / ``shard_map`` trace they would be
+  staged into it). Re-raises what ``fn`` raises."""
+  failure: list[BaseException] = []
+
+  def target():
+    try:
+      fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      failure.append(e)
+
+  thread = threading.Thread(target=target, name="jaxcomp-autotune")
+  thread.start()
+  thread.join()
+  if failure:
+    raise failure[0]
+
+
+_DEFAULT: list[Autotuner] = []
+_DEFAULT_LOCK = threading.Lock()
+_CURRENT = threading.local()
+
+
+def default_autotuner() -> Autotuner:
+  """The process's :class:`Autotuner` (made at first use), or the one
+  :func:`use_autotuner` put in place on this thread."""
+  stack = getattr(_CURRENT, "stack", None)
+  if stack:
+    return stack[-1]
+  with _DEFAULT_LOCK:
+    if not _DEFAULT:
+      _DEFAULT.append(Autotuner())
+    return _DEFAULT[0]
+
+
+@contextlib.contextmanager
+def use_autotuner(tuner: Autotuner):
+  """Makes ``tuner`` the one ``implementation=None`` asks, on this thread,
+  inside the ``with`` block."""
+  if not hasattr(_CURRENT, "stack"):
+    _CURRENT.stack = []
+  _CURRENT.stack.append(tuner)
+  try:
+    yield tuner
+  finally:
+    _CURRENT.stack.pop()
+
+
+def resolve_implementation(implementation: str | None, *, op: str | None = None,
+                           n: int | None = None, dtype=jnp.float32,
+                           tunable: Tunable | None = None) -> str:
+  """Returns ``"pallas"`` or ``"xla"``.
+
+  Args:
+    implementation: ``"pallas"``, ``"xla"`` or ``None``. Named, it is
+      returned. ``None``: ``"xla"`` off NVIDIA GPUs (CPU, TPU, ROCm: Mosaic
+      GPU kernels do not compile there) and with ``JAXCOMP_KERNELS=xla``;
+      on an NVIDIA GPU the path :func:`default_autotuner` measures faster
+      for ``tunable`` (``"xla"`` where no ``tunable`` describes the call).
+    op, n, dtype: the op, its input's element count and dtype (used where
+      no ``tunable`` is given).
+    tunable: the call, for autotuning.
+
+  Raises:
+    ValueError: ``implementation`` is not one of the above; a bad
+      ``JAXCOMP_KERNELS``.
+  """
+  if implementation is not None:
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+          f"implementation must be one of {IMPLEMENTATIONS} or None, got "
+          f"{implementation=}")
+    return implementation
+  if tunable is None:
+    if op is None or n is None:
+      return default_autotuner().resolve(Tunable(
+          op=op or "unknown", n=n or 0, dtype=dtype,
+          run=_unavailable, supported=False))
+    tunable = Tunable(op=op, n=n, dtype=dtype, run=_unavailable,
+                      supported=False)
+  return default_autotuner().resolve(tunable)
+
+
+def _unavailable(implementation: str, interpret: bool):
+  raise NotImplementedError("no candidates given")
+
+
+def autotune(fn: Callable[..., Any], *args, tuner: Autotuner | None = None,
+             **kwargs) -> list[Decision]:
+  """Fills the autotuning cache for ``fn`` at the shapes of ``args``
+  ahead of a job: traces ``fn(*args, **kwargs)`` (arrays or
+  ``jax.ShapeDtypeStruct``s; nothing runs) under ``tuner`` (default
+  :func:`default_autotuner`), so that every op inside with
+  ``implementation=None`` is decided now (read from the cache file or
+  measured, and written to it).
+
+  Example: ``jaxcomp.kernels.autotune(train_step, params, opt_state,
+  batch)`` before the training loop, or ``jaxcomp.kernels.autotune(
+  compressor.encode, jax.ShapeDtypeStruct((n,), jnp.float32),
+  jax.random.key(0))`` for one bucket size.
+
+  Returns:
+    The decisions the trace asked for, in order (repeats removed). A
+    function JAX has already traced with these shapes is not traced again
+    (its decisions are in :meth:`Autotuner.decisions` already).
+  """
+  tuner = tuner or default_autotuner()
+  seen: list[Decision] = []
+  with use_autotuner(tuner):
+    with tuner._lock:
+      tuner._seen.append(seen)
+    try:
+      jax.jit(lambda *a, **k: fn(*a, **k)).trace(*args, **kwargs)
+    finally:
+      with tuner._lock:
+        tuner._seen.remove(seen)
+  out, keys = [], set()
+  for d in seen:
+    if d.key not in keys:
+      keys.add(d.key)
+      out.append(d)
+  return out
