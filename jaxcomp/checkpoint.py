@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcomp import distributed
 from jaxcomp.distributed import _path_str
 from jaxcomp.combinators import MultiStepsState
 from jaxcomp.transform import CompressedMeanState
@@ -353,6 +354,8 @@ class Checkpointer:
     with open(record + ".tmp", "w") as f:
       json.dump(_listing(step_dir, me), f)
     os.replace(record + ".tmp", record)
+    # Named by the peer watcher if a process of the job dies later.
+    distributed.note_checkpoint(step, self.directory)
 
   def damage(self, step: int) -> str | None:
     """What is wrong with ``step``'s files, or None when every process's
@@ -525,6 +528,7 @@ class Checkpointer:
                 else _average_rows)  # statistics: rewritten next step
         value = move(value, x)
       restored.append(value)
+    distributed.note_checkpoint(step, self.directory)
     return step, jax.tree.unflatten(treedef, restored)
 
   def close(self) -> None:
