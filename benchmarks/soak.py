@@ -97,7 +97,7 @@ def state_norm(opt_state) -> float:
   leaves of every ``compressed_mean`` state's ``feedback`` and
   ``exchange_state``, on all devices."""
   import jax
-  import jax.numpy as jnp
+  import numpy as np
 
   import jaxcomp
   found = []
@@ -107,8 +107,9 @@ def state_norm(opt_state) -> float:
   total = 0.0
   for st in found:
     for leaf in jax.tree.leaves((st.feedback, st.exchange_state)):
-      if jnp.issubdtype(leaf.dtype, jnp.floating):
-        total += float(jnp.sum(jnp.square(leaf.astype(jnp.float32))))
+      host = np.asarray(leaf)  # a host copy: no collective of our own
+      if np.issubdtype(host.dtype, np.floating):
+        total += float(np.sum(np.square(host.astype(np.float64))))
   return total ** 0.5
 
 
@@ -146,6 +147,7 @@ def build(name: str, mesh):
   inside), ``residual_norm(opt_state) -> float``."""
   import jax
   import jax.numpy as jnp
+  import numpy as np
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -168,7 +170,10 @@ def build(name: str, mesh):
 
   batch_at = jax.jit(draw, out_shardings=batch_sharding)
 
-  ef_norm = lambda s: float(jnp.max(jaxcomp.get_stats(s).residual_norm))
+  # Host copies only: no program of this script's own runs a collective
+  # beside the train step's (see soak()).
+  ef_norm = lambda s: float(np.max(np.asarray(
+      jaxcomp.get_stats(s).residual_norm)))
   if name == "diloco":
     tx = jaxcomp.diloco(optax.adamw(3e-3), sync_every=10,
                         compressor="int8_block", bits=4)
@@ -240,8 +245,20 @@ def soak(name: str, args, counter) -> dict:
     with checkpoint.Checkpointer(ckpt_dir, max_to_keep=args.keep) as ckpt:
       for t in range(1, args.steps + 1):
         params, state, loss = step(params, state, t)
+        if t % args.sync_every == 0:
+          # A loop that never waits let XLA:CPU's 8 simulated devices
+          # deadlock on this 2-core machine (an all-reduce's rendezvous
+          # waiting for device threads that never came, after a few hundred
+          # queued steps); a training loop that reads its loss waits anyway.
+          jax.block_until_ready(loss)
         if t % args.save_every == 0:
+          # Nothing in flight while Orbax's threads read the arrays: a
+          # multi-device program with collectives launched while another
+          # thread works on the same devices was seen to leave XLA:CPU's
+          # rendezvous waiting for device threads that never came.
+          jax.block_until_ready((params, state))
           ckpt.save(t, {"params": params, "opt_state": state})
+          jax.block_until_ready((params, state))
         if t % args.every == 0 or t == args.steps:
           jax.block_until_ready(loss)
           live = jax.live_arrays()
@@ -370,6 +387,8 @@ def main(argv=None) -> int:
                   help="sample every this many steps")
   ap.add_argument("--save-every", type=int, default=1000)
   ap.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+  ap.add_argument("--sync-every", type=int, default=1,
+                  help="wait for the step's loss every this many steps")
   ap.add_argument("--warmup", type=int, default=None,
                   help="steps before the bounds apply (default: 10%% of "
                   "--steps, or with --short one sample)")
@@ -398,7 +417,7 @@ def main(argv=None) -> int:
     return 1 if any(r["problems"] for r in results) else 0
   if args.warmup is None:
     args.warmup = args.every if args.short else args.steps // 10
-  for flag in ("steps", "every", "save_every", "keep"):
+  for flag in ("steps", "every", "save_every", "keep", "sync_every"):
     if getattr(args, flag) < 1:
       ap.error(f"--{flag.replace('_', '-')} must be >= 1")
   xla_flags.set_cpu_devices(8)

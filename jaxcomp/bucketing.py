@@ -46,6 +46,18 @@ def _positive_int(value, name: str) -> None:
     raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
 
 
+def _sequence(value) -> bool:
+  """Whether ``value`` can be iterated (a 0-d array says it can, but
+  raises)."""
+  if not isinstance(value, Iterable):
+    return False
+  try:
+    iter(value)
+  except TypeError:
+    return False
+  return True
+
+
 def check_config(strategy: str, *, bucket_elements: int | None = None,
                  bucket_bytes: int | None = None,
                  plan: Sequence[Sequence[int]] | None = None) -> None:
@@ -59,12 +71,11 @@ def check_config(strategy: str, *, bucket_elements: int | None = None,
       non-negative integers.
   """
   if plan is not None:
-    if isinstance(plan, (str, bytes)) or not isinstance(plan, Iterable):
+    if isinstance(plan, (str, bytes)) or not _sequence(plan):
       raise ValueError(f"plan must be lists of leaf indices (jax.tree.leaves "
                        f"order), got plan={plan!r}")
     for bucket in plan:
-      if isinstance(bucket, (str, bytes)) or not isinstance(
-          bucket, Iterable) or not all(
+      if isinstance(bucket, (str, bytes)) or not _sequence(bucket) or not all(
           isinstance(i, numbers.Integral) and not isinstance(i, bool)
           and i >= 0 for i in bucket):
         raise ValueError(

@@ -304,7 +304,10 @@ def watching_peers() -> bool:
   and ends this process at once (``os._exit``) with
   :data:`PEER_LOST_EXIT_CODE`, whatever the main thread is doing (e.g.
   waiting in a collective for the dead process, which would otherwise never
-  return). The checkpoint named is the newest one this process saved or
+  return). When the main thread fails first, with a
+  ``jax.errors.JaxRuntimeError`` (gloo's "Connection reset by peer"), the
+  traceback waits up to the heartbeat timeout for the watcher's verdict:
+  the process then ends with the line alone. The checkpoint named is the newest one this process saved or
   restored with :class:`jaxcomp.checkpoint.Checkpointer` (or noted with
   :func:`note_checkpoint`).
 
@@ -426,9 +429,20 @@ def _wait_until_alone(seconds: float) -> None:
 
 
 def _note_uncaught(hook):
-  def excepthook(*args):
+  """``sys.excepthook`` that notes an uncaught exception (the process then
+  leaves at once at exit) and, for a failed computation
+  (``jax.errors.JaxRuntimeError``: gloo's "Connection reset by peer" when a
+  peer died mid-collective), first gives the watcher the heartbeat timeout
+  to name the lost process: then the job ends with that one line, not a
+  traceback."""
+  def excepthook(exc_type, exc, tb):
     _WATCH.failed = True
-    hook(*args)
+    runtime = getattr(jax.errors, "JaxRuntimeError", ())
+    thread = _WATCH.thread
+    if (runtime and isinstance(exc_type, type) and issubclass(exc_type, runtime)
+        and thread is not None and not _WATCH.stop.is_set()):
+      thread.join(_WATCH.heartbeat + 4 * _POLL_SECONDS)
+    hook(exc_type, exc, tb)
   return excepthook
 
 

@@ -238,6 +238,8 @@ def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit):
          bucket_elements=None)  # a fractional leaf size
 @example(sizes=[4, -3], plan=None, strategy="layerwise",
          bucket_elements=None)
+@example(sizes=[], plan=np.array(0.5), strategy=None,
+         bucket_elements=None)  # a 0-d array: iterable by type, not in fact
 @given(sizes=st.lists(st.one_of(st.integers(-2, 50), JUNK), max_size=5),
        plan=st.one_of(st.none(), JUNK, st.lists(
            st.one_of(st.lists(st.integers(-1, 6), max_size=3), JUNK),

@@ -35,7 +35,7 @@ def test_short_soak_stays_flat(tmp_path):
   results = json.loads(out.read_text())["results"]
   assert [x["name"] for x in results] == list(soak.CONFIGS)
   for res in results:
-    assert res["problems"] == [], res
+    assert res["problems"] == [], (res["name"], res["problems"])
     samples = res["samples"]
     assert [s["step"] for s in samples] == list(range(20, 101, 20))
     after = [s for s in samples if s["step"] >= 40]

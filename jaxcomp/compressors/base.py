@@ -41,6 +41,12 @@ class Compressor:
     max_elements: the largest bucket it takes (``check_size``): ``2**31 -
       1``, as element indices are int32; None where no element is
       addressed (identity, the casts).
+    vmappable: False when ``encode`` must not run under ``jax.vmap`` inside
+      ``shard_map``: a ``lax.cond`` on the data whose branches compute from
+      per-device values fails there in JAX 0.10 ("pvary is a
+      invariant->variant collective"), so the two-phase exchange encodes
+      such a compressor's chunks one after another (``lax.map``) instead of
+      at once (threshold, DGC).
     linear: True when ``decode(a) + decode(b) == decode(a + b)`` elementwise on
       payloads (given the same shared randomness), so that ``lax.psum`` can sum
       payloads in flight; False when payloads must be all-gathered and decoded
@@ -65,6 +71,9 @@ class Compressor:
   # positions are int32 (JAX's default integer), so 2**31 - 1; None where no
   # element is addressed (identity, the casts).
   max_elements: ClassVar[int | None] = 2**31 - 1
+  # Whether encode may run under jax.vmap inside shard_map (the two-phase
+  # exchange encodes its p chunks at once); see the class docstring.
+  vmappable: ClassVar[bool] = True
   linear: ClassVar[bool] = False
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
