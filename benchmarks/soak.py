@@ -28,8 +28,9 @@ Orbax files are compressed, so a step's size follows its contents), or the
 largest step over the last half of the run above 1.5 times the largest
 over the first half; the residual norm or the state norm over the last
 half above twice its largest value over the first half, or, with at least 8
-samples after the warm-up, drifting up: its least-squares line rising by
-more than half its mean over the run. The exit status is 1 if any fails.
+samples after the warm-up, drifting up over that last half: its
+least-squares line there rising by more than a quarter of its mean. The
+exit status is 1 if any fails.
 
 Configurations (learning rate fixed, no schedule):
 
@@ -39,7 +40,7 @@ Configurations (learning rate fixed, no schedule):
   (``error_feedback="dgc"``), plain SGD;
 * ``two_phase``: int8 blocks, nearest rounding, over the two-phase exchange
   (second-phase residuals on each chunk's owner) + residual feedback, Adam;
-* ``ef21``: top-k at 10% with EF21 (a per-device estimate), Adam;
+* ``ef21``: top-k at 10% with EF21 (a per-device estimate), plain SGD;
 * ``topk_ef``: top-k at 1% with residual error feedback, Adam (the
   classic EF-SGD residual);
 * ``diloco``: DiLoCo, 10 local AdamW steps, 4-bit blocks on the
@@ -199,8 +200,12 @@ def build(name: str, mesh):
         "topk_ef": lambda: jaxcomp.compressed_mean("topk", "data",
                                                    ratio=0.01),
     }[name]()
+    # EF21 with SGD: its analysis is for (S)GD with a step below 1 / (L (1 +
+    # sqrt(beta / theta))); with Adam (3e-3) the same run oscillated from
+    # step ~2,000 and its state norm reached 2.4e5 by step 20,000.
     inner = {"powersgd": optax.sgd(0.05, momentum=0.9),
-             "dgc": optax.sgd(0.05)}.get(name, optax.adam(3e-3))
+             "dgc": optax.sgd(0.05),
+             "ef21": optax.sgd(0.05)}.get(name, optax.adam(3e-3))
     tx = optax.chain(mean, inner)
 
     def init(params):
@@ -230,7 +235,6 @@ def soak(name: str, args, counter) -> dict:
   """Runs one configuration; returns its samples and verdict."""
   import jax
 
-  import jaxcomp
   from jaxcomp import checkpoint
 
   mesh = jax.make_mesh((8,), ("data",))
@@ -320,20 +324,24 @@ def check(samples, args) -> list[str]:
       problems.append(f"{key} grew: {max(last):.4g} over the last half "
                       f"against {max(first):.4g} before (bound {factor}x)")
     elif len(after) >= MIN_TREND_SAMPLES and key != "ckpt_step_bytes":
-      drift = trend(after, key)
+      last_half = after[len(after) // 2:]
+      drift = trend(last_half, key)
       if drift > MAX_DRIFT:
         problems.append(f"{key} drifts up: its least-squares line rises by "
                         f"{drift:.0%} of its mean over steps "
-                        f"{after[0]['step']}..{after[-1]['step']} (bound "
-                        f"{MAX_DRIFT:.0%})")
+                        f"{last_half[0]['step']}..{last_half[-1]['step']} "
+                        f"(bound {MAX_DRIFT:.0%})")
   return problems
 
 
 # A steady rise (even a slow, linear one, which the 2x rule misses) is
-# judged on runs with this many samples after the warm-up (not on the
-# short form, where the warm-up's own rise is still in the window).
+# judged over the last half of the samples after the warm-up, where a
+# bounded series has levelled off (DiLoCo's residual rose 3x over its first
+# 10,000 steps and then stayed), on runs with this many samples after the
+# warm-up (not on the short form, where the warm-up's own rise is still in
+# the window).
 MIN_TREND_SAMPLES = 8
-MAX_DRIFT = 0.5
+MAX_DRIFT = 0.25
 
 
 def trend(samples, key) -> float:

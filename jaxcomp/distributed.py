@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib.util
 import numbers
 import os
 import sys
@@ -206,6 +207,8 @@ def initialize_from_env(
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ValueError(f"need 0 <= process_id < num_processes, got "
                        f"{process_id=}, {num_processes=}")
+    # JAX takes Python ints only (a NumPy integer is refused there).
+    num_processes, process_id = int(num_processes), int(process_id)
   elif not (cluster_detection_method or (auto_detect and _cluster_detected())):
     return False
   if cpu_collectives is not None:
@@ -267,22 +270,17 @@ def _orbax_barrier():
 
 
 def _want_watch(watch_peers: bool | None) -> bool:
+  """Whether to run the peer watcher (see :func:`watching_peers`)."""
+  has_orbax = importlib.util.find_spec("orbax") is not None and (
+      importlib.util.find_spec("orbax.checkpoint") is not None)
   if watch_peers is None:
-    if os.environ.get(ENV_WATCH_PEERS, "").strip() in ("0", "false", "no"):
-      return False
-    try:
-      import orbax.checkpoint.multihost  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      return False
-    return True
-  if watch_peers:
-    try:
-      import orbax.checkpoint.multihost  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      raise ImportError(
-          "watch_peers=True needs Orbax for its barrier at exit: pip install "
-          "'jaxcomp[checkpoint]' (or orbax-checkpoint), or pass "
-          "watch_peers=False") from None
+    off = os.environ.get(ENV_WATCH_PEERS, "").strip().lower()
+    return has_orbax and off not in ("0", "false", "no", "off")
+  if watch_peers and not has_orbax:
+    raise ImportError(
+        "watch_peers=True needs Orbax for its barrier at exit: pip install "
+        "'jaxcomp[checkpoint]' (or orbax-checkpoint), or pass "
+        "watch_peers=False")
   return bool(watch_peers)
 
 
@@ -307,8 +305,9 @@ def watching_peers() -> bool:
   return). When the main thread fails first, with a
   ``jax.errors.JaxRuntimeError`` (gloo's "Connection reset by peer"), the
   traceback waits up to the heartbeat timeout for the watcher's verdict:
-  the process then ends with the line alone. The checkpoint named is the newest one this process saved or
-  restored with :class:`jaxcomp.checkpoint.Checkpointer` (or noted with
+  the process then ends with the line alone. The checkpoint named is the
+  newest one this process saved or restored with
+  :class:`jaxcomp.checkpoint.Checkpointer` (or noted with
   :func:`note_checkpoint`).
 
   A normal exit stops the watcher and waits (up to
@@ -344,12 +343,12 @@ def _lost(processes: Sequence[int] | None, why: str) -> None:
       return
     ckpt = _WATCH.checkpoint
   me, n = jax.process_index(), jax.process_count()
-  who = ("the coordination service" if processes is None else
-         f"process {processes[0]}" if len(processes) == 1 else
-         f"processes {list(processes)}")
+  who = ("process 0's coordination service" if processes is None else
+         f"process {processes[0]} of {n}" if len(processes) == 1 else
+         f"processes {list(processes)} of {n}")
   where = (f"the last complete checkpoint is step {ckpt[0]} ({ckpt[1]})"
            if ckpt else "no checkpoint was saved or restored by this process")
-  line = (f"jaxcomp: {who} of {n} stopped answering ({why}); {where}; "
+  line = (f"jaxcomp: {who} stopped answering ({why}); {where}; "
           f"stopping process {me} with exit status {PEER_LOST_EXIT_CODE}\n")
   for stream in (sys.stdout, sys.stderr):
     try:
