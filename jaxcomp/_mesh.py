@@ -43,7 +43,10 @@ def check_axis_name(axis_name, param: str = "axis_name") -> tuple[str, ...]:
     ValueError: ``axis_name`` is empty, not a string or tuple of non-empty
       strings, or names an axis twice; the message names ``param``.
   """
-  names = () if axis_name is None else axes(axis_name)
+  if not isinstance(axis_name, (str, tuple, list)):
+    names = ()
+  else:
+    names = axes(axis_name)
   if not names or not all(isinstance(a, str) and a for a in names):
     raise ValueError(
         f"{param} must be a non-empty mesh axis name or a tuple of them, got "

@@ -9,6 +9,7 @@ before any array is read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcomp import distributed
 from jaxcomp.distributed import _path_str
 from jaxcomp.combinators import MultiStepsState
 from jaxcomp.transform import CompressedMeanState
@@ -41,7 +43,17 @@ class CheckpointDamagedError(RuntimeError):
   process's shard deleted or truncated)."""
 
 
-_INTEGRITY = "jaxcomp_integrity"  # per step: process_<i>.json, file sizes
+_INTEGRITY = "jaxcomp_integrity"  # per step: process_<i>.json, each file's
+#                                   size and content digest
+
+
+def _digest_file(path: str) -> str:
+  """A 128-bit BLAKE2b digest of the file's bytes (hex)."""
+  h = hashlib.blake2b(digest_size=16)
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
 
 
 def _owner(rel: str) -> int:
@@ -63,6 +75,15 @@ def _listing(step_dir: str, process: int) -> dict[str, int]:
       if not rel.startswith(_INTEGRITY) and _owner(rel) == process:
         out[rel] = os.path.getsize(os.path.join(step_dir, rel))
   return out
+
+
+def _record(step_dir: str, process: int) -> dict[str, list]:
+  """``{path: [bytes, digest]}`` of the files of ``process``'s data in a
+  step: what :meth:`Checkpointer.save` records and :meth:`damage` checks
+  (a size alone let a file overwritten with other bytes of the same length
+  pass, and restore other values or fail inside Orbax)."""
+  return {rel: [size, _digest_file(os.path.join(step_dir, rel))]
+          for rel, size in _listing(step_dir, process).items()}
 
 
 def _stats_paths(tree) -> set[str]:
@@ -348,13 +369,16 @@ class Checkpointer:
     record = os.path.join(step_dir, _INTEGRITY, f"process_{me}.json")
     os.makedirs(os.path.dirname(record), exist_ok=True)
     with open(record + ".tmp", "w") as f:
-      json.dump(_listing(step_dir, me), f)
+      json.dump(_record(step_dir, me), f)
     os.replace(record + ".tmp", record)
+    # Named by the peer watcher if a process of the job dies later.
+    distributed.note_checkpoint(step, self.directory)
 
   def damage(self, step: int) -> str | None:
     """What is wrong with ``step``'s files, or None when every process's
-    files are there as written (checked against the sizes each process
-    recorded when it saved)."""
+    files are there as written (checked against the size and BLAKE2b
+    digest of each file that each process recorded when it saved: every
+    file is read once)."""
     step_dir = os.path.join(self.directory, str(int(step)))
     try:
       processes = int(self.metadata(step).get("process_count", 1))
@@ -365,15 +389,25 @@ class Checkpointer:
       if not os.path.exists(record):
         return (f"process {i} did not finish saving it (no record of its "
                 "files)")
-      with open(record) as f:
-        written = json.load(f)
+      try:
+        with open(record) as f:
+          written = dict(json.load(f))
+      except (OSError, ValueError, TypeError) as e:
+        return (f"process {i}'s record of its files cannot be read "
+                f"({type(e).__name__})")
       now = _listing(step_dir, i)
-      for rel, size in sorted(written.items()):
+      for rel, entry in sorted(written.items()):
+        # [bytes, digest]; a bare size in records of jaxcomp before digests.
+        size, digest = (entry, None) if isinstance(entry, int) else entry
         if rel not in now:
           return f"process {i}'s file {rel} is missing"
         if now[rel] != size:
           return (f"process {i}'s file {rel} has {now[rel]} bytes, "
                   f"{size} were written")
+        if digest is not None and _digest_file(
+            os.path.join(step_dir, rel)) != digest:
+          return (f"process {i}'s file {rel} has other contents than were "
+                  "written (its digest differs)")
     return None
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -529,6 +563,7 @@ class Checkpointer:
                 else _average_rows)  # statistics: rewritten next step
         value = move(value, x)
       restored.append(value)
+    distributed.note_checkpoint(step, self.directory)
     return step, jax.tree.unflatten(treedef, restored)
 
   def close(self) -> None:

@@ -10,9 +10,11 @@ prefixed with ``[p<i>]``.
 
 The job is torn down as a whole: when one process exits with an error or is
 killed, the launcher reports which one and its exit code, gives the others
-``--grace`` seconds to stop on their own (JAX's heartbeat makes them fail
-with an error rather than hang), then terminates them (SIGTERM, and SIGKILL
-after 5 s), and exits non-zero. The processes also die when the launcher
+``--grace`` seconds to stop on their own (by default the heartbeat timeout
+plus 5 s: jaxcomp's peer watcher makes each survivor exit with status 75
+and a line naming the lost process, see
+:func:`jaxcomp.distributed.watching_peers`), then terminates them (SIGTERM,
+and SIGKILL after 5 s), and exits non-zero. The processes also die when the launcher
 itself dies, SIGKILL included (Linux ``PR_SET_PDEATHSIG``). Exit status: 0
 when every process exited 0; the failing process's code (128 + signal number
 if it was killed by a signal); 124 on ``--timeout``.
@@ -96,6 +98,8 @@ def _describe_code(code: int) -> str:
       return f"killed by {signal.Signals(-code).name}"
     except ValueError:
       return f"killed by signal {-code}"
+  if code == distributed.PEER_LOST_EXIT_CODE:
+    return f"exit code {code} (it lost a peer)"
   return f"exit code {code}"
 
 
@@ -149,7 +153,7 @@ def _resolve(program: str, path: str | None) -> str:
 def launch(command: Sequence[str], num_processes: int, *,
            devices_per_process: int | None = None,
            port: int | None = None,
-           grace: float = 0.0,
+           grace: float | None = None,
            timeout: float | None = None,
            heartbeat_timeout: int | None = None,
            preemption_grace: float = 60.0,
@@ -167,7 +171,9 @@ def launch(command: Sequence[str], num_processes: int, *,
       ``CUDA_VISIBLE_DEVICES``).
     port: coordinator port on 127.0.0.1; default a free one.
     grace: seconds the other processes get to stop on their own after one
-      fails, before they are terminated.
+      fails, before they are terminated. Default: the heartbeat timeout
+      plus 5 s, time for jaxcomp's peer watcher to stop each of them with a
+      line naming the lost process (0 terminates them at once).
     timeout: seconds for the whole job; then every process is killed and
       the status is 124.
     heartbeat_timeout: seconds after which JAX declares a silent process
@@ -197,12 +203,13 @@ def launch(command: Sequence[str], num_processes: int, *,
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(
         f"devices_per_process must be >= 1, got {devices_per_process=}")
-  if grace < 0 or (timeout is not None and timeout <= 0):
-    raise ValueError(f"need grace >= 0 and timeout > 0, got {grace=}, "
-                     f"{timeout=}")
   if heartbeat_timeout is not None and heartbeat_timeout < 1:
     raise ValueError(f"heartbeat_timeout must be >= 1 second, got "
                      f"{heartbeat_timeout=} (omit it for JAX's default)")
+  if (grace is not None and grace < 0) or (timeout is not None
+                                           and timeout <= 0):
+    raise ValueError(f"need grace >= 0 and timeout > 0, got {grace=}, "
+                     f"{timeout=}")
   if port is not None:
     check_port(port)
   out = stdout or sys.stdout
@@ -213,6 +220,13 @@ def launch(command: Sequence[str], num_processes: int, *,
   base[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   if heartbeat_timeout is not None:
     base[distributed.ENV_HEARTBEAT] = str(int(heartbeat_timeout))
+  if grace is None:  # the survivors' watchers stop them within a heartbeat
+    try:
+      heartbeat = int(base.get(distributed.ENV_HEARTBEAT) or
+                      distributed.DEFAULT_HEARTBEAT_TIMEOUT)
+    except ValueError:
+      heartbeat = distributed.DEFAULT_HEARTBEAT_TIMEOUT
+    grace = float(heartbeat + _KILL_AFTER_S)
   if devices_per_process is not None:
     base["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in base.get("XLA_FLAGS", "").split()
@@ -359,9 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "JAX_PLATFORMS=cpu); omit on GPU hosts")
   p.add_argument("--port", type=int, default=None,
                  help="coordinator port (default: a free one)")
-  p.add_argument("--grace", type=float, default=0.0,
+  p.add_argument("--grace", type=float, default=None,
                  help="seconds the others get to stop by themselves after "
-                 "one process fails (default 0)")
+                 "one process fails (default: the heartbeat timeout + 5 s, "
+                 "so that each says which process it lost; 0: at once)")
   p.add_argument("--timeout", type=float, default=None,
                  help="seconds for the whole job (exit status 124)")
   p.add_argument("--heartbeat-timeout", type=int, default=None,

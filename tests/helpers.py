@@ -76,3 +76,10 @@ def feedback_round(fb, x, state, exchange):
   v, ctx = fb.prepare(x, state)
   mean, local = exchange(v)
   return fb.finish(ctx, mean, local)
+
+
+def examples(fraction: float, least: int = 4) -> int:
+  """``max_examples`` for a costly property: ``fraction`` of the active
+  Hypothesis profile's (``tests/conftest.py``), at least ``least``."""
+  from hypothesis import settings  # pylint: disable=g-import-not-at-top
+  return max(least, round(settings().max_examples * fraction))

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import numbers
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 
@@ -31,6 +31,18 @@ def _positive_int(value, name: str) -> None:
     raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
 
 
+def _sequence(value) -> bool:
+  """Whether ``value`` can be iterated (a 0-d array says it can, but
+  raises)."""
+  if not isinstance(value, Iterable):
+    return False
+  try:
+    iter(value)
+  except TypeError:
+    return False
+  return True
+
+
 def check_config(strategy: str, *, bucket_elements: int | None = None,
                  bucket_bytes: int | None = None,
                  plan: Sequence[Sequence[int]] | None = None) -> None:
@@ -39,20 +51,33 @@ def check_config(strategy: str, *, bucket_elements: int | None = None,
   Raises:
     ValueError: unknown strategy; ``"fixed"`` without ``bucket_elements``
       >= 1; ``"fixed_bytes"`` without ``bucket_bytes`` >= 1;
+      ``bucket_elements`` or ``bucket_bytes`` given to another strategy;
       ``"mgwfbp"`` without a ``plan``; a plan that is not lists of
       non-negative integers.
   """
   if plan is not None:
+    if isinstance(plan, (str, bytes)) or not _sequence(plan):
+      raise ValueError(f"plan must be lists of leaf indices (jax.tree.leaves "
+                       f"order), got plan={plan!r}")
     for bucket in plan:
-      if isinstance(bucket, (str, bytes)) or not all(
+      if isinstance(bucket, (str, bytes)) or not _sequence(bucket) or not all(
           isinstance(i, numbers.Integral) and not isinstance(i, bool)
           and i >= 0 for i in bucket):
         raise ValueError(
             f"plan must be lists of leaf indices (jax.tree.leaves order), "
             f"got bucket {bucket!r}")
     return
-  if strategy not in STRATEGIES:
+  if not isinstance(strategy, str) or strategy not in STRATEGIES:
     raise ValueError(f"bucketing must be one of {STRATEGIES}, got {strategy!r}")
+  # A size the strategy does not read would be silently ignored (e.g.
+  # bucket_bytes given, the default layer-wise buckets used).
+  for name, value, needs in (("bucket_elements", bucket_elements, "fixed"),
+                             ("bucket_bytes", bucket_bytes, "fixed_bytes")):
+    if value is not None and strategy != needs:
+      raise ValueError(
+          f"{name} is read only by bucketing={needs!r}, got {name}={value!r} "
+          f"with bucketing={strategy!r}; pass bucketing={needs!r} or drop "
+          f"{name}")
   if strategy == "fixed":
     if bucket_elements is None:
       raise ValueError("bucketing='fixed' needs bucket_elements >= 1, got "
@@ -116,9 +141,13 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
     A :class:`BucketPlan`.
 
   Raises:
-    ValueError: as :func:`check_config`, or a plan naming a leaf twice or
-      out of range.
+    ValueError: as :func:`check_config`, a size that is not a whole number
+      >= 0, or a plan naming a leaf twice or out of range.
   """
+  if any(isinstance(s, bool) or not isinstance(s, numbers.Real)
+         or not float(s).is_integer() or s < 0 for s in sizes):
+    raise ValueError(f"sizes must be whole numbers of elements >= 0, one per "
+                     f"leaf, got sizes={list(sizes)!r}")
   sizes = [int(s) for s in sizes]
   check_config(strategy, bucket_elements=bucket_elements,
                bucket_bytes=bucket_bytes, plan=plan)

@@ -419,6 +419,17 @@ def chunk_keys(key: jax.Array, start: int, p: int) -> jax.Array:
       start + jnp.arange(p, dtype=jnp.int32))
 
 
+def encode_chunks(compressor: Compressor, chunks: jax.Array,
+                  keys: jax.Array):
+  """The payloads of ``chunks`` (``(p, c)``) encoded with ``keys`` (``(p,)``
+  keys), stacked: at once under ``jax.vmap``, or, for a compressor that is
+  not :attr:`~jaxcomp.compressors.Compressor.vmappable`, one after another
+  (``lax.map``)."""
+  if compressor.vmappable:
+    return jax.vmap(compressor.encode)(chunks, keys)
+  return lax.map(lambda ck: compressor.encode(*ck), (chunks, keys))
+
+
 def phase_one(compressor: Compressor, x: jax.Array, key: jax.Array,
               axis_name: AxisName):
   """Phase 1 of the two-phase exchange of a flat ``(n,)`` buffer: chunks of
@@ -432,7 +443,7 @@ def phase_one(compressor: Compressor, x: jax.Array, key: jax.Array,
   c = chunk_size(n, p)
   chunks = jnp.pad(x, (0, p * c - n)).reshape(p, c)
   keys = chunk_keys(key, 0, p)
-  payloads = jax.vmap(compressor.encode)(chunks, keys)
+  payloads = encode_chunks(compressor, chunks, keys)
   local = jax.vmap(lambda pl, k: compressor.decode(pl, c, k))(
       payloads, keys).reshape(-1)[:n]
   # received[i] is device i's payload for this device's chunk.

@@ -36,14 +36,19 @@ def is_traced(v) -> bool:
   return isinstance(v, jax.core.Tracer)
 
 
-def concrete(v):
+def concrete(v, name: str = "hyperparameter"):
   """The Python number of a concrete scalar (number or array); None if
-  traced."""
+  traced.
+
+  Raises:
+    ValueError: an array that is not a scalar; the message names ``name``.
+  """
   if is_traced(v):
     return None
   if isinstance(v, (jax.Array, np.ndarray)):
     if np.ndim(v) != 0:
-      raise ValueError(f"hyperparameters must be scalars, got shape {np.shape(v)}")
+      raise ValueError(f"{name} must be a scalar, got an array of shape "
+                       f"{np.shape(v)}: {name}={v!r}")
     v = np.asarray(v).item()
   return v
 
@@ -57,7 +62,7 @@ def check_number(v, name: str, *, low=None, high=None, low_open=False,
     ValueError: NaN or infinite, or outside ``[low, high]`` (``(low, high]``
       with ``low_open``).
   """
-  c = concrete(v)
+  c = concrete(v, name)
   if c is None:
     return
   if isinstance(c, bool) or not isinstance(c, numbers.Real):
@@ -82,7 +87,7 @@ def capacity(value, cap, name: str, cap_name: str):
   Raises:
     ValueError: ``value`` is traced and ``cap`` is None, or ``value > cap``.
   """
-  c = concrete(value)
+  c = concrete(value, name)
   if cap is None:
     if c is None:
       raise ValueError(

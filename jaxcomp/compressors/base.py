@@ -39,6 +39,15 @@ class Compressor:
 
   Class attributes:
     name: the registry name (``compressors.get(name, ...)``).
+    max_elements: the largest bucket it takes (``check_size``): ``2**31 -
+      1``, as element indices are int32; None where no element is
+      addressed (identity, the casts).
+    vmappable: False when ``encode`` must not run under ``jax.vmap`` inside
+      ``shard_map``: a ``lax.cond`` on the data whose branches compute from
+      per-device values fails there in JAX 0.10 ("pvary is a
+      invariant->variant collective"), so the two-phase exchange encodes
+      such a compressor's chunks one after another (``lax.map``) instead of
+      at once (threshold, DGC).
     linear: True when ``decode(a) + decode(b) == decode(a + b)`` elementwise on
       payloads (given the same shared randomness), so that ``lax.psum`` can sum
       payloads in flight; False when payloads must be all-gathered and decoded
@@ -67,6 +76,13 @@ class Compressor:
   """
 
   name: ClassVar[str] = ""
+  # The largest bucket, in elements: indices, random offsets and element
+  # positions are int32 (JAX's default integer), so 2**31 - 1; None where no
+  # element is addressed (identity, the casts).
+  max_elements: ClassVar[int | None] = 2**31 - 1
+  # Whether encode may run under jax.vmap inside shard_map (the two-phase
+  # exchange encodes its p chunks at once); see the class docstring.
+  vmappable: ClassVar[bool] = True
   linear: ClassVar[bool] = False
   biased: ClassVar[bool] = False
   randomness: ClassVar[Randomness] = "none"
@@ -177,9 +193,18 @@ class Compressor:
     return sum(self.payload_arrays(n))
 
   def check_size(self, n: int) -> None:
-    """Raises ValueError where this compressor cannot handle ``n`` elements."""
+    """Raises ValueError where this compressor cannot handle ``n`` elements:
+    none, or more than :attr:`max_elements`."""
     if n < 1:
       raise ValueError(f"cannot compress an empty buffer, got {n=}")
+    if self.max_elements is not None and n > self.max_elements:
+      raise ValueError(
+          f"compressor {self.name!r} cannot take a bucket of {n=} elements: "
+          "it addresses elements with int32 indices, so a bucket holds at "
+          f"most 2**31 - 1 = {self.max_elements}. Leave leaves this large "
+          "out of compression (compressed_mean(mask=...) averages them "
+          "exactly), use 'identity' or a cast for them, or shard them first "
+          "(jaxcomp.fsdp)")
 
   # -- own_exchange compressors -------------------------------------------
 

@@ -119,7 +119,7 @@ class IntBlock(_Rounded):
     _check_rounding(self.rounding)
     check_implementation(self.implementation)
     for field in ("bits", "max_bits"):
-      c = _hparams.concrete(getattr(self, field))
+      c = _hparams.concrete(getattr(self, field), field)
       if c is not None and c not in INT_BITS:
         raise ValueError(f"{field} must be one of {INT_BITS}, got {field}={c}")
     _hparams.capacity(self.bits, self.max_bits, "bits", "max_bits")
@@ -232,7 +232,7 @@ class FP8Block(_Rounded):
   implementation: str | None = None
 
   def __post_init__(self):
-    if self.format not in FP8_FORMATS:
+    if not isinstance(self.format, str) or self.format not in FP8_FORMATS:
       raise ValueError(
           f"format must be one of {sorted(FP8_FORMATS)}, got {self.format=!r}")
     _check_block(self.block_size)

@@ -80,6 +80,7 @@ class DGC(SparsePayload):
 
   name: ClassVar[str] = "dgc"
   biased: ClassVar[bool] = True
+  vmappable: ClassVar[bool] = False  # its lax.cond on the data
   randomness: ClassVar[str] = "independent"
   ratio: float = 0.001
   sample_ratio: float = 0.01

@@ -19,6 +19,7 @@ class Identity(Compressor):
   """
 
   name: ClassVar[str] = "identity"
+  max_elements: ClassVar[None] = None  # addresses no element
   linear: ClassVar[bool] = True
   dense: ClassVar[bool] = True
 
@@ -61,12 +62,13 @@ class Cast(Compressor):
   """
 
   name: ClassVar[str] = "cast"
+  max_elements: ClassVar[None] = None  # addresses no element
   linear: ClassVar[bool] = True
   dense: ClassVar[bool] = True
   dtype: str = "bfloat16"
 
   def __post_init__(self):
-    if self.dtype not in _CAST_DTYPES:
+    if not isinstance(self.dtype, str) or self.dtype not in _CAST_DTYPES:
       raise ValueError(
           f"dtype must be one of {sorted(_CAST_DTYPES)}, got dtype={self.dtype!r}")
 

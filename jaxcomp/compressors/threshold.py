@@ -48,6 +48,7 @@ class Threshold(SparsePayload):
 
   name: ClassVar[str] = "threshold"
   biased: ClassVar[bool] = True
+  vmappable: ClassVar[bool] = False  # its lax.cond on the data
   threshold: float = 1e-3
   capacity_ratio: float = 0.01
 

@@ -247,12 +247,47 @@ def _check_seed(seed: jax.Array) -> jax.Array:
   return seed
 
 
+# Below this a bucket's sum of squares may have lost precision to subnormal
+# squares (|x| < 2**-63); see qsgd_norms_reference.
+_TINY_SUM_OF_SQUARES = 2.0 ** -100
+
+
+def _scaled_norms(xf: jax.Array, bucket_size: int) -> jax.Array:
+  """The L2 norms with each bucket scaled by the power of two of its largest
+  magnitude first (exact), so that no square overflows or vanishes; the
+  same bits as ``sqrt(sum(x**2))`` wherever that one is finite and its
+  squares normal."""
+  n = xf.shape[0]
+  top = group_reduce(xf, bucket_size, "max", jnp.abs)
+  # top = m * 2**e with m in [0.5, 1); a non-finite or zero top keeps e = 0.
+  e = jnp.where(jnp.isfinite(top) & (top > 0), jnp.frexp(top)[1], 0)
+  scaled = xf * per_element(jnp.ldexp(jnp.float32(1), -e), bucket_size, n)
+  return jnp.ldexp(jnp.sqrt(group_reduce(scaled, bucket_size, "sum",
+                                         jnp.square)), e)
+
+
 def qsgd_norms_reference(x: jax.Array, *, bucket_size: int) -> jax.Array:
   """float32 ``(ceil(n / bucket_size),)``: the L2 norm of each bucket of the
-  flat ``x`` (the last one partial), as the XLA path computes it."""
+  flat ``x`` (the last one partial), as the XLA path computes it.
+
+  ``sqrt(sum(x**2))``; on a step where a bucket's sum of squares overflows
+  (``|x|`` above about ``2**63``: an infinite norm, which QSGD decoded as
+  NaN) or lies below ``2**-100`` without being 0 (squares lost to
+  subnormals), every norm is computed again with each bucket scaled by a
+  power of two first (:func:`_scaled_norms`, in a ``lax.cond`` branch: other
+  steps pay nothing, and the norms are the same bits either way where the
+  plain sum is sound). A bucket whose entries are all below ``2**-75`` in
+  magnitude still has norm 0 (its squares all vanish), and QSGD sends it as
+  zeros.
+  """
   _check_size("bucket_size", bucket_size)
   xf = x.reshape(-1).astype(jnp.float32)
-  return jnp.sqrt(group_reduce(xf, bucket_size, "sum", jnp.square))
+  plain = group_reduce(xf, bucket_size, "sum", jnp.square)
+  unsound = ~jnp.isfinite(plain) | (
+      (plain > 0) & (plain < jnp.float32(_TINY_SUM_OF_SQUARES)))
+  return jax.lax.cond(jnp.any(unsound),
+                      lambda: _scaled_norms(xf, bucket_size),
+                      lambda: jnp.sqrt(plain))
 
 
 def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,

@@ -19,6 +19,7 @@ shard of the mean instead.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 from collections.abc import Sequence
 
@@ -202,7 +203,8 @@ def compressed_mean(
       compiles to the plain step), else ``"skip"``. No policy lets NaN into
       the residual. To skip the whole step (the optimizer's moments too),
       wrap the chain in :func:`jaxcomp.apply_if_finite`.
-    seed: seed of the key shared by all devices (random-block placement,
+    seed: seed of the key shared by all devices, an integer in
+      ``[-2**63, 2**63)`` (random-block placement,
       QSGD rounding, ...).
     output: ``"mean"`` (default): every device gets the whole mean, as
       above. ``"shard"``: a compressed *reduce-scatter* for sharded data
@@ -231,7 +233,9 @@ def compressed_mean(
   Raises:
     ValueError: at construction, for an unknown compressor, collective,
       feedback, bucketing, nonfinite policy or ``output``, a bad
-      hyperparameter, an empty ``axis_name``, a collective that cannot
+      hyperparameter, a ``seed`` or ``min_compress_size`` that is not an
+      integer in range, a bucket size the bucketing strategy does not
+      read, an empty ``axis_name``, a collective that cannot
       carry the compressor, or, with ``output="shard"``, a compressor with
       an exchange of its own (PowerSGD, TernGrad, majority vote), a
       collective with no reduce-scatter (``"hierarchical"``, ``"zen"``) or
@@ -278,8 +282,17 @@ def compressed_mean(
         f"{coll.name!r} and error_feedback {fb.name!r} would let a NaN into "
         "its state or drop it from the mean: use 'skip', 'zero' or "
         "'propagate'")
-  if min_compress_size < 0:
-    raise ValueError(f"min_compress_size must be >= 0, got {min_compress_size=}")
+  if (isinstance(min_compress_size, bool)
+      or not isinstance(min_compress_size, numbers.Integral)
+      or min_compress_size < 0):
+    raise ValueError("min_compress_size must be an integer >= 0, got "
+                     f"{min_compress_size=!r}")
+  # jax.random.key takes a seed that fits int64; found later, in init, an
+  # OverflowError would name nothing.
+  if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+      or not -2**63 <= seed < 2**63):
+    raise ValueError(f"seed must be an integer in [-2**63, 2**63), got "
+                     f"{seed=!r}")
   _check_output(output, comp, coll, fb)
   shard = output == "shard"
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
