@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from jaxcomp.bench import device_check
 

@@ -46,7 +46,7 @@ def saved(mesh8, tmp_path_factory):
       # New values for every leaf but the uint32 ones (the transform's
       # configuration digest and its key).
       states[step] = jax.tree.map(
-          lambda x: x if x.dtype == jnp.uint32 else jax.device_put(
+          lambda x, rng=rng: x if x.dtype == jnp.uint32 else jax.device_put(
               jnp.asarray(rng.integers(0, 2**16, x.shape), x.dtype)
               if jnp.issubdtype(x.dtype, jnp.integer) else
               jnp.asarray(rng.standard_normal(x.shape), x.dtype),

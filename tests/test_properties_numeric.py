@@ -59,7 +59,7 @@ VECTORS = st.builds(_data, st.integers(0, 2**32 - 1), SIZES,
                     st.sampled_from([1.0, 1e-3, 1e3]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _round_trip_fn(comp):
   return jax.jit(lambda x, key: comp.decode(comp.encode(x, key), x.shape[0],
                                             key))
@@ -119,7 +119,7 @@ def _check_round_trip(name, comp, x, y):
   elif name in ("topk", "random_k", "random_block", "threshold", "dgc"):
     kept = np.flatnonzero(y)
     k = compressors.base.num_selected(
-        getattr(comp, "ratio", None) or getattr(comp, "capacity_ratio"), n)
+        getattr(comp, "ratio", None) or comp.capacity_ratio, n)
     assert kept.size <= k, (kept.size, k)
     scale = n / k if getattr(comp, "unbiased", False) else 1.0
     np.testing.assert_allclose(y[kept], x[kept] * np.float32(scale),

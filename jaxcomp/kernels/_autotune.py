@@ -57,7 +57,8 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -570,7 +571,7 @@ class Autotuner:
     return Decision(
         key=key, implementation=implementation, source="measured",
         seconds=seconds, errors=errors, n=tunable.n, device=self.device_kind,
-        when=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        when=datetime.datetime.now(datetime.UTC).isoformat(
             timespec="seconds"))
 
 

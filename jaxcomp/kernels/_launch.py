@@ -21,7 +21,8 @@ layout casts change nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
