@@ -243,7 +243,7 @@ def diloco(inner: optax.GradientTransformation,
     def keep(args):
       return [updates[i] for i in g], args
 
-    ups, (anchor_g, outer_state) = lax.cond(
+    ups, (anchor_g, outer_state) = _mesh.cond(
         landed, land, keep, ([anchor[i] for i in g], state.outer_state[j]))
     return anchor_g, outer_state, exchange_state, pending, ups, landed
 
@@ -296,7 +296,7 @@ def diloco(inner: optax.GradientTransformation,
       def wait(args, g=g):
         return [updates[i] for i in g], args
 
-      ups, (anchor_g, outer_state, exchange_state) = lax.cond(
+      ups, (anchor_g, outer_state, exchange_state) = _mesh.cond(
           sync, run, wait, ([anchor[i] for i in g], state.outer_state[j],
                             state.exchange_state[j]))
       for i, u, a in zip(g, ups, anchor_g):

@@ -135,6 +135,41 @@ def to_varying(tree, axis_name: AxisName):
   return jax.tree.map(cast, tree)
 
 
+def cond(pred, true_fun, false_fun, operand):
+  """``lax.cond(pred, true_fun, false_fun, operand)`` where the branches'
+  outputs may differ in the axes they vary over: each output leaf is marked
+  varying over the union of both branches' axes (``lax.cond`` under
+  ``shard_map`` requires equal types).
+
+  E.g. DiLoCo across islands: the sync branch averages over ``"hosts"``
+  parameters that vary over ``("hosts", "data")`` and returns an anchor
+  varying over ``"data"``, while the waiting branch returns the stored,
+  replicated anchor. Where the branches agree already (or outside
+  ``shard_map``) this is ``lax.cond`` itself; each branch is traced once
+  more to read its types.
+  """
+  t_out = jax.make_jaxpr(true_fun, return_shape=True)(operand)[1]
+  f_out = jax.make_jaxpr(false_fun, return_shape=True)(operand)[1]
+  t_leaves, treedef = jax.tree.flatten(t_out)
+  f_leaves = treedef.flatten_up_to(f_out)
+  axes_of = lambda s: frozenset(getattr(getattr(s, "manual_axis_type", None),
+                                        "varying", ()) or ())
+  union = [axes_of(a) | axes_of(b) for a, b in zip(t_leaves, f_leaves)]
+  if all(axes_of(a) == u == axes_of(b)
+         for a, b, u in zip(t_leaves, f_leaves, union)):
+    return lax.cond(pred, true_fun, false_fun, operand)
+
+  def widened(fun):
+    def branch(x):
+      leaves = treedef.flatten_up_to(fun(x))
+      return jax.tree.unflatten(treedef, [
+          to_varying(v, tuple(sorted(u))) if u else v
+          for v, u in zip(leaves, union)])
+    return branch
+
+  return lax.cond(pred, widened(true_fun), widened(false_fun), operand)
+
+
 def varying_zeros(shape: int | Sequence[int], axis_name: AxisName,
                   dtype=jnp.float32) -> jax.Array:
   """Zeros of ``shape`` and ``dtype`` typed varying over ``axis_name``: a

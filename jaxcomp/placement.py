@@ -149,7 +149,7 @@ def _refuse_per_device_combinators(state) -> None:
 
 
 def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
-                grads=None):
+                grads=None, params_vary_over: AxisName = ()):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
   ``init`` makes it, and as it must be declared so that ``update`` keeps its
   type (``init``'s axes plus those an update gives it, to a fixed point).
@@ -182,6 +182,9 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   params = local
   params_axes = [_spec_axes(s) for s in _leaf_specs(params_spec, params)]
   data = frozenset(check_axis_name(axis_name))
+  if params_vary_over:  # DiLoCo's copies: the update sees them vary
+    params_axes = [frozenset(check_axis_name(params_vary_over)) | a
+                   for a in params_axes]
   # A gradient shaped like the parameters varies where they do too (a
   # tensor-parallel shard's gradient differs over the model axis).
   grads_axes = ([data | a for a in params_axes] if grads is None
@@ -251,7 +254,8 @@ def to_global(tree, specs):
 
 
 def init_sharded(tx, params, mesh, axis_name: AxisName, *,
-                 params_spec: P = P(), grads=None):
+                 params_spec: P = P(), grads=None,
+                 params_vary_over: AxisName = ()):
   """Initialises ``tx``'s state under ``shard_map`` and places it on ``mesh``.
 
   Args:
@@ -267,6 +271,10 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     grads: ``jax.ShapeDtypeStruct`` s of one device's gradient, where it is
       not shaped like one device's parameters (FSDP's gradient of the whole
       parameters, :func:`jaxcomp.fsdp.init`).
+    params_vary_over: the axes over which the update will see separate
+      copies of the parameters (DiLoCo's inner steps,
+      :func:`jaxcomp.lowcomm.init`: every device's own, or each island's),
+      so that state computed from them is placed as it varies.
 
   Returns:
     ``(opt_state, specs)``: the state, whose per-device leaves have a leading
@@ -300,7 +308,8 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
   params = jax.device_put(params, jax.tree.map(
       lambda s: NamedSharding(mesh, s), params_spec, is_leaf=_is_spec))
   init_axes, state_axes = _state_axes(tx, params, mesh, axis_name,
-                                      params_spec=params_spec, grads=grads)
+                                      params_spec=params_spec, grads=grads,
+                                      params_vary_over=params_vary_over)
   is_axes = lambda x: isinstance(x, frozenset)
   specs = jax.tree.map(lambda a: _spec_for(a, mesh), state_axes,
                        is_leaf=is_axes)

@@ -181,10 +181,24 @@ class PerDevice(Layout):
   """One copy of the parameters per device, a leading device axis sharded
   over the data axes: DiLoCo's inner steps, each device on its own copy
   between syncs (:func:`jaxcomp.diloco`). After each step, the leaves that
-  synchronized are set to the new anchor exactly."""
+  synchronized are set to the new anchor exactly.
+
+  Args:
+    over: the axes holding separate copies; default (``None``) every data
+      axis, one copy per device. Islands: an outer axis only (``"hosts"``
+      on a ``("hosts", "data")`` mesh), each island's devices sharing one
+      copy and averaging their gradients exactly inside ``tx`` (an inner
+      ``compressed_mean("identity", "data")``), DiLoCo's exchange over
+      ``over``.
+  """
+
+  over: AxisName | None = None
+
+  def copies_axis(self, axis_name):
+    return axis_name if self.over is None else self.over
 
   def params_spec(self, axis_name):
-    return P(axis_name)
+    return P(self.copies_axis(axis_name))
 
   def enter(self, params):
     return jax.tree.map(lambda x: x[0], params)
@@ -193,11 +207,26 @@ class PerDevice(Layout):
     return snap_to_anchor(params, opt_state)
 
   def leave(self, params):
+    if self.over is not None and _mesh.types_track_devices(self.over):
+      inside = {a for x in jax.tree.leaves(params)
+                for a in _mesh.varying_axes(x)} - set(_mesh.axes(self.over))
+      if inside:
+        raise ValueError(
+            f"islands: each copy over {self.over!r} is shared by the devices "
+            f"of {tuple(sorted(inside))!r}, but the updated parameters differ "
+            "between them: average the gradients inside the island first, "
+            "with jaxcomp.compressed_mean('identity', "
+            f"{tuple(sorted(inside))!r}) at the head of diloco's inner chain")
     return jax.tree.map(lambda x: x[None], params)
 
   def place(self, tx, params, mesh, axis_name):
-    state, specs = init_sharded(tx, params, mesh, axis_name)
-    return per_device_copies(params, mesh, axis_name), state, specs
+    over = self.copies_axis(axis_name)
+    if not set(_mesh.axes(over)) <= set(_mesh.axes(axis_name)):
+      raise ValueError(f"the copies' axes over={over!r} must be among the "
+                       f"step's axis_name={axis_name!r}")
+    state, specs = init_sharded(tx, params, mesh, axis_name,
+                                params_vary_over=over)
+    return per_device_copies(params, mesh, over), state, specs
 
 
 def init(tx, params, mesh, axis_name: AxisName = "data", *,

@@ -12,25 +12,45 @@ from jaxcomp._mesh import AxisName
 from jaxcomp._diloco import holds_diloco
 
 
-def init(tx, params, mesh, axis_name: AxisName = "data"):
+def init(tx, params, mesh, axis_name: AxisName = "data", *,
+         copies_over: AxisName | None = None):
   """Initialises a state holding a :func:`diloco` transform and places one
-  copy of ``params`` per device.
+  copy of ``params`` per device (or per island).
+
+  Args:
+    tx: the optimizer holding one :func:`diloco`.
+    params: the parameters (the same on every process).
+    mesh: the device mesh.
+    axis_name: the step's data axes (or tuple of axes).
+    copies_over: the axes holding separate copies: ``None`` (default)
+      ``axis_name``, one copy per device. Islands: the outer axis of a
+      ``("hosts", "data")`` mesh, with ``tx = jaxcomp.diloco(optax.chain(
+      jaxcomp.compressed_mean("identity", "data"), inner), ...,
+      axis_name="hosts")``: exact data parallelism inside each island,
+      DiLoCo's (compressed) exchange across islands. Pass the same to
+      :func:`make_train_step`.
 
   Returns:
     ``(local_params, opt_state, specs)``: the parameters with a leading
-    device axis sharded ``P(axis_name)`` (they differ between syncs), and
-    the state and specs as :func:`jaxcomp.init_sharded` returns them.
+    axis of one copy per device (or island) sharded ``P(copies_over)``
+    (they differ between syncs), and the state and specs as
+    :func:`jaxcomp.init_sharded` returns them.
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``.
+    ValueError: ``axis_name`` is not an axis of ``mesh``; ``copies_over``
+      is not among ``axis_name``'s axes; with ``copies_over``, a ``tx``
+      whose state varies over the island's other axes (its gradients not
+      averaged inside the island first).
   """
-  return steps.init(tx, params, mesh, axis_name, layout=steps.PerDevice())
+  return steps.init(tx, params, mesh, axis_name,
+                    layout=steps.PerDevice(copies_over))
 
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     axis_name: AxisName = "data", batch_spec: Any = None,
                     has_aux: bool = False, donate: bool = True,
-                    per_device_loss: bool = False) -> Callable:
+                    per_device_loss: bool = False,
+                    copies_over: AxisName | None = None) -> Callable:
   """The DiLoCo train step, compiled: per device, its own gradient of its
   own parameters, ``tx``'s update (a sync every ``sync_every`` steps), the
   loss averaged.
@@ -40,6 +60,8 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   at all, not even the loss's scalar all-reduce, so no device waits for
   another between syncs (what a run over slow or uneven links wants).
 
+  ``copies_over``: as :func:`init` placed the copies (islands).
+
   Returns:
     ``step(local_params, opt_state, batch) -> (local_params, opt_state,
     loss)`` on the per-device parameters of :func:`init`.
@@ -47,7 +69,7 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   return steps.make_train_step(
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
       batch_spec=batch_spec, has_aux=has_aux, donate=donate,
-      per_device_loss=per_device_loss, layout=steps.PerDevice())
+      per_device_loss=per_device_loss, layout=steps.PerDevice(copies_over))
 
 
 class LocalStep:
