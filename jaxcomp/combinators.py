@@ -288,10 +288,10 @@ def apply_if_finite(tx: optax.GradientTransformation, axis_name: AxisName,
 
     def skip(inner_state):
       out, state = jax.eval_shape(run, inner_state)
-      # The transforms inside did not run: count the skip where get_stats
-      # reads it.
-      skipped = transform.count_skipped(inner_state, jnp.ones((), jnp.int32))
-      return _zeros_like_typed(out), _as_structure(skipped, state)
+      # Every inner leaf stays bit for bit as it was, its statistics too:
+      # this skip is counted in total_notfinite, not in get_stats'
+      # skipped_steps.
+      return _zeros_like_typed(out), _as_structure(inner_state, state)
 
     new_updates, inner_state = lax.cond(finite | run_anyway, run, skip,
                                         state.inner_state)

@@ -253,6 +253,10 @@ class _Watch:
     self.checkpoint: tuple[int, str] | None = None  # (step, where)
     self.left = False  # this process passed its barrier at exit
     self.failed = False  # an uncaught exception is ending this process
+    # Orbax's barrier, imported when the watcher starts: at exit, importing
+    # Orbax (uvloop's thread pool) fails with "can't register atexit after
+    # shutdown".
+    self.barrier = None
 
 
 _WATCH = _Watch()
@@ -450,6 +454,7 @@ def _start_watch(heartbeat: int, shutdown_timeout: int) -> None:
     if _WATCH.thread is not None:
       return
     _WATCH.heartbeat, _WATCH.shutdown_timeout = heartbeat, shutdown_timeout
+    _WATCH.barrier = _orbax_barrier()
     _WATCH.thread = threading.Thread(
         target=_watch_loop, args=(_WATCH.stop, heartbeat),
         name="jaxcomp-peer-watch", daemon=True)
@@ -472,7 +477,7 @@ def _leave() -> None:
   if _WATCH.failed or not jax.distributed.is_initialized():
     return  # leave at once: the others' watchers stop them
   deadline = time.monotonic() + _WATCH.shutdown_timeout
-  barrier = _orbax_barrier()
+  barrier = _WATCH.barrier
   if barrier is None:
     return
   try:

@@ -181,6 +181,16 @@ def _check_round_trip(name, comp, x, y):
                         float(np.sum(x, dtype=np.float64)), rel_tol=1e-4,
                         abs_tol=1e-4 * float(np.sum(np.abs(x),
                                                     dtype=np.float64)))
+  elif name == "chunked_topk":  # at most topk entries of each chunk, where
+    # x is nonzero (a 1-D tensor's chunks: runs of chunk**2 elements)
+    run = comp.chunk ** 2
+    for xb, yb in zip(_blocks(x, run), _blocks(y, run)):
+      assert np.count_nonzero(yb) <= comp.topk, (np.count_nonzero(yb), comp.topk)
+      assert np.all(xb[yb != 0] != 0)
+  elif name == "dct_topk":  # an orthonormal projection: never farther than 0
+    x64 = x.astype(np.float64)
+    err = np.linalg.norm(y.astype(np.float64) - x64)
+    assert err <= np.linalg.norm(x64) * (1 + 1e-4) + 1e-30, (err, x)
   else:
     raise AssertionError(f"no stated bound for {name}")
 

@@ -16,7 +16,6 @@ from jaxcomp.transform._compressed_mean import compressed_mean
 from jaxcomp.transform._compressed_mean import transform_configs
 from jaxcomp.transform._config import TransformConfig
 from jaxcomp.transform._stats import CompressionStats
-from jaxcomp.transform._stats import count_skipped
 from jaxcomp.transform._stats import get_stats
 from jaxcomp.transform._stats import traffic_stats
 from jaxcomp._mesh import PerDeviceUnchecked

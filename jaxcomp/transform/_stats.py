@@ -69,19 +69,6 @@ def _has_stats(x) -> bool:
                                              CompressionStats)
 
 
-def count_skipped(state, skipped):
-  """``state`` with ``skipped`` (an int32 scalar, 0 or 1) added to the
-  ``skipped_steps`` of every transform in it that carries statistics: what
-  a wrapper that skips the whole update (:func:`jaxcomp.apply_if_finite`)
-  records where :func:`get_stats` reads it."""
-  def bump(x):
-    if not _has_stats(x):
-      return x
-    return x._replace(stats=x.stats._replace(
-        skipped_steps=x.stats.skipped_steps + skipped))
-  return jax.tree.map(bump, state, is_leaf=_has_stats)
-
-
 def get_stats(state, *, by_path: bool = False):
   """The statistics of the :func:`compressed_mean` transforms (and
   :func:`jaxcomp.demo`) in an optimizer state (e.g. the state of an
