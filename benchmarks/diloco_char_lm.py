@@ -220,20 +220,13 @@ def _bytes_without_training(train, cfg: dict) -> tuple[float, float]:
   no training (for results reused from an earlier JSONL without wire
   bytes)."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jaxcomp  # pylint: disable=g-import-not-at-top
   from examples import common  # pylint: disable=g-import-not-at-top
-  from examples.char_lm import data as data_lib  # pylint: disable=g-import-not-at-top
   from examples.char_lm import model as model_lib  # pylint: disable=g-import-not-at-top
   config = train.Config(**cfg)
   tx = common.stages(config, train.learning_rate_schedule(config),
                      muon_dimensions=model_lib.muon_dimensions)[-1].tx
-  model = model_lib.CharTransformer(
-      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
-      d_model=config.d_model, num_layers=config.num_layers,
-      num_heads=config.num_heads)
-  params = model.init(jax.random.key(config.seed),
-                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  _, params = train.init_model(config)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   if config.diloco_every:
     state = jaxcomp.lowcomm.init(tx, params, mesh)[1]

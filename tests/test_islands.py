@@ -2,7 +2,6 @@
 devices ("data"), DiLoCo's compressed exchange across islands ("hosts")."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -10,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import lowcomm
+from tests.test_lowcomm import _loss, _params  # the same model and loss
 
 AXES = ("hosts", "data")
 
@@ -19,16 +19,6 @@ def mesh24():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices")
   return jax.make_mesh((2, 4), AXES)
-
-
-def _params():
-  k1, _ = jax.random.split(jax.random.key(0))
-  return {"w": jax.random.normal(k1, (13, 7)) * 0.3, "b": jnp.zeros((7,))}
-
-
-def _loss(p, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ p["w"] + p["b"][None]) - y) ** 2)
 
 
 def _batches(mesh, n):

@@ -46,6 +46,18 @@ def learning_rate_schedule(config: Config) -> optax.Schedule:
                                             max(total, warmup + 1))
 
 
+def init_model(config: Config):
+  """``(model, params)``: the character transformer of ``config`` and its
+  initial parameters (seed ``config.seed``)."""
+  model = model_lib.CharTransformer(
+      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
+      d_model=config.d_model, num_layers=config.num_layers,
+      num_heads=config.num_heads)
+  params = model.init(jax.random.key(config.seed),
+                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  return model, params
+
+
 def train_and_evaluate(config: Config) -> dict[str, Any]:
   """Trains the transformer on all local devices; returns per-epoch metrics.
 
@@ -93,12 +105,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   axes = ("hosts", "devices") if hsdp else "data"
   mesh = (jax.make_mesh((config.hosts, n_dev // config.hosts), axes) if hsdp
           else jax.make_mesh((n_dev,), ("data",)))
-  model = model_lib.CharTransformer(
-      vocab_size=data_lib.VOCAB_SIZE, context=config.context,
-      d_model=config.d_model, num_layers=config.num_layers,
-      num_heads=config.num_heads)
-  params = model.init(jax.random.key(config.seed),
-                      jnp.zeros((1, config.context), jnp.int32))["params"]
+  model, params = init_model(config)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
   def loss_fn(p, windows):

@@ -78,6 +78,16 @@ def check_number(v, name: str, *, low=None, high=None, low_open=False,
     raise ValueError(f"{name} must be in {lo}{low}, {high}], got {name}={c}")
 
 
+def check_positive_int(v, name: str) -> None:
+  """A static integer hyperparameter >= 1 (a chunk size, a count).
+
+  Raises:
+    ValueError: not an integer (a bool is not), or below 1.
+  """
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+    raise ValueError(f"{name} must be an integer >= 1, got {name}={v!r}")
+
+
 def capacity(value, cap, name: str, cap_name: str):
   """The static capacity for a possibly traced ``value``.
 

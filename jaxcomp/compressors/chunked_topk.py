@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _parts
+from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import register
 from jaxcomp.compressors.dct import Chunks, chunks_of
 from jaxcomp.compressors.sparse import SparsePayload
@@ -159,9 +160,7 @@ class ChunkedTopK(SparsePayload):
 
   def __post_init__(self):
     for f in ("topk", "chunk"):
-      v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-        raise ValueError(f"{f} must be an integer >= 1, got {f}={v!r}")
+      _hparams.check_positive_int(getattr(self, f), f)
     if self.value_bits is not None and self.value_bits not in VALUE_BITS:
       raise ValueError(f"value_bits must be one of {VALUE_BITS} or None, got "
                        f"value_bits={self.value_bits!r}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, register
 
 
@@ -123,9 +123,7 @@ class DCTTopK(Compressor):
 
   def __post_init__(self):
     for f in ("topk", "chunk"):
-      v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-        raise ValueError(f"{f} must be an integer >= 1, got {f}={v!r}")
+      _hparams.check_positive_int(getattr(self, f), f)
 
   def for_shapes(self, shapes):
     if len(shapes) != 1:
