@@ -257,6 +257,7 @@ class _Watch:
     # Orbax (uvloop's thread pool) fails with "can't register atexit after
     # shutdown".
     self.barrier = None
+    self.exit_wait: _ExitWait | None = None  # process 0's wait at exit
 
 
 _WATCH = _Watch()
@@ -415,20 +416,37 @@ def _watch_loop(stop: threading.Event, heartbeat: int) -> None:
     stop.wait(_POLL_SECONDS)
 
 
-def _wait_until_alone(seconds: float) -> None:
-  """Process 0 hosts JAX's coordination service: it waits (up to
-  ``seconds``) until the others have disconnected from it, since one whose
-  disconnection finds the service gone is aborted by JAX."""
-  me = jax.process_index()
+class _ExitWait:
+  """Process 0 hosts JAX's coordination service: at exit it waits until the
+  others have disconnected from it, since one whose disconnection finds the
+  service gone is aborted by JAX. The waiting thread is started with the
+  watcher, not at exit: Python 3.12 refuses to start a thread at
+  interpreter shutdown ("can't create new thread at interpreter
+  shutdown")."""
 
-  def wait():
-    liveness = _Liveness()
-    while liveness.query() - {me}:
-      time.sleep(0.05)
+  def __init__(self):
+    self.go = threading.Event()
+    self.done = threading.Event()
+    self.thread = threading.Thread(target=self._run, name="jaxcomp-exit-wait",
+                                   daemon=True)
+    self.thread.start()
 
-  t = threading.Thread(target=wait, name="jaxcomp-exit-wait", daemon=True)
-  t.start()
-  t.join(max(seconds, 0.0))
+  def _run(self):
+    self.go.wait()
+    try:
+      me = jax.process_index()
+      liveness = _Liveness()
+      while liveness.query() - {me}:
+        time.sleep(0.05)
+    except Exception:  # pylint: disable=broad-except
+      pass  # the service is gone or unreachable: nothing left to wait for
+    finally:
+      self.done.set()
+
+  def wait(self, seconds: float) -> None:
+    """Waits (up to ``seconds``) until the other processes have left."""
+    self.go.set()
+    self.done.wait(max(seconds, 0.0))
 
 
 def _note_uncaught(hook):
@@ -455,6 +473,8 @@ def _start_watch(heartbeat: int, shutdown_timeout: int) -> None:
       return
     _WATCH.heartbeat, _WATCH.shutdown_timeout = heartbeat, shutdown_timeout
     _WATCH.barrier = _orbax_barrier()
+    if jax.process_index() == 0:
+      _WATCH.exit_wait = _ExitWait()
     _WATCH.thread = threading.Thread(
         target=_watch_loop, args=(_WATCH.stop, heartbeat),
         name="jaxcomp-peer-watch", daemon=True)
@@ -484,8 +504,8 @@ def _leave() -> None:
     barrier(key="jaxcomp_exit", timeout_ms=1000 * _WATCH.shutdown_timeout)
   except Exception:  # pylint: disable=broad-except
     pass  # a process is gone or late: the others' watchers tell
-  if jax.process_index() == 0:
-    _wait_until_alone(deadline - time.monotonic())
+  if _WATCH.exit_wait is not None:
+    _WATCH.exit_wait.wait(deadline - time.monotonic())
 
 
 def shutdown() -> None:
