@@ -69,6 +69,22 @@ def pytest_runtest_call(item):
     yield
 
 
+def pytest_runtest_logreport(report):
+  """With ``JAXCOMP_TEST_PROGRESS`` set to a file (``python -m jaxcomp.bench
+  device-check`` sets it), each test's outcome and seconds are appended as
+  it finishes, and a failure's traceback at once: a run stopped at its time
+  limit still says what failed and where the time went (pytest prints
+  failures and durations only at the end)."""
+  path = os.environ.get("JAXCOMP_TEST_PROGRESS")
+  if not path or (report.when != "call" and not report.failed):
+    return
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(f"{report.outcome} {report.duration:.1f}s {report.when} "
+            f"{report.nodeid}\n")
+    if report.failed:
+      f.write(report.longreprtext + "\n\n")
+
+
 def pytest_terminal_summary(terminalreporter):
   tests, tried = 0, 0
   for reports in terminalreporter.stats.values():

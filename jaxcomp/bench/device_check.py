@@ -23,13 +23,19 @@ H100) it runs, in this order, each section in a process of its own:
 
 Each section gets a share of what is left of the budget (40, 20, 25 and 15
 percent of it, what one leaves unused passing on); a section that runs out
-is stopped and reported, and what does not fit is skipped. Everything goes
+is stopped and reported, and what does not fit is skipped. On an H200 with
+JAX 0.11.2 (2026-11-27) the compiled tests took about 4 s each, most of it
+compiling kernels: 89 of the 107 ran in 340 s, so the whole list needs
+``--budget`` of about 1,300 s, or ``--sections tests`` alone with about 500 s
+(results in ``benchmarks/results/nvidia-h200-2026-11-27/``). Everything goes
 under ``<output-dir>/<device kind>-<date>/`` (default output dir
 ``benchmarks/results``)::
 
   summary.md       the device, versions, command, and a table per section
   device.json      the same as data
-  tests.txt        pytest's output (and tests.xml, its JUnit report)
+  tests.txt        pytest's output (and tests.xml, its JUnit report;
+                   tests_progress.txt: each test's outcome and seconds,
+                   and a failure's traceback, written as it ends)
   kernels.txt      the benchmark's table (and kernels.json, its rows)
   examples.txt     each example run's output
   autotune.txt     the autotuner's table (and autotune.json; the cache
@@ -159,14 +165,16 @@ def _probe(root: str) -> dict[str, Any]:
   """The device and versions, read in a process of its own (this one
   starts no backend, so that it holds no GPU memory while the sections
   run)."""
-  code = ("import json, jax, importlib.metadata as m\n"
+  # jaxcomp's version from the package itself: a source checkout on
+  # PYTHONPATH has no installed metadata.
+  code = ("import json, jax, importlib.metadata as m, jaxcomp\n"
           "from jaxcomp import kernels\n"
           "d = jax.devices()[0]\n"
           "v = lambda p: m.version(p)\n"
           "print(json.dumps({'device_kind': str(getattr(d, 'device_kind', d.platform)),"
           " 'platform': d.platform, 'device_count': jax.device_count(),"
           " 'nvidia_gpu': kernels.nvidia_gpu(), 'jax': jax.__version__,"
-          " 'jaxlib': v('jaxlib'), 'jaxcomp': v('jaxcomp')}))\n")
+          " 'jaxlib': v('jaxlib'), 'jaxcomp': jaxcomp.__version__}))\n")
   out = subprocess.run([sys.executable, "-c", code], cwd=root, env=_env(root),
                        capture_output=True, text=True, timeout=300, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -188,9 +196,14 @@ def _tests(args, root, run_dir, timeout, compiled) -> Result:
   if missing:
     return Result("tests", f"skipped: {', '.join(sorted(missing))} not found "
                   "(run from a source checkout)")
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+  cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+         "--durations=20",
          f"--junitxml={os.path.join(run_dir, 'tests.xml')}", *targets]
-  code, seconds, out = _run(cmd, root=root, timeout=timeout,
+  # tests/conftest.py appends each outcome, its seconds and a failure's
+  # traceback as the test ends: what a run stopped at the budget ran.
+  env = _env(root)
+  env["JAXCOMP_TEST_PROGRESS"] = os.path.join(run_dir, "tests_progress.txt")
+  code, seconds, out = _run(cmd, root=root, timeout=timeout, env=env,
                             log=os.path.join(run_dir, "tests.txt"))
   counts = _pytest_counts(out)
   detail = ", ".join(f"{v} {k}" for k, v in counts.items()) + " (tests.txt)"
