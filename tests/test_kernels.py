@@ -88,6 +88,25 @@ def test_reference_order_and_ties():
   assert i.dtype == jnp.int32
 
 
+def test_reference_ranks_nan_first_under_a_nan_unaware_top_k(monkeypatch):
+  """XLA:GPU's own top-k kernel compares keys with a raw ``>``
+  (openxla/xla#48119), so it never takes a NaN. Under a ``lax.top_k`` that
+  behaves so (NaN ranked below everything), the reference still ranks NaN
+  above +-Inf above every finite value, ties by ascending index."""
+  real = jax.lax.top_k
+  monkeypatch.setattr(jax.lax, "top_k", lambda v, k: real(
+      jnp.where(jnp.isnan(v), -jnp.inf, v), k))
+  x = _normal(4096, jnp.float32, seed=3)
+  x = x.at[5].set(jnp.inf).at[700].set(jnp.nan).at[1500].set(-jnp.inf)
+  x = x.at[9].set(-jnp.nan)
+  _, idx = jax.jit(lambda v: topk.topk_reference(v, 6))(x)
+  idx = np.asarray(idx).tolist()
+  assert idx[:4] == [9, 700, 5, 1500], idx
+  want = np.argsort(-np.abs(np.asarray(x)), kind="stable")
+  want = [i for i in want.tolist() if np.isfinite(np.asarray(x)[i])][:2]
+  assert idx[4:] == want
+
+
 @pytest.mark.parametrize("n,dtype,k", [
     (n, d, k) for n, d, k in itertools.product(
         (1000, 3001), DTYPES, (7, 300))])

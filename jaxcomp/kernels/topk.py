@@ -168,13 +168,23 @@ def topk_reference(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
   Returns:
     ``(values[k] in x.dtype, indices[k] int32)``, descending ``|x|``, ties by
-    ascending index.
+    ascending index; on every backend NaN ranks above +-Inf, above every
+    finite value (two NaNs, or an Inf and a finite ``|x|`` of exactly the
+    largest float32, tie: the lower index first).
   """
   flat = x.reshape(-1)
   _check_k(flat.shape[0], k)
   if k == 0:
     return _empty(flat)
-  _, idx = jax.lax.top_k(_abs_f32(flat), k)
+  a = _abs_f32(flat)
+  # XLA:GPU's own top-k kernel (k <= 16, n >= 1024) compares with a raw
+  # ``>``, so a NaN may never be taken (openxla/xla#48119; the likely cause
+  # of the compiled NaN test's failure on an H200 with JAX 0.11.2). The keys
+  # hold no NaN: NaN goes in as +Inf and Inf as the largest finite float32,
+  # an order every backend's top-k keeps (no cond: this runs under vmap).
+  key = jnp.where(jnp.isnan(a), jnp.inf,
+                  jnp.where(jnp.isinf(a), jnp.finfo(jnp.float32).max, a))
+  _, idx = jax.lax.top_k(key, k)
   idx = idx.astype(jnp.int32)
   return flat[idx], idx
 
