@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +222,8 @@ def diloco(inner: optax.GradientTransformation,
                 for i in g]
       avg, exchange_state = mean.update(pseudo, exchange_state,
                                         [p_leaves[i] for i in g])
+      # A list in, a list out (optax types it as any pytree).
+      avg = cast(list, avg)
       return exchange_state, [a.astype(x.dtype) for a, x in zip(avg, pending)]
 
     exchange_state, pending = lax.cond(
@@ -234,7 +236,7 @@ def diloco(inner: optax.GradientTransformation,
       anchor_g, outer_state = args
       outer_updates, outer_state = outer.update(
           list(state.pending[j]), outer_state, anchor_g)
-      anchor_g = optax.apply_updates(anchor_g, outer_updates)
+      anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
       m = jnp.float32(merge)
       ups = [((m * l_leaves[i] + (1 - m) * a) - p_leaves[i]).astype(
           jnp.result_type(p_leaves[i])) for a, i in zip(anchor_g, g)]
@@ -247,7 +249,7 @@ def diloco(inner: optax.GradientTransformation,
         landed, land, keep, ([anchor[i] for i in g], state.outer_state[j]))
     return anchor_g, outer_state, exchange_state, pending, ups, landed
 
-  def update_fn(grads, state, params=None):
+  def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("diloco's update needs params (this device's own "
                        "parameters): tx.update(grads, state, params)")
@@ -260,11 +262,11 @@ def diloco(inner: optax.GradientTransformation,
           "them with jaxcomp.lowcomm.init and step with "
           "jaxcomp.lowcomm.make_train_step (jaxcomp.lowcomm.local_step inside "
           "your own jax.jit step; jaxcomp.flax.Optimizer for NNX)")
-    inner_updates, inner_state = inner.update(grads, state.inner_state, params)
+    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
     local = optax.apply_updates(params, inner_updates)
     p_leaves, treedef = jax.tree.flatten(params)
     l_leaves = treedef.flatten_up_to(local)
-    updates = treedef.flatten_up_to(inner_updates)
+    u_leaves = treedef.flatten_up_to(inner_updates)
     anchor = treedef.flatten_up_to(state.anchor)
     synced = [None] * len(p_leaves)
     outer_states, exchange_states, pendings = [], [], []
@@ -272,10 +274,10 @@ def diloco(inner: optax.GradientTransformation,
       sync = (state.step + 1 + offsets[j]) % sync_every == 0
       if tau:
         (anchor_g, outer_state, exchange_state, pending, ups,
-         landed) = delayed(j, g, sync, state, p_leaves, l_leaves, updates, anchor)
+         landed) = delayed(j, g, sync, state, p_leaves, l_leaves, u_leaves, anchor)
         pendings.append(pending)
         for i, u, a in zip(g, ups, anchor_g):
-          updates[i], anchor[i], synced[i] = u, a, landed & (merge == 0)
+          u_leaves[i], anchor[i], synced[i] = u, a, landed & (merge == 0)
         outer_states.append(outer_state)
         exchange_states.append(exchange_state)
         continue
@@ -287,24 +289,24 @@ def diloco(inner: optax.GradientTransformation,
         avg, exchange_state = mean.update(
             pseudo, exchange_state, [l_leaves[i] for i in g])
         outer_updates, outer_state = outer.update(avg, outer_state, anchor_g)
-        anchor_g = optax.apply_updates(anchor_g, outer_updates)
+        anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
         # Every device lands on the fragment's new anchor.
         ups = [(a - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
                for a, i in zip(anchor_g, g)]
         return ups, (anchor_g, outer_state, exchange_state)
 
       def wait(args, g=g):
-        return [updates[i] for i in g], args
+        return [u_leaves[i] for i in g], args
 
       ups, (anchor_g, outer_state, exchange_state) = _mesh.cond(
           sync, run, wait, ([anchor[i] for i in g], state.outer_state[j],
                             state.exchange_state[j]))
       for i, u, a in zip(g, ups, anchor_g):
-        updates[i], anchor[i], synced[i] = u, a, sync
+        u_leaves[i], anchor[i], synced[i] = u, a, sync
       outer_states.append(outer_state)
       exchange_states.append(exchange_state)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-    return unflat(updates), DiLoCoState(
+    return unflat(u_leaves), DiLoCoState(
         step=state.step + 1, inner_state=inner_state, anchor=unflat(anchor),
         outer_state=tuple(outer_states),
         exchange_state=tuple(exchange_states), synced=unflat(synced),
@@ -370,7 +372,8 @@ def traffic(opt_state) -> LowCommTraffic:
   steps = int(jax.device_get(st.step))
   syncs, per_interval, total, wire_total, dense = [], 0.0, 0.0, 0.0, 0.0
   for ex in st.exchange_state:
-    stats = transform.get_stats(ex)
+    # Each exchange state is one compressed_mean's: one CompressionStats.
+    stats = cast(transform.CompressionStats, transform.get_stats(ex))
     n = int(jax.device_get(ex.count))
     b = float(jax.device_get(stats.bytes_sent))
     syncs.append(n)

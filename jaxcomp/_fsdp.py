@@ -113,7 +113,8 @@ def gather_params(shards, shapes, axis_name: AxisName = "data", *,
     key = jax.random.key(0)  # unused: the compressor has no randomness
     payload = comp.encode(x.astype(jnp.float32), key)
     gathered = jax.tree.map(lambda a: lax.all_gather(a, axis_name), payload)
-    whole = jax.vmap(lambda pl: comp.decode(pl, x.shape[0], key))(gathered)
+    decode = comp.decode
+    whole = jax.vmap(lambda pl: decode(pl, x.shape[0], key))(gathered)
     return whole.reshape(-1)[:n].reshape(s.shape).astype(x.dtype)
 
   return jax.tree.map(one, shards, shapes)

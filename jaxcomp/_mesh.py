@@ -28,8 +28,9 @@ class PerDeviceUnchecked(UserWarning):
   check that its gradient is each device's own."""
 
 
-def axes(axis_name: AxisName) -> tuple[str, ...]:
-  """``axis_name`` as a tuple of mesh axis names."""
+def axes(axis_name: AxisName | list[str]) -> tuple[str, ...]:
+  """``axis_name`` as a tuple of mesh axis names (a list is accepted too, as
+  :func:`check_axis_name` does)."""
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 

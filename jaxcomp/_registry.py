@@ -4,9 +4,12 @@ error-feedback schemes."""
 from __future__ import annotations
 
 import warnings
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 T = TypeVar("T")
+# A registered class, its own type kept (a decorator returning type[T]
+# would hide its fields from type checkers).
+C = TypeVar("C", bound=type)
 
 
 class Registry(Generic[T]):
@@ -23,7 +26,7 @@ class Registry(Generic[T]):
     self._classes: dict[str, type[T]] = {}
     self._renamed: dict[str, str] = {}
 
-  def register(self, cls: type[T]) -> type[T]:
+  def register(self, cls: C) -> C:
     """Class decorator: registers ``cls`` under ``cls.name``.
 
     Raises:
@@ -35,7 +38,7 @@ class Registry(Generic[T]):
                        f"{self.param}")
     if name in self._classes:
       raise ValueError(f"{self.param} name {name!r} is already registered")
-    self._classes[name] = cls
+    self._classes[name] = cast("type[T]", cls)
     return cls
 
   def rename(self, old: str, new: str) -> None:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 from collections.abc import Mapping
 
 import jax
@@ -116,7 +116,8 @@ def _mesh_of(tree) -> Mesh | None:
   for x in jax.tree.leaves(tree):
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
-      return sharding.mesh
+      # An array's (placed) sharding has a concrete Mesh, not an AbstractMesh.
+      return cast(Mesh, sharding.mesh)
   return None
 
 

@@ -18,6 +18,7 @@ import ast
 import math
 import os
 import sys
+from typing import Any
 from collections.abc import Callable, Sequence
 
 from jaxcomp import compressors
@@ -201,8 +202,9 @@ def _run_whatif(args) -> int:
                      "(and --workers-per-node)")
   if output != "mean" and args.diloco_every > 1:
     raise ValueError(f"--diloco-every prices replicated DiLoCo; drop --sharding {args.sharding}")
-  kw = dict(codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective,
-            sync_every=args.diloco_every, output=output)
+  kw: dict[str, Any] = dict(
+      codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective,
+      sync_every=args.diloco_every, output=output)
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "

@@ -34,9 +34,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -201,6 +203,7 @@ def initialize_from_env(
           f"process_id together, got {address=}, {num_processes=}, "
           f"{process_id=}; pass all three (flags or {ENV_COORDINATOR}, "
           f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}) or none")
+    assert num_processes is not None and process_id is not None  # just above
     if not (_is_int(num_processes) and _is_int(process_id)):
       raise ValueError(f"num_processes and process_id must be integers, got "
                        f"{num_processes=!r}, {process_id=!r}")
@@ -256,7 +259,7 @@ class _Watch:
     # Orbax's barrier, imported when the watcher starts: at exit, importing
     # Orbax (uvloop's thread pool) fails with "can't register atexit after
     # shutdown".
-    self.barrier = None
+    self.barrier: Callable[..., Any] | None = None
     self.exit_wait: _ExitWait | None = None  # process 0's wait at exit
 
 
@@ -390,6 +393,8 @@ class _Liveness:
         if self.alive is None:
           self.alive = {d.process_index for d in alive}
     except self._failure as e:
+      # Raised as the block exits: its body has set self.alive.
+      assert self.alive is not None
       self.alive -= {d.process_index for d in e.failed_devices}
     return set(self.alive)
 
@@ -707,7 +712,7 @@ def _digest(x: np.ndarray) -> np.ndarray:
 
 def _host_value(shard) -> np.ndarray:
   data = shard.data
-  if jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+  if jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
     data = jax.random.key_data(data)
   return np.asarray(data)
 

@@ -111,7 +111,7 @@ class Optimizer(nnx.Optimizer):
     # nnx.Optimizer.__init__ with the state placed per device (its own
     # tx.init would run outside shard_map, where no device axis is bound).
     super().__init__(model, optax.GradientTransformation(
-        lambda _: state, tx.update), wrt=wrt)
+        lambda params: state, tx.update), wrt=wrt)
     self.tx = tx
     # DiLoCo: each device's own parameters, beside the model's synchronized
     # ones.
@@ -309,7 +309,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     f, args = prepare(model, optimizer)
     return f.lower(*args, batch)
 
-  step.lower = lower
+  step.lower = lower  # pyright: ignore[reportFunctionMemberAccess]
   return step
 
 

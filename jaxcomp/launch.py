@@ -71,7 +71,7 @@ class JobResult:
   returncode: int
   returncodes: list[int | None]
   failed: int | None
-  exit_times: list[float | None]
+  exit_times: list[float]
   terminated: list[int]
   seconds: float
   message: str
@@ -336,12 +336,12 @@ def launch(command: Sequence[str], num_processes: int, *,
       t.join(timeout=5)
   seconds = time.monotonic() - t0
   codes = [p.returncode for p in procs]
-  exit_times = [seconds if t is None else t for t in exit_times]
+  ends = [seconds if t is None else t for t in exit_times]
   if failed is not None:
     others = ", ".join(
         f"process {i}: {_describe_code(c)}"
         + (" (terminated by the launcher)" if i in terminated else "")
-        + f" at {exit_times[i] - exit_times[failed]:+.1f} s"
+        + f" at {ends[i] - ends[failed]:+.1f} s"
         for i, c in enumerate(codes) if i != failed)
     message += f"; {others}" if others else ""
     say(f"job failed in {seconds:.1f} s: {message}")
@@ -352,7 +352,7 @@ def launch(command: Sequence[str], num_processes: int, *,
     say(message)
   elif status == 0:
     message = f"all {num_processes} processes exited 0 in {seconds:.1f} s"
-  return JobResult(status, codes, failed, exit_times, terminated, seconds,
+  return JobResult(status, codes, failed, ends, terminated, seconds,
                    message)
 
 

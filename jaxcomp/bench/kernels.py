@@ -172,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
   torch = None
   if args.torch:
     try:
-      import torch  # pylint: disable=import-outside-toplevel
+      # Optional (--torch): not a dependency.
+      import torch  # pylint: disable=import-outside-toplevel  # pyright: ignore[reportMissingImports]
     except ImportError:
       print("--torch: PyTorch is not importable; skipping its baselines")
   device = jax.devices()[0]
@@ -202,6 +203,7 @@ def main(args: argparse.Namespace) -> int:
     if error is not None:
       print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} FAILED: {error}")
       return
+    assert seconds is not None  # measure() times or fails
     print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} {seconds * 1e3:>9.3f} "
           f"{row['gb_per_s']:>8.1f} {_fmt(row['ratio_copy']):>7} "
           f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "

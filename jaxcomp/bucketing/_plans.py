@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+from typing import Any, cast
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -169,9 +169,11 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
     return BucketPlan(exact, tuple((i,) for i in big))
   if strategy == "whole":
     return BucketPlan(exact, (tuple(big),) if big else ())
+  # check_config made the size the strategy reads an int >= 1.
   if strategy == "fixed":
-    return BucketPlan(exact, fill(big, sizes, bucket_elements))
-  return BucketPlan(exact, fill(big, sizes, -(-bucket_bytes // BUFFER_ITEMSIZE)))
+    return BucketPlan(exact, fill(big, sizes, cast(int, bucket_elements)))
+  return BucketPlan(exact, fill(big, sizes,
+                                -(-cast(int, bucket_bytes) // BUFFER_ITEMSIZE)))
 
 
 def _leaf_values(tree_or_seq, params, what: str) -> list[float]:

@@ -114,7 +114,7 @@ class Hierarchical(Collective):
           "name both fast_axis and slow_axis, or neither (then the last "
           f"axis of axis_name is the fast one); got {self.fast_axis=}, "
           f"{self.slow_axis=}")
-    if fast is not None and set(fast) & set(slow):
+    if fast is not None and slow is not None and set(fast) & set(slow):
       raise ValueError(
           f"fast_axis and slow_axis must be different mesh axes, got "
           f"{self.fast_axis=}, {self.slow_axis=}")
@@ -149,7 +149,7 @@ class Hierarchical(Collective):
     axes = _mesh.axes(axis_name)
     fast = _norm(self.fast_axis, "fast_axis")
     slow = _norm(self.slow_axis, "slow_axis")
-    if fast is None:
+    if fast is None or slow is None:  # both or neither (__post_init__)
       if len(axes) < 2:
         raise ValueError(
             f"collective='hierarchical' needs axis_name with a slow and a "

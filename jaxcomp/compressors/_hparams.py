@@ -27,6 +27,7 @@ import math
 import numbers
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -69,7 +70,8 @@ def check_number(v, name: str, *, low=None, high=None, low_open=False,
     raise TypeError(f"{name} must be a number, got {name}={v!r}")
   if not math.isfinite(c):
     raise ValueError(f"{name} must be a finite number, got {name}={c}")
-  if integer and float(c) != int(c):
+  # numbers.Real declares no __int__ in typeshed; every Real here has one.
+  if integer and float(c) != int(c):  # pyright: ignore[reportArgumentType]
     raise TypeError(f"{name} must be an integer, got {name}={c!r}")
   bad = (low is not None and (c <= low if low_open else c < low)) or (
       high is not None and c > high)

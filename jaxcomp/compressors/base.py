@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -265,8 +265,8 @@ def hyperparameters(name: str) -> tuple[str, ...]:
   Raises:
     ValueError: unknown name.
   """
-  return tuple(f.name for f in dataclasses.fields(REGISTRY.lookup(name))
-               if f.init)
+  cls = cast(Any, REGISTRY.lookup(name))  # compressors are dataclasses
+  return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
 
 def get(name: str | Compressor, **kwargs) -> Compressor:

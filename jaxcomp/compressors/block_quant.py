@@ -42,6 +42,7 @@ class _Rounded(Compressor):
   moves fewer bytes (``"auto"``)."""
 
   default_collective: ClassVar[str] = "auto"
+  rounding: str  # the subclasses' field
 
   @property
   def randomness(self):

@@ -36,10 +36,10 @@ def tensor_matrix_shape(shape) -> tuple[int, int]:
   shape = tuple(int(d) for d in shape)
   if len(shape) < 2:
     return 1, math.prod(shape)
-  best = None
-  for k in range(1, len(shape)):
+  best = (math.prod(shape[:1]), math.prod(shape[1:]))
+  for k in range(2, len(shape)):
     rows, cols = math.prod(shape[:k]), math.prod(shape[k:])
-    if best is None or min(rows, cols) >= min(best):
+    if min(rows, cols) >= min(best):
       best = (rows, cols)
   return best
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import jax.numpy as jnp
 
@@ -113,8 +113,9 @@ class QSGD(Compressor):
     c = _hparams.concrete(self.levels)
     if c is not None:
       return int(c)
+    # __post_init__ (self.bits) rejects traced levels without max_levels.
     return jnp.clip(jnp.floor(_hparams.as_f32(self.levels)), 1.0,
-                    float(self.max_levels))
+                    float(cast(int, self.max_levels)))
 
   def _buckets(self, n: int) -> int:
     return -(-n // self.bucket_size)

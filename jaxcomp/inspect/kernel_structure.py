@@ -107,11 +107,12 @@ class Structure:
 
   def summary(self) -> dict:
     """A flat dict of the counts, for assertion messages and printouts."""
-    out = {"kernels": self.kernels, "kernel_reads_of_x": self.kernel_reads_of_x,
-           "branch_kernel_reads_of_x": self.branch_kernel_reads_of_x,
-           "xla_reads_of_x": len(self.x_reads),
-           "random": len(self.random),
-           "other_kernel_operands": self.other_kernel_operands}
+    out: dict[str, int | dict[str, int]] = {
+        "kernels": self.kernels, "kernel_reads_of_x": self.kernel_reads_of_x,
+        "branch_kernel_reads_of_x": self.branch_kernel_reads_of_x,
+        "xla_reads_of_x": len(self.x_reads),
+        "random": len(self.random),
+        "other_kernel_operands": self.other_kernel_operands}
     for where in ("before", "after"):
       out[where] = dict(collections.Counter(
           o.removeprefix("stablehlo.") for o in getattr(self, where)))
@@ -355,13 +356,14 @@ class KernelLaunch:
   Attributes:
     grid: CUDA blocks, ``(x, y, z)``.
     threads: threads per block, ``(x, y, z)``.
-    shared_bytes: dynamic shared memory per block, bytes.
+    shared_bytes: dynamic shared memory per block, bytes (None where the
+      launch does not take it as a constant).
     loops: ``scf.for`` loops in the kernel (a persistent grid's loop over
       its blocks is one).
   """
   grid: tuple
   threads: tuple
-  shared_bytes: int
+  shared_bytes: int | None
   loops: int
 
 

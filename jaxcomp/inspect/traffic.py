@@ -440,7 +440,9 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
     params = {}
     for name, elems, opcode, operands, rest, _ in reversed(instrs):
       if opcode == "parameter":
-        params[int(re.match(r"\s*(\d+)", rest).group(1))] = demand.get(name, 0)
+        number = re.match(r"\s*(\d+)", rest)
+        assert number is not None  # "parameter(N)"
+        params[int(number.group(1))] = demand.get(name, 0)
         continue
       d = demand.get(name, 0)
       for o in operands:

@@ -57,7 +57,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable, Mapping
 
 import jax
@@ -566,7 +566,8 @@ class Autotuner:
             raise
 
     _outside_traces(measure)
-    pallas, xla = seconds["pallas"], seconds["xla"]
+    # measure() raises where XLA fails: its time is a number.
+    pallas, xla = seconds["pallas"], cast(float, seconds["xla"])
     implementation = "pallas" if pallas is not None and pallas < xla else "xla"
     return Decision(
         key=key, implementation=implementation, source="measured",

@@ -43,7 +43,8 @@ def mix(v: jax.Array) -> jax.Array:
   return v ^ (v >> 15)
 
 
-def hash_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
+def hash_bits(seed: jax.Array | tuple[jax.Array, jax.Array],
+              index: jax.Array) -> jax.Array:
   """uint32 hash of each ``index`` (uint32 array, any shape) under ``seed``
   (uint32 ``(2,)`` or two uint32 scalars): the same words from XLA and from
   inside a kernel."""

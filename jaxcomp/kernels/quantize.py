@@ -106,6 +106,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, cast
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -290,7 +292,8 @@ def qsgd_norms_reference(x: jax.Array, *, bucket_size: int) -> jax.Array:
 
 
 def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
-                         levels: int, bucket_size: int, bits: int | None = None,
+                         levels: int | jax.Array, bucket_size: int,
+                         bits: int | None = None,
                          seed: jax.Array | None = None) -> jax.Array:
   """The packed QSGD codes of ``x`` under the given ``norms`` (see module
   doc): uint32 ``(packed_words(n, bits),)``. :func:`qsgd_quantize_reference`
@@ -305,10 +308,11 @@ def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
   Raises:
     ValueError: both or neither of ``uniform`` and ``seed``; a bad seed.
   """
-  bits = qsgd_bits(levels) if bits is None else bits
+  # levels is a concrete int where bits is None (it sets the code width).
+  bits = qsgd_bits(cast(int, levels)) if bits is None else bits
   n = x.size
   xf = x.reshape(-1).astype(jnp.float32)
-  u = _dither_source(n, uniform, seed)
+  u = cast(jax.Array, _dither_source(n, uniform, seed))  # required: not None
   mult = per_element(_qsgd_multiplier(norms, levels), bucket_size, n)
   r = jnp.abs(xf) * mult
   level = jnp.minimum(jnp.floor(r + u), jnp.float32(levels)).astype(jnp.uint32)
@@ -317,7 +321,7 @@ def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
 
 
 def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array | None = None, *,
-                            levels: int, bucket_size: int,
+                            levels: int | jax.Array, bucket_size: int,
                             bits: int | None = None,
                             seed: jax.Array | None = None
                             ) -> tuple[jax.Array, jax.Array]:
@@ -352,10 +356,11 @@ def qsgd_quantize_reference(x: jax.Array, uniform: jax.Array | None = None, *,
 
 
 def qsgd_dequantize_reference(words: jax.Array, norms: jax.Array, *, n: int,
-                              levels: int, bucket_size: int,
+                              levels: int | jax.Array, bucket_size: int,
                               bits: int | None = None) -> jax.Array:
   """Inverse of :func:`qsgd_quantize_reference`: float32 ``(n,)``."""
-  bits = qsgd_bits(levels) if bits is None else bits
+  # levels is a concrete int where bits is None (it sets the code width).
+  bits = qsgd_bits(cast(int, levels)) if bits is None else bits
   codes = unpack_bits_reference(words, bits, n)
   level = (codes & jnp.uint32((1 << (bits - 1)) - 1)).astype(jnp.float32)
   sign = 1.0 - 2.0 * (codes >> (bits - 1)).astype(jnp.float32)
@@ -682,12 +687,12 @@ def _columns(x_ref, plan: _Plan, block: _launch.Block) -> list[jax.Array]:
           for k in range(plan.group_rows)]
 
 
-def _row_total(values, reduce, combine):
-  """``reduce`` along the rows of each value, combined: one per group."""
-  total = None
-  for v in values:
-    part = reduce(v, axis=1)
-    total = part if total is None else combine(total, part)
+def _row_total(values: list[jax.Array], reduce, combine) -> jax.Array:
+  """``reduce`` along the rows of each value (one at least), combined: one
+  per group."""
+  total = reduce(values[0], axis=1)
+  for v in values[1:]:
+    total = combine(total, reduce(v, axis=1))
   return total
 
 
@@ -762,7 +767,7 @@ def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _Plan,
                  shift=shift, bits=1, word_major=word_major)
 
 
-def _qsgd_kernel(x_ref, words_ref, norms_ref=None, *, mult_ref=None,
+def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
                  u_ref=None, seed_ref=None, levels: int, bits: int,
                  plan: _Plan, word_major: bool, block: _launch.Block):
   """QSGD codes ``sign << (bits - 1) | level`` packed ``32 / bits`` per
@@ -783,7 +788,9 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref=None, *, mult_ref=None,
       norms_ref[:, k] = norm
       ms.append(_per_row(_qsgd_multiplier(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
-  uniform = _rounding(plan, block, col, u_ref, seed_ref)
+  # QSGD always rounds stochastically: u_ref or seed_ref is given.
+  uniform = cast(Callable[[int], jax.Array],
+                 _rounding(plan, block, col, u_ref, seed_ref))
   shift = _word_shift(col, bits)
   for k, x in enumerate(xs):
     u = uniform(k)
@@ -853,7 +860,9 @@ def _quantize_pack_call(op: str, x_groups, row_mult, u_groups, seed, *,
   order. ``statics``: the kernel's own (``levels``, ``fmt``)."""
   kernel, stat_name = _KERNELS[op]
   operands = [x_groups]
-  inputs = [("x_ref", _groups_spec(plan, x_groups.dtype))]
+  # pl.BlockSpecs, and plgpu.BlockSpecs where TMA tiles the block.
+  inputs: list[tuple[str, Any]] = [
+      ("x_ref", _groups_spec(plan, x_groups.dtype))]
   if row_mult is not None:
     operands.append(row_mult)
     inputs.append(("mult_ref", _launch.vector_spec(plan.block_groups)))
@@ -927,9 +936,10 @@ def _quantize(x, op: str, *, bits, group, multiplier, top, uniform, seed,
   if plan is not None:
     xg, grid = _to_groups(x, plan)
     ug = None if u_source is None else _to_groups(u_source, plan)[0]
-    return _quantize_pack_call(
+    words, stat = _quantize_pack_call(
         op, xg, None, ug, seed, bits=bits, plan=plan, grid=grid,
         interpret=interpret, **statics)
+    return words, cast(jax.Array, stat)  # one-pass plans reduce in the kernel
   # Fallback: XLA's per-group statistic, handed over as per-row multipliers.
   xf = x.reshape(-1).astype(jnp.float32)
   if op == "qsgd":
@@ -967,7 +977,8 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   words, group_abs = _quantize_pack_call(
       "sign", xg, None, None, None, bits=1, plan=plan, grid=grid,
       interpret=interpret)
-  scale = jnp.sum(group_abs) / jnp.float32(n)
+  # The sign plan reduces in the kernel: the statistic is there.
+  scale = jnp.sum(cast(jax.Array, group_abs)) / jnp.float32(n)
   return words[:packed_words(n, 1)], scale
 
 

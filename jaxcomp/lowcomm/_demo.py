@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -122,16 +122,17 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
   def init_fn(params):
     _mesh.check_bound(axis_name, "demo.init")
     return DeMoState(count=jnp.zeros((), jnp.int32),
-                     exchange=mean.init(jax.tree.map(
+                     exchange=cast(CompressedMeanState, mean.init(jax.tree.map(
                          lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
-                         params)))
+                         params))))
 
-  def update_fn(grads, state, params=None):
+  def update_fn(updates, state, params=None):
     if weight_decay and params is None:
       raise ValueError("demo(weight_decay=...) needs params in update")
     lr = jnp.asarray(lr_fn(state.count), jnp.float32)
-    avg, exchange = mean.update(scaled(grads, lr), state.exchange)
-    ps = grads if params is None else params
+    avg, exchange = mean.update(scaled(updates, lr), state.exchange)
+    exchange = cast(CompressedMeanState, exchange)
+    ps = updates if params is None else params
 
     def one(m, g, p):
       update = -lr * jnp.sign(m)
@@ -139,10 +140,13 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
         update = update - lr * jnp.float32(weight_decay) * p.astype(jnp.float32)
       return update.astype(jnp.result_type(g))
 
-    return (jax.tree.map(one, avg, grads, ps),
+    return (jax.tree.map(one, avg, updates, ps),
             DeMoState(count=state.count + 1, exchange=exchange))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # optax types a state as an array tree; DeMoState also holds the compressed
+  # mean's static configuration.
+  return optax.GradientTransformation(
+      init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def demo_momentum(state: DeMoState, params):

@@ -217,6 +217,7 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   g = network.workers_per_node
   n = p // g
   intra, inter = network.intra, network.link
+  assert intra is not None  # Network checks it for "hierarchical"
   if kind == "all-reduce":
     # Reduce-scatter in the node, g concurrent all-reduces of m/g between
     # nodes (sharing the node's link: m bytes through it), all-gather in the node.

@@ -36,8 +36,8 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Protocol, runtime_checkable
-from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxcomp.perfmodel import costs
 from jaxcomp import bucketing
@@ -45,6 +45,7 @@ from jaxcomp import collectives
 from jaxcomp import wire
 from jaxcomp.collectives import base as _collectives
 from jaxcomp.compressors import base as _compressors
+from jaxcomp._mesh import AxisName
 
 __all__ = [
     "PricedCompressor",
@@ -105,7 +106,7 @@ class IdealCompressor:
     if not self.ratio >= 1:
       raise ValueError(f"ratio must be >= 1, got {self.ratio=}")
 
-  def payload_bytes(self, n: int) -> int:
+  def payload_bytes(self, n: int) -> float:
     return 4.0 * int(n) / self.ratio
 
 
@@ -137,8 +138,8 @@ def DeMoCompressor(compression_topk: int = 32,  # noqa: N802 (it stands for a cl
                   ("compression_chunk", compression_chunk)):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-  return _compressors.REGISTRY.lookup("dct_topk")(topk=compression_topk,
-                                                  chunk=compression_chunk)
+  return _compressors.get("dct_topk", topk=compression_topk,
+                          chunk=compression_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +407,7 @@ def bucket_transfers(compressor, n: int, workers: int, *, collective: str | None
   return _library_collective(compressor, kind).buffer_transfers(c, n, {"data": workers})
 
 
-def _payload_view(compressor, messages_per_bucket):
+def _payload_view(compressor, messages_per_bucket) -> _compressors.Compressor:
   if _is_library(compressor) or (hasattr(compressor, "payload_arrays")
                                  and messages_per_bucket is None):
     if messages_per_bucket is not None:
@@ -417,7 +418,8 @@ def _payload_view(compressor, messages_per_bucket):
   m = 1 if messages_per_bucket is None else messages_per_bucket
   if isinstance(m, bool) or not isinstance(m, int) or m < 1:
     raise ValueError(f"messages_per_bucket must be an integer >= 1, got {messages_per_bucket!r}")
-  return _Arrays(compressor, m)
+  # Duck-typed: it has the payload hooks the collectives read.
+  return cast(_compressors.Compressor, _Arrays(compressor, m))
 
 
 def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], float] | None = None,
@@ -451,8 +453,10 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
     if not plan > 0:
       raise ValueError(f"bucket size must be > 0 bytes, got {plan!r}")
     return [sorted(b) for b in bucketing.fill(
-        reversed(range(L)), [4 * n for n in profile.layer_sizes], plan)]
-  buckets = [sorted(int(i) for i in b) for b in plan]
+        list(reversed(range(L))), [4 * n for n in profile.layer_sizes], plan)]
+  # What the checks above leave: a list of buckets (or a bool, which fails
+  # here).
+  buckets = [sorted(int(i) for i in b) for b in cast(Sequence, plan)]
   order = [i for b in buckets for i in sorted(b, reverse=True)]
   if order != list(reversed(range(L))) or any(not b for b in buckets):
     raise ValueError(
@@ -571,7 +575,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   if shard and not library.reduce_scatter:
     raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
                      "own exchange of whole tensors")
-  nets = {}
+  nets: dict[AxisName, costs.Network] = {}
   if hsdp:
     if network.algorithm != "hierarchical":
       raise ValueError(
@@ -580,6 +584,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
           "intra=Link(...))")
     g = network.workers_per_node
     hosts = p // g
+    assert network.intra is not None  # Network checks it for "hierarchical"
     # The g devices of a node exchange their shards across nodes at once,
     # through the node's one link: each sees 1/g of its bandwidth.
     nets = {"devices": costs.Network(g, network.intra),

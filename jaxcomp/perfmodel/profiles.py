@@ -136,8 +136,8 @@ def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model.Mode
   rate = tflops * 1e12
   return _model.ModelProfile(
       name=name,
-      layer_sizes=[n for n, _ in layers],
-      backward_times=[2.0 * f / rate for _, f in layers],
+      layer_sizes=tuple(n for n, _ in layers),
+      backward_times=tuple(2.0 * f / rate for _, f in layers),
       forward_time=sum(f for _, f in layers) / rate,
       meta={"description": desc,
             "timing": f"FLOP count at an assumed {tflops:g} effective TFLOP/s (not measured)"})

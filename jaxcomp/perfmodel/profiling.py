@@ -121,8 +121,8 @@ def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
   dev = jax.devices()[0]
   return _model.ModelProfile(
       name=name,
-      layer_sizes=[leaves[i].size for i in order],
-      backward_times=[bwd[i] for i in order],
+      layer_sizes=tuple(leaves[i].size for i in order),
+      backward_times=tuple(bwd[i] for i in order),
       forward_time=fwd,
       update_time=update,
       meta={"device": f"{dev.platform}:{dev.device_kind}",

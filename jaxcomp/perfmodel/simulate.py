@@ -10,7 +10,7 @@ over an ideal (linear, free) compressor.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 from collections.abc import Mapping, Sequence
 
 from jaxcomp.perfmodel import costs
@@ -20,6 +20,9 @@ __all__ = ["DEFAULT_WORKERS", "sweep_workers", "sweep_bandwidth", "stops_paying"
            "required_ratio"]
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+# A sweep's key: a worker count or a bandwidth.
+K = TypeVar("K", bound=float)
 
 
 def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
@@ -54,8 +57,8 @@ def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, Any]
   return out
 
 
-def stops_paying(sweep: Mapping[float, Mapping[str, _model.Prediction]], name: str,
-                 *, increasing: bool = True):
+def stops_paying(sweep: Mapping[K, Mapping[str, _model.Prediction]], name: str,
+                 *, increasing: bool = True) -> K | None:
   """The first sweep key at which ``name``'s speedup over dense drops below 1.
 
   Keys are walked in increasing order (``increasing=False``: decreasing).

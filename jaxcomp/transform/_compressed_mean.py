@@ -411,4 +411,6 @@ def compressed_mean(
         config=config, count=state.count + 1, key=state.key,
         feedback=ex.feedback, exchange_state=ex.exchange_state, stats=stats)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # optax's OptState (a tree of arrays) admits no static config field.
+  return optax.GradientTransformation(
+      init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -16,6 +16,7 @@ from typing import Any
 from collections.abc import Mapping
 
 import jax
+import jax.core
 import numpy as np
 
 # How a per-device state field moves to a mesh of another size (see

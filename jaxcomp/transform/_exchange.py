@@ -18,16 +18,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _parts
+from jaxcomp.collectives import Collective
+from jaxcomp.compressors import Compressor
+from jaxcomp.feedback import Feedback
 from jaxcomp.transform._layout import Layout
+from jaxcomp.transform._nonfinite import Policy
 
 
 class Parts(NamedTuple):
   """The composed parts of one transform (static)."""
 
-  compressor: object
-  collective: object
-  feedback: object
-  policy: object  # the nonfinite policy
+  compressor: Compressor
+  collective: Collective
+  feedback: Feedback
+  policy: Policy  # the nonfinite policy
 
 
 class Exchanged(NamedTuple):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 from typing import NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ class Bucketing(NamedTuple):
   min_size: int
   bucket_elements: int | None
   bucket_bytes: int | None
-  plan: tuple | None
+  plan: Sequence[Sequence[int]] | None
   mask: object
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +102,7 @@ def get_stats(state, *, by_path: bool = False):
     return None
   if len(found) == 1:
     return found[0][1]
-  total = lambda f: sum(getattr(s, f) for _, s in found)
+  total = lambda f: cast(jax.Array, sum(getattr(s, f) for _, s in found))
   norms = [s.residual_norm for _, s in found]
   if len({jnp.shape(r) for r in norms}) == 1:
     residual = jnp.sqrt(sum(r ** 2 for r in norms))
