@@ -24,6 +24,25 @@ process's own loss (``per_device_loss=True``), so between syncs they run no
 collective::
 
   sudo python benchmarks/diloco_gloo.py --links 1gbit 100mbit
+
+``--devices-per-process 2`` runs *islands*: each process has two CPU devices
+(a ``("hosts", "data")`` mesh, ``distributed.global_mesh``). Data
+parallelism then averages over all devices of both axes (the batch sharded
+over both); DiLoCo keeps exact data parallelism inside a process (the inner
+optimizer starts with ``compressed_mean("identity", "data")``) and runs its
+exchange across processes (``axis_name="hosts"``, one copy per island,
+``copies_over="hosts"``). The compute-only step is then each process's
+devices stepping at once with no collective. Beside each run the table
+gives the performance model's prediction of its mean step and of its wall
+time to the target (the steps times that step), made from the link's
+``tc`` rate and what the same run measures (a one-device compute profile
+scaled to the process's concurrent local step, the start-up cost of a
+4-byte all-reduce across and inside processes, the bandwidth inside one,
+the 4-bit codec; see ``_predict``)::
+
+  sudo python benchmarks/diloco_gloo.py --devices-per-process 2 \
+      --links 1gbit 100mbit --steps 400 --eval-every 25 --target-step 200 \
+      --json benchmarks/results/diloco_gloo_islands.json
 """
 
 from __future__ import annotations
@@ -31,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -50,16 +70,24 @@ def worker(args) -> None:
   import numpy as np
   import optax
   from jax.sharding import PartitionSpec as P
-  jax.config.update("jax_num_cpu_devices", 1)
+  dpp = args.devices_per_process
+  jax.config.update("jax_num_cpu_devices", dpp)
   sys.path.insert(0, REPO)
   import jaxcomp
   from jaxcomp import distributed, lowcomm
   from jaxcomp.perfmodel import codec as pm_codec
   from examples.char_lm import data as data_lib
   from examples.char_lm import model as model_lib
+  # A long heartbeat and no peer watcher: on a busy machine a process can
+  # miss the default 10 s heartbeat, or abort in shutdown while the watcher
+  # queries its peers.
   distributed.initialize_from_env(args.coordinator, args.nproc, args.rank,
-                                  initialization_timeout=300)
-  mesh = distributed.global_mesh(("data",))
+                                  initialization_timeout=300,
+                                  heartbeat_timeout_seconds=120, watch_peers=False)
+  # One device per process: a flat "data" mesh. Islands: ("hosts", "data"),
+  # row i holding process i's devices.
+  axes = "data" if dpp == 1 else ("hosts", "data")
+  mesh = distributed.global_mesh(("data",) if dpp == 1 else axes)
   context, batch = 64, 32
   corpus = data_lib.load(max_train_bytes=2_000_000)
   valid = distributed.global_array(
@@ -87,19 +115,30 @@ def worker(args) -> None:
     def next_batch():
       local = data_lib.random_windows(corpus.train, batch // args.nproc,
                                       context + 1, rng)
-      return distributed.global_array(local, mesh, P("data"), process_local=True)
+      return distributed.global_array(local, mesh, P(axes), process_local=True)
 
     inner = optax.adam(3e-3)
     if comp is None:
-      tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), inner)
+      tx = optax.chain(jaxcomp.compressed_mean("identity", axes), inner)
 
       def fresh():
-        state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+        state, specs = jaxcomp.init_sharded(tx, params, mesh, axes)
         return distributed.global_array(params, mesh, P()), state, specs
 
       make = lambda specs: jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-                                                   state_specs=specs)
+                                                   state_specs=specs, axis_name=axes)
       synced = lambda p, st: p
+    elif dpp > 1:
+      # Islands: exact data parallelism inside a process over "data",
+      # DiLoCo's exchange across processes over "hosts".
+      tx = jaxcomp.diloco(
+          optax.chain(jaxcomp.compressed_mean("identity", "data"), inner),
+          sync_every=args.sync_every, axis_name="hosts", **comp)
+      fresh = lambda: lowcomm.init(tx, params, mesh, axes, copies_over="hosts")
+      make = lambda specs: lowcomm.make_train_step(
+          loss_fn, tx, mesh=mesh, state_specs=specs, axis_name=axes,
+          per_device_loss=True, copies_over="hosts")
+      synced = lambda p, st: lowcomm.synced_params(st)
     else:
       tx = jaxcomp.diloco(inner, sync_every=args.sync_every, **comp)
       fresh = lambda: lowcomm.init(tx, params, mesh)
@@ -142,10 +181,153 @@ def worker(args) -> None:
 
   rng = np.random.default_rng(args.rank)
   w = data_lib.random_windows(corpus.train, batch // args.nproc, context + 1, rng)
-  out["compute_step_s"] = pm_codec.time_fn(local_step, lp, ost, w, repeats=50)
+  if dpp == 1:
+    out["compute_step_s"] = pm_codec.time_fn(local_step, lp, ost, w, repeats=50)
+  else:
+    out["measured"] = _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh)
+    out["compute_step_s"] = out["measured"]["local_step_s"]
   if args.rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
   jax.distributed.shutdown()
+
+
+def _together(tag, call, runs):
+  """Median time of ``call()`` over ``runs`` calls, each started by every
+  process at once (a barrier before it), after one untimed call and leaving
+  out the first two timed ones."""
+  import jax
+  from jax.experimental import multihost_utils
+  jax.block_until_ready(call())
+  ts = []
+  for i in range(runs + 2):
+    multihost_utils.sync_global_devices(f"{tag}{i}")
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts[2:])
+
+
+def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
+  """Islands: what the performance model needs, measured in this run.
+
+  * The compute-only step: each process's devices taking ``local_step``
+    (Adam on a device's share of the batch) at once, with no collective,
+    every process at once (they share the cores in the training runs).
+  * A one-device compute profile (``profile_model``) of the same share, to
+    be scaled to that step.
+  * A 4-byte all-reduce across processes ("hosts") and inside one
+    ("data"), and a 4 MiB one inside one: the links' start-up costs and
+    the bandwidth inside a process (across, the ``tc`` rate is used).
+  * The 4-bit codec (``measure_codec`` on one device).
+  """
+  import jax
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import Mesh, PartitionSpec as P
+  from jaxcomp import compressors, distributed
+  from jaxcomp import perfmodel as pm
+  dpp = args.devices_per_process
+  per_device = len(w) // dpp
+  lmesh = Mesh(np.array(jax.local_devices()), ("local",))
+  body = jax.jit(jax.shard_map(
+      lambda p, s, x: jax.tree.map(lambda a: a[None], local_step(p, s, x)[0]),
+      mesh=lmesh, in_specs=(P(), P(), P("local")), out_specs=P("local")))
+  xs = jax.device_put(w[:per_device * dpp])
+  local_s = _together("local", lambda: body(lp, ost, xs), 30)
+  opt = optax.adam(3e-3)
+
+  def adam_update(p, g):
+    u, _ = opt.update(g, opt.init(p), p)
+    return optax.apply_updates(p, u)
+
+  # Four groups: nothing overlaps (serial), so only the totals matter.
+  prof = pm.profile_model(loss_fn, lp, w[:per_device], name="char_lm",
+                          max_groups=4, update_fn=adam_update)
+
+  def allreduce_time(axis, n):
+    spec = P(("hosts", "data"))
+    x = distributed.global_array(np.ones((dpp, n), np.float32), mesh, spec,
+                                 process_local=True)
+    f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
+                              in_specs=spec, out_specs=spec))
+    return _together(f"ar{axis}{n}", lambda: f(x), 10)
+
+  links = {"hosts": {"small_s": allreduce_time("hosts", 1),
+                     "group": int(mesh.shape["hosts"])},
+           "data": {"small_s": allreduce_time("data", 1),
+                    "big_s": allreduce_time("data", 1 << 20),
+                    "group": int(mesh.shape["data"])}}
+  codec = pm.measure_codec(compressors.get("int8_block", bits=4))
+  return {"profile": prof.to_dict(), "local_step_s": local_s, "links": links,
+          "codec": codec.to_dict()}
+
+
+def _gbps(link: str) -> float | None:
+  """The ``tc`` rate of a link name ("100mbit", "1gbit"), Gbit/s."""
+  m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", link.lower())
+  if not m:
+    return None
+  return float(m.group(1)) * {None: 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0}[m.group(2)]
+
+
+def _predict(measured, link: str, args):
+  """Islands: the performance model's mean step of each run of RUNS, seconds,
+  and a note on what it was made from; None for a link without a rate.
+
+  * The compute: the one-device profile scaled to the process's concurrent
+    local step (``local_step_s``).
+  * Across processes: the link's ``tc`` rate, and the start-up cost of the
+    measured 4-byte all-reduce; inside a process: alpha and beta from the
+    4-byte and 4 MiB all-reduces.
+  * Data parallelism: a flat ring over all ``hosts x devices`` devices at the
+    cross-process link (as gloo runs an all-reduce over every device: the
+    ring crosses each process's link), one bucket per tensor, nothing
+    overlapping (XLA:CPU runs collectives on the compute thread):
+    ``jaxcomp whatif --workers 4 --buckets layer --overlap serial``.
+  * DiLoCo: ``jaxcomp whatif --workers 4 --algorithm hierarchical
+    --workers-per-node 2 --diloco-every H`` (``pm.predict(...,
+    sync_every=H)``, the exchange after the step, nothing overlapping),
+    plus what the model cannot say in one call: the exact mean inside the
+    island on every step, priced as a dense data-parallel exchange over the
+    process's devices on the in-process link.
+  """
+  from jaxcomp import compressors, wire
+  from jaxcomp import perfmodel as pm
+  gbps = _gbps(link)
+  if gbps is None:
+    return None
+  one = pm.ModelProfile.from_dict(measured["profile"])
+  prof = one.scaled(measured["local_step_s"] / one.compute_time)
+  hosts_m, data_m = measured["links"]["hosts"], measured["links"]["data"]
+  g, hosts = data_m["group"], hosts_m["group"]
+  inter = pm.Link.from_bandwidth(
+      gbps, hosts_m["small_s"] / wire.ring_messages("all-reduce", hosts))
+  intra_alpha = data_m["small_s"] / wire.ring_messages("all-reduce", g)
+  intra = pm.Link(intra_alpha, max(data_m["big_s"] - data_m["small_s"], 1e-12)
+                  / wire.ring_bytes("all-reduce", 4 << 20, g))
+  identity = compressors.get("identity")
+  kw = dict(buckets="layer", overlap="serial")
+  dp = pm.predict(prof, identity, pm.Network(hosts * g, inter), **kw)
+  islands = pm.Network(hosts * g, inter, "hierarchical", workers_per_node=g,
+                       intra=intra)
+  inner = (pm.predict(prof, identity, pm.Network(g, intra), **kw).step_time
+           - prof.compute_time)
+  codec = pm.CodecCost.from_dict(measured["codec"])
+  dil = {
+      "DiLoCo, int8 blocks 4-bit": pm.predict(
+          prof, compressors.get("int8_block", bits=4), islands, codec=codec,
+          sync_every=args.sync_every, **kw),
+      "DiLoCo, dense": pm.predict(prof, identity, islands,
+                                  sync_every=args.sync_every, **kw),
+  }
+  step = {RUNS[0]: dp.step_time, **{k: v.step_time + inner for k, v in dil.items()}}
+  note = (f"{link}: across processes {gbps:g} Gbit/s (the tc rate), "
+          f"{inter.alpha * 1e6:.0f} us per message (measured); inside one "
+          f"{intra.gbps:.3g} Gbit/s, {intra.alpha * 1e6:.0f} us (measured); "
+          f"compute {prof.compute_time * 1e3:.1f} ms/step; the islands' inner "
+          f"mean {inner * 1e3:.2f} ms/step")
+  return step, note
 
 
 def table(results, args):
@@ -170,6 +352,43 @@ def table(results, args):
           "wall / compute", "median step ms"), rows
 
 
+def islands_table(results, args):
+  """``--devices-per-process`` > 1: the table with the model's predictions
+  beside the measured times (the mean step: training wall time over its
+  steps, syncs included), and the notes on what they were made from."""
+  rows, notes = [], []
+  for link, r in results.items():
+    dp = r[RUNS[0]]
+    target = next(l for i, _, l in dp["evals"] if i == args.target_step)
+    pred = _predict(r["measured"], link, args)
+    if pred:
+      r["predicted_step_s"], note = pred[0], pred[1]
+      notes.append(note)
+    for name in RUNS:
+      c = r[name]
+      p_step = pred[0][name] if pred else None
+      hit = next(((i, t) for i, t, l in c["evals"] if l <= target), None)
+      steps, wall = hit or c["evals"][-1][:2]
+      mean = wall / steps
+      cells = [link, name, f"{target:.4f}"]
+      if hit is None:
+        best = min(l for _, _, l in c["evals"])
+        cells += ["not reached", f"best {best:.4f}", "-", "-", "-"]
+      else:
+        compute = steps * r["compute_step_s"]
+        cells += [str(steps), f"{wall:.1f}",
+                  f"{steps * p_step:.1f}" if pred else "-",
+                  f"{compute:.1f}", f"{wall / compute:.2f}"]
+      cells += [f"{mean * 1e3:.1f}", f"{p_step * 1e3:.1f}" if pred else "-",
+                f"{(p_step - mean) / mean:+.0%}" if pred else "-",
+                f"{c['median_step_s'] * 1e3:.1f}"]
+      rows.append(tuple(cells))
+  hdr = ("link", "run", "target loss", "steps to it", "wall s", "predicted wall s",
+         "compute-only s", "wall / compute", "mean step ms", "predicted step ms",
+         "error", "median step ms")
+  return hdr, rows, notes
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--links", nargs="+", default=["1gbit", "100mbit"])
@@ -180,6 +399,9 @@ def main(argv=None) -> int:
                   help="the target is data parallelism's loss at this step")
   ap.add_argument("--sync-every", type=int, default=25, help="DiLoCo's H")
   ap.add_argument("--d-model", type=int, default=64)
+  ap.add_argument("--devices-per-process", type=int, choices=(1, 2), default=1,
+                  help="CPU devices per process; 2: islands (exact data "
+                  "parallelism inside a process, DiLoCo across)")
   netns.add_cluster_flags(ap, port=13191, timeout=3600.0)
   args = ap.parse_args(argv)
   if args.worker:
@@ -191,14 +413,28 @@ def main(argv=None) -> int:
       "diloco_gloo", args, args.nproc, os.path.abspath(__file__),
       ["--nproc", str(args.nproc), "--steps", str(args.steps), "--eval-every",
        str(args.eval_every), "--sync-every", str(args.sync_every), "--d-model",
-       str(args.d_model)], cwd=REPO)
+       str(args.d_model), "--devices-per-process", str(args.devices_per_process)],
+      cwd=REPO)
   if isinstance(results, int):
     return results
-  print(f"{args.nproc} processes x 1 CPU device over gloo, character LM d_model "
-        f"{args.d_model}, global batch 32, Adam 3e-3; DiLoCo H={args.sync_every}; "
-        f"target: data parallelism's validation loss at step {args.target_step}")
-  hdr, rows = table(results, args)
-  return netns.report(hdr, rows, results, args.json)
+  dpp = args.devices_per_process
+  if dpp == 1:
+    print(f"{args.nproc} processes x 1 CPU device over gloo, character LM d_model "
+          f"{args.d_model}, global batch 32, Adam 3e-3; DiLoCo H={args.sync_every}; "
+          f"target: data parallelism's validation loss at step {args.target_step}")
+    hdr, rows = table(results, args)
+    return netns.report(hdr, rows, results, args.json)
+  print(f"{args.nproc} processes (islands) x {dpp} CPU devices over gloo, character "
+        f"LM d_model {args.d_model}, global batch 32, Adam 3e-3; data parallelism "
+        f"over all {args.nproc * dpp} devices; DiLoCo H={args.sync_every} across "
+        "processes, exact data parallelism inside each; target: data parallelism's "
+        f"validation loss at step {args.target_step}; predicted: jaxcomp.perfmodel "
+        "(see _predict)")
+  hdr, rows, notes = islands_table(results, args)
+  code = netns.report(hdr, rows, results, args.json)
+  for n in notes:
+    print(n)
+  return code
 
 
 if __name__ == "__main__":
