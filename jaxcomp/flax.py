@@ -226,9 +226,8 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   Raises:
     TypeError: ``optimizer`` is a plain ``nnx.Optimizer``.
   """
-  compiled: dict = {}
-
-  def build(graphdef, optimizer):
+  def exchange(graphdef, optimizer):
+    """The step's body under ``jax.shard_map`` over the optimizer's mesh."""
     mesh, axis = optimizer.mesh, optimizer.axis_name
     specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
     layout = optimizer.layout
@@ -266,36 +265,22 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
 
     lspec = P(axis) if diloco else P()
     ospec = P(axis) if per_device_loss else P()
-    f = jax.shard_map(body, mesh=mesh,
-                      in_specs=(pspec, lspec, P(), P(), specs, P(), bspec),
-                      out_specs=(pspec, lspec, P(), specs, P(), ospec))
-    return jax.jit(f, donate_argnums=(0, 1, 3, 4))
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(pspec, lspec, P(), P(), specs, P(), bspec),
+                         out_specs=(pspec, lspec, P(), specs, P(), ospec))
 
-  def prepare(model, optimizer):
-    if not hasattr(optimizer, "specs"):
-      raise TypeError(
-          "jaxcomp.flax.train_step needs a jaxcomp.flax.Optimizer(model, tx, "
-          "wrt=..., mesh=mesh, axis_name=...): an nnx.Optimizer cannot "
-          "initialise a jaxcomp transform outside shard_map")
+  # nnx.jit carries the model and the optimizer in and out of the compiled
+  # step (their Python walk is nnx.jit's own, so the step costs what a plain
+  # nnx.jit step does); it compiles again when their structure changes,
+  # e.g. when a warm-up stage assigns another optimizer.tx.
+  @nnx.jit(donate_argnums=(0, 1))
+  def compiled(model, optimizer, batch):
     graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey,
                                              ...)
-    # One compiled step per model structure and transformation (a warm-up
-    # stage may swap optimizer.tx for the next stage's).
-    key = (graphdef, id(optimizer), id(optimizer.tx))
-    if key not in compiled:
-      compiled[key] = build(graphdef, optimizer)
-    rep = NamedSharding(optimizer.mesh, P())
-    keys, rest, count = _placed(
-        (nnx.as_pure(keys), nnx.as_pure(rest), optimizer.step[...]), rep)
-    params = _placed(nnx.as_pure(params),
-                     NamedSharding(optimizer.mesh, optimizer.params_spec))
-    local = nnx.as_pure(optimizer.local)
-    return compiled[key], (params, local, keys, rest,
-                           nnx.as_pure(optimizer.opt_state), count)
-
-  def step(model, optimizer, batch):
-    f, args = prepare(model, optimizer)
-    params, local, rest, opt_state, count, out = f(*args, batch)
+    params, local, rest, opt_state, count, out = exchange(graphdef, optimizer)(
+        nnx.as_pure(params), nnx.as_pure(optimizer.local), nnx.as_pure(keys),
+        nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state),
+        optimizer.step[...], batch)
     nnx.update(model, params, rest)
     if local is not None:
       nnx.update(optimizer.local, nnx.state(local))
@@ -303,14 +288,47 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
     optimizer.step.set_value(count)
     return out
 
+  def check(optimizer):
+    if not hasattr(optimizer, "specs"):
+      raise TypeError(
+          "jaxcomp.flax.train_step needs a jaxcomp.flax.Optimizer(model, tx, "
+          "wrt=..., mesh=mesh, axis_name=...): an nnx.Optimizer cannot "
+          "initialise a jaxcomp transform outside shard_map")
+
+  def step(model, optimizer, batch):
+    check(optimizer)
+    try:
+      return compiled(model, optimizer, batch)
+    except ValueError as e:
+      if "incompatible devices" not in str(e):
+        raise
+    # A variable placed off the mesh (a checkpoint restored onto one
+    # device, say): the model's and the optimizer's state go onto the mesh,
+    # then the step runs (nothing ran or was donated above).
+    _place_on_mesh(model, optimizer)
+    return compiled(model, optimizer, batch)
+
   def lower(model, optimizer, batch):
     """The compiled step's ``jax.stages.Lowered`` (for
     :func:`jaxcomp.collective_traffic`); runs nothing."""
-    f, args = prepare(model, optimizer)
-    return f.lower(*args, batch)
+    check(optimizer)
+    return compiled.lower(model, optimizer, batch)
 
   step.lower = lower  # pyright: ignore[reportFunctionMemberAccess]
   return step
+
+
+def _place_on_mesh(model, optimizer) -> None:
+  """Puts the model's variables (the ``wrt`` ones with the optimizer's
+  parameter spec, the others replicated) and the optimizer's step count on
+  the optimizer's mesh, in place."""
+  mesh = optimizer.mesh
+  params, rest = nnx.split(model, optimizer.wrt, ...)[1:]
+  nnx.update(model, _placed(nnx.as_pure(params),
+                            NamedSharding(mesh, optimizer.params_spec)),
+             _placed(nnx.as_pure(rest), NamedSharding(mesh, P())))
+  optimizer.step.set_value(
+      _placed(optimizer.step[...], NamedSharding(mesh, P())))
 
 
 def _placed(tree, sharding):
