@@ -85,6 +85,29 @@ def test_nnx_identity_equals_full_batch_training(mesh8):
   assert int(opt.step[...]) == 3
 
 
+def test_nnx_step_places_a_model_restored_onto_one_device(mesh8):
+  """Parameters committed to one device (a checkpoint restored there): the
+  step puts them on the mesh and trains as from placed ones, bit for bit."""
+  batch = _batch(mesh8)
+  tx = optax.chain(jaxcomp.compressed_mean("identity", "data"),
+                   optax.sgd(0.1))
+  models = [MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))]
+  opts = [jaxcomp.flax.Optimizer(m, tx, wrt=nnx.Param, mesh=mesh8)
+          for m in models]
+  nnx.update(models[1], jax.device_put(nnx.state(models[1], nnx.Param),
+                                       jax.devices()[1]))
+  step = jaxcomp.flax.train_step(_loss)
+  losses = [[float(step(m, o, batch)) for _ in range(2)]
+            for m, o in zip(models, opts)]
+  assert losses[0] == losses[1]
+  for a, b in zip(jax.tree.leaves(nnx.state(models[0], nnx.Param)),
+                  jax.tree.leaves(nnx.state(models[1], nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert b.sharding.is_fully_replicated
+    assert b.devices() == set(mesh8.devices.flat)
+  assert int(opts[1].step[...]) == 2
+
+
 def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
   """fsdp=True: the model's parameters become flat shards (1/8 per device),
   the step gathers them, reduce-scatters the gradient and updates the
