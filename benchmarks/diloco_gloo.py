@@ -191,22 +191,6 @@ def worker(args) -> None:
   jax.distributed.shutdown()
 
 
-def _together(tag, call, runs):
-  """Median time of ``call()`` over ``runs`` calls, each started by every
-  process at once (a barrier before it), after one untimed call and leaving
-  out the first two timed ones."""
-  import jax
-  from jax.experimental import multihost_utils
-  jax.block_until_ready(call())
-  ts = []
-  for i in range(runs + 2):
-    multihost_utils.sync_global_devices(f"{tag}{i}")
-    t0 = time.perf_counter()
-    jax.block_until_ready(call())
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts[2:])
-
-
 def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
   """Islands: what the performance model needs, measured in this run.
 
@@ -223,9 +207,8 @@ def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
   import jax
   import numpy as np
   import optax
-  from jax import lax
   from jax.sharding import Mesh, PartitionSpec as P
-  from jaxcomp import compressors, distributed
+  from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   dpp = args.devices_per_process
   per_device = len(w) // dpp
@@ -234,7 +217,7 @@ def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
       lambda p, s, x: jax.tree.map(lambda a: a[None], local_step(p, s, x)[0]),
       mesh=lmesh, in_specs=(P(), P(), P("local")), out_specs=P("local")))
   xs = jax.device_put(w[:per_device * dpp])
-  local_s = _together("local", lambda: body(lp, ost, xs), 30)
+  local_s = netns.together("local", lambda: body(lp, ost, xs), 30)
   opt = optax.adam(3e-3)
 
   def adam_update(p, g):
@@ -245,18 +228,10 @@ def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
   prof = pm.profile_model(loss_fn, lp, w[:per_device], name="char_lm",
                           max_groups=4, update_fn=adam_update)
 
-  def allreduce_time(axis, n):
-    spec = P(("hosts", "data"))
-    x = distributed.global_array(np.ones((dpp, n), np.float32), mesh, spec,
-                                 process_local=True)
-    f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
-                              in_specs=spec, out_specs=spec))
-    return _together(f"ar{axis}{n}", lambda: f(x), 10)
-
-  links = {"hosts": {"small_s": allreduce_time("hosts", 1),
+  links = {"hosts": {"small_s": netns.allreduce_seconds(mesh, "hosts", 1, 10),
                      "group": int(mesh.shape["hosts"])},
-           "data": {"small_s": allreduce_time("data", 1),
-                    "big_s": allreduce_time("data", 1 << 20),
+           "data": {"small_s": netns.allreduce_seconds(mesh, "data", 1, 10),
+                    "big_s": netns.allreduce_seconds(mesh, "data", 1 << 20, 10),
                     "group": int(mesh.shape["data"])}}
   codec = pm.measure_codec(compressors.get("int8_block", bits=4))
   return {"profile": prof.to_dict(), "local_step_s": local_s, "links": links,
@@ -292,7 +267,7 @@ def _predict(measured, link: str, args):
     island on every step, priced as a dense data-parallel exchange over the
     process's devices on the in-process link.
   """
-  from jaxcomp import compressors, wire
+  from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   gbps = _gbps(link)
   if gbps is None:
@@ -301,11 +276,8 @@ def _predict(measured, link: str, args):
   prof = one.scaled(measured["local_step_s"] / one.compute_time)
   hosts_m, data_m = measured["links"]["hosts"], measured["links"]["data"]
   g, hosts = data_m["group"], hosts_m["group"]
-  inter = pm.Link.from_bandwidth(
-      gbps, hosts_m["small_s"] / wire.ring_messages("all-reduce", hosts))
-  intra_alpha = data_m["small_s"] / wire.ring_messages("all-reduce", g)
-  intra = pm.Link(intra_alpha, max(data_m["big_s"] - data_m["small_s"], 1e-12)
-                  / wire.ring_bytes("all-reduce", 4 << 20, g))
+  inter = netns.fit_link(hosts_m, gbps=gbps)
+  intra = netns.fit_link(data_m)
   identity = compressors.get("identity")
   kw = dict(buckets="layer", overlap="serial")
   dp = pm.predict(prof, identity, pm.Network(hosts * g, inter), **kw)

@@ -131,10 +131,8 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
   profile, the links and the int8 codec (see the module docstring)."""
   import jax
   import numpy as np
-  from jax import lax
-  from jax.experimental import multihost_utils
   from jax.sharding import Mesh, PartitionSpec as P
-  from jaxcomp import compressors, distributed
+  from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   per_device = len(local[1]) // DEVICES
   x1, y1 = local[0][:per_device], local[1][:per_device]
@@ -150,32 +148,12 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
   body = jax.jit(jax.shard_map(
       lambda p, x, y: jax.tree.map(lambda a: a[None], local_step(p, x, y)),
       mesh=lmesh, in_specs=(P(), P("local"), P("local")), out_specs=P("local")))
-  def together(tag, call, runs):
-    """Median time of ``call()`` over ``runs`` calls, each started by every
-    process at once (a barrier before it), after one untimed call and
-    leaving out the first two timed ones."""
-    jax.block_until_ready(call())
-    ts = []
-    for i in range(runs + 2):
-      multihost_utils.sync_global_devices(f"{tag}{i}")
-      t0 = time.perf_counter()
-      jax.block_until_ready(call())
-      ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[2:])
-
   xs = jax.device_put(local[0][:per_device * DEVICES])
   ys = jax.device_put(local[1][:per_device * DEVICES])
-  local_s = together("local", lambda: body(params, xs, ys), args.steps)
+  local_s = netns.together("local", lambda: body(params, xs, ys), args.steps)
 
-  def allreduce_time(axis, n):
-    spec = P(("hosts", "devices"))
-    x = distributed.global_array(np.ones((DEVICES, n), np.float32), mesh, spec,
-                                 process_local=True)
-    f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
-                              in_specs=spec, out_specs=spec))
-    return together(f"ar{axis}{n}", lambda: f(x), 5)
-
-  links = {axis: {"small_s": allreduce_time(axis, 1), "big_s": allreduce_time(axis, 1 << 20),
+  links = {axis: {"small_s": netns.allreduce_seconds(mesh, axis, 1, 5),
+                  "big_s": netns.allreduce_seconds(mesh, axis, 1 << 20, 5),
                   "group": int(mesh.shape[axis])} for axis in ("hosts", "devices")}
   codec = pm.measure_codec(compressors.get("int8_block", rounding="stochastic"))
   return {"profile": prof.to_dict(), "local_step_s": local_s, "links": links,
@@ -184,25 +162,14 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
 
 def _predict(measured) -> dict:
   """The model's step time for each run of RUNS from one link's measurements."""
-  from jaxcomp import compressors, wire
+  from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   # (The runs saved before the profile's name was kept have none.)
   one = pm.ModelProfile.from_dict({"name": "mlp", **measured["profile"]})
   prof = one.scaled(measured["local_step_s"] / one.compute_time)
 
-  def fit(m, sharing=1):
-    # small: 2 (p - 1) start-ups; big: the same plus the ring's bytes, of
-    # ``sharing`` groups at once through one link (across processes: one
-    # group per device of a process).
-    p = m["group"]
-    msgs = wire.ring_messages("all-reduce", p)
-    alpha = m["small_s"] / msgs
-    beta = (max(m["big_s"] - m["small_s"], 1e-12)
-            / (sharing * wire.ring_bytes("all-reduce", 4 << 20, p)))
-    return pm.Link(alpha, beta)
-
-  inter = fit(measured["links"]["hosts"], sharing=DEVICES)
-  intra = fit(measured["links"]["devices"])
+  inter = netns.fit_link(measured["links"]["hosts"], sharing=DEVICES)
+  intra = netns.fit_link(measured["links"]["devices"])
   hosts = measured["links"]["hosts"]["group"]
   # gloo runs a reduction or gather over all devices as one flat ring,
   # which crosses each process's link once: a ring of the slow link's

@@ -33,6 +33,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -262,6 +263,58 @@ class RateLimitedCluster:
       m = _OWNED.fullmatch(name)
       return m is not None and not _alive(int(m.group(1)))
     return _delete_matching(orphan)
+
+
+def together(tag: str, call, runs: int) -> float:
+  """In a worker: the median seconds of ``call()`` over ``runs`` calls, each
+  started by every process at once (a barrier before it), after one untimed
+  call and leaving out the first two timed ones."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(call())
+  ts = []
+  for i in range(runs + 2):
+    multihost_utils.sync_global_devices(f"{tag}{i}")
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts[2:])
+
+
+def allreduce_seconds(mesh, axis: str, n: int, runs: int) -> float:
+  """In a worker: :func:`together`'s time of a float32 all-reduce of ``n``
+  elements per device over ``axis`` of ``mesh`` (every device holding its
+  own row, the rows sharded over all of the mesh's axes)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxcomp import distributed  # pylint: disable=g-import-not-at-top
+  spec = P(tuple(mesh.axis_names))
+  rows = len(jax.local_devices())
+  x = distributed.global_array(np.ones((rows, n), np.float32), mesh, spec,
+                               process_local=True)
+  f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
+                            in_specs=spec, out_specs=spec))
+  return together(f"ar{axis}{n}", lambda: f(x), runs)
+
+
+def fit_link(measured: dict, *, sharing: int = 1, gbps: float | None = None):
+  """A :class:`jaxcomp.perfmodel.Link` from a group's measured all-reduces
+  (``{"group": p, "small_s": 4 bytes, "big_s": 4 MiB}``): alpha from the
+  small one's ``2 (p - 1)`` start-ups, beta from the big one's extra time
+  over the ring's bytes of ``sharing`` groups at once through one link
+  (across processes: one group per device of a process); with ``gbps``
+  (a ``tc`` rate) that bandwidth instead of the measured one."""
+  from jaxcomp import perfmodel as pm  # pylint: disable=g-import-not-at-top
+  from jaxcomp import wire  # pylint: disable=g-import-not-at-top
+  p = measured["group"]
+  alpha = measured["small_s"] / wire.ring_messages("all-reduce", p)
+  if gbps is not None:
+    return pm.Link.from_bandwidth(gbps, alpha)
+  beta = (max(measured["big_s"] - measured["small_s"], 1e-12)
+          / (sharing * wire.ring_bytes("all-reduce", 4 << 20, p)))
+  return pm.Link(alpha, beta)
 
 
 def add_cluster_flags(ap, *, port: int, timeout: float) -> None:
