@@ -45,6 +45,10 @@ class CompressionConfig:
   topk: int = 64  # chunked_topk / dct_topk: entries kept per chunk of
   chunk: int = 64  # chunk x chunk elements (SparseLoCo: 64 of 64 x 64)
   min_compress_size: int = 0  # smaller tensors: exact all-reduce
+  # One bucket per tensor: what the figures in docs/convergence.md and
+  # docs/compressor_results.md were measured with (the library's default,
+  # "auto", packs small tensors together; --bucketing auto).
+  bucketing: str = "layerwise"
   ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
   optimizer: str = "adam"  # one of OPTIMIZERS, after the compressed mean
   seed: int = 0
@@ -102,6 +106,11 @@ def add_compression_flags(p: argparse.ArgumentParser, defaults) -> None:
   p.add_argument("--min-compress-size", type=int, default=d.min_compress_size,
                  help="tensors with fewer elements go through an exact "
                  "all-reduce (biases, norms)")
+  p.add_argument("--bucketing", default=d.bucketing,
+                 choices=("layerwise", "auto", "whole"),
+                 help="which tensors are compressed together: one bucket per "
+                 "tensor (layerwise), small ones packed (auto, the library's "
+                 "default), or the whole model")
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices (ignored on GPU/TPU)")
   p.add_argument("--seed", type=int, default=d.seed)
@@ -180,7 +189,7 @@ def compression_config(args: argparse.Namespace) -> dict[str, Any]:
                                          args.error_feedback),
       error_feedback_decay=args.error_feedback_decay,
       collective=args.collective, topk=args.topk, chunk=args.chunk,
-      min_compress_size=args.min_compress_size,
+      min_compress_size=args.min_compress_size, bucketing=args.bucketing,
       ratio_warmup_steps=args.ratio_warmup_steps,
       seed=args.seed, max_steps=args.max_steps,
       progress=not args.no_progress)
@@ -249,6 +258,7 @@ def stages(config, learning_rate, muon_dimensions=None):
   output = "shard" if sharding == "fsdp" else "mean"
   axis = "hosts" if sharding == "hsdp" else "data"
 
+  bucketing = getattr(config, "bucketing", "layerwise")
   diloco_every = getattr(config, "diloco_every", 0)
   fragments = getattr(config, "diloco_fragments", 1)
 
@@ -269,7 +279,7 @@ def stages(config, learning_rate, muon_dimensions=None):
           sync_every=diloco_every,
           fragments=fragments,
           compressor=config.compressor,
-          min_compress_size=config.min_compress_size,
+          min_compress_size=config.min_compress_size, bucketing=bucketing,
           error_feedback=feedback, collective=collective, seed=config.seed,
           **kw)
     inside = ([jaxcomp.compressed_mean("identity", "devices", output="shard")]
@@ -278,6 +288,7 @@ def stages(config, learning_rate, muon_dimensions=None):
         *inside,
         jaxcomp.compressed_mean(config.compressor, axis,
                                 min_compress_size=config.min_compress_size,
+                                bucketing=bucketing,
                                 error_feedback=feedback, collective=collective,
                                 seed=config.seed, output=output, **kw),
         inner())

@@ -175,10 +175,15 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
     return init_axes, init_axes
   is_axes = lambda x: isinstance(x, frozenset)
   cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
-  # One device's view (out_specs=P() keeps the local shapes).
-  local_state, local = jax.eval_shape(jax.shard_map(
-      lambda p: (init_fn(p), p), mesh=mesh, in_specs=(params_spec,),
-      out_specs=P(), check_vma=False), params)
+  # One device's view: every leaf stacked over all mesh axes, the local
+  # shape behind the leading axis (traced with types, as the step will be:
+  # bucketing="auto" keeps leaves of other varying axes apart).
+  every = P(tuple(mesh.axis_names))
+  local_state, local = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+      jax.eval_shape(jax.shard_map(
+          lambda p: jax.tree.map(lambda x: x[None], (init_fn(p), p)),
+          mesh=mesh, in_specs=(params_spec,), out_specs=every), params))
   params = local
   params_axes = [_spec_axes(s) for s in _leaf_specs(params_spec, params)]
   data = frozenset(check_axis_name(axis_name))

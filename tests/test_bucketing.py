@@ -73,7 +73,8 @@ def test_layerwise_and_whole_topk_differ_and_are_each_correct(
 
 def test_small_leaves_go_through_exact_pmean(mesh8, two_scale_grads):
   g = dict(two_scale_grads, bias=jax.random.normal(jax.random.key(1), (P_DEV, 5)))
-  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1, min_compress_size=6)
+  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1, min_compress_size=6,
+                               bucketing="layerwise")
   u, ref, state, _ = run_shard_map(tx, g, mesh8)
   np.testing.assert_array_equal(np.asarray(u["bias"]), np.asarray(ref["bias"]))
   assert not np.allclose(np.asarray(u["b"]), np.asarray(ref["b"]))
@@ -185,3 +186,37 @@ class TestBadInput:
       bucketing.mgwfbp_plan_for(params, [1e-3] * 3, 1e-3, 1e-9, order=[0, 0, 1])
     with pytest.raises(ValueError, match="no leaf"):
       bucketing.mgwfbp_plan_for(params, [1e-3] * 3, 1e-3, 1e-9, min_size=10)
+
+
+def test_auto_packs_small_leaves_and_keeps_large_ones_alone(mesh8):
+  """The default bucketing: a leaf of at least bucket_bytes is a bucket
+  alone (top-k of that leaf), consecutive smaller ones of one dtype share a
+  bucket (top-k over them together), a bf16 leaf is not packed with float32
+  ones; chunked top-k, bound to a tensor's shape, stays one bucket per
+  leaf."""
+  k = jax.random.split(jax.random.key(3), 4)
+  g = {"a": jax.random.normal(k[0], (P_DEV, 3)),        # small
+       "b": jax.random.normal(k[1], (P_DEV, 4)) * 10,   # small, large values
+       "c": jax.random.normal(k[2], (P_DEV, 40)),       # 160 bytes: alone
+       "d": jax.random.normal(k[3], (P_DEV, 5)).astype(jnp.bfloat16)}
+  tx = jaxcomp.compressed_mean("topk", "data", ratio=0.25, bucket_bytes=100)
+  u, _, state, _ = run_shard_map(tx, g, mesh8)
+  assert [len(f) for f in state.feedback] == [2, 1, 1]  # (a, b), (c,), (d,)
+  assert jaxcomp.transform_configs(state)[""]["bucketing"] == "auto"
+  ga, gb = np.asarray(g["a"]), np.asarray(g["b"])
+  # a and b together: the top-2 of their 7 values on each device, which the
+  # large values of b take.
+  both = _topk_rows(np.concatenate([ga, gb], axis=1), 2).mean(0)
+  np.testing.assert_allclose(np.concatenate([u["a"], u["b"]]), both,
+                             rtol=1e-6, atol=1e-6)
+  assert not np.any(np.asarray(u["a"]))
+  np.testing.assert_allclose(u["c"], _topk_rows(np.asarray(g["c"]), 10).mean(0),
+                             rtol=1e-6, atol=1e-6)
+  assert u["d"].dtype == jnp.bfloat16
+  chunked = jaxcomp.compressed_mean("chunked_topk", "data", topk=2, chunk=4)
+  _, _, st, _ = run_shard_map(chunked, {"w": jnp.ones((P_DEV, 4, 4)),
+                                        "v": jnp.ones((P_DEV, 4, 4))}, mesh8)
+  assert jaxcomp.transform_configs(st)[""]["bucketing"] == "layerwise"
+  assert [len(f) for f in st.feedback] == [1, 1]
+  with pytest.raises(ValueError, match="drop bucket_bytes"):
+    jaxcomp.compressed_mean("chunked_topk", "data", bucket_bytes=100)

@@ -199,7 +199,8 @@ def test_two_phase_bytes_stay_flat_in_p():
 
 def test_error_feedback_conserves_mass_in_shards(mesh8):
   steps = [_per_device_grads(s) for s in range(4)]
-  tx = jaxcomp.compressed_mean("topk", "data", output="shard", ratio=0.05)
+  tx = jaxcomp.compressed_mean("topk", "data", output="shard", ratio=0.05,
+                               bucketing="layerwise")  # a residual per leaf
   outs, state, specs = _shard_update(tx, mesh8, steps)
   # p * sum_t shard means (the whole buffer, concatenated) ==
   # sum over devices and steps of the gradient - sum of the final residuals.
@@ -313,7 +314,7 @@ def test_hsdp_compresses_the_shards_across_hosts(mesh2x4, name, kw):
   link = pm.Link.from_bandwidth(1.0)
   net = pm.Network(8, link, algorithm="hierarchical", workers_per_node=4, intra=link)
   comp = jaxcomp.compressors.get(name, **kw)
-  pr = pm.predict(prof, comp, net, output="hsdp")
+  pr = pm.predict(prof, comp, net, output="hsdp", buckets="auto")
   assert pr.bytes_per_worker == float(total.bytes_sent)
 
 

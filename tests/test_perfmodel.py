@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
+from jaxcomp import cli
 from jaxcomp import perfmodel as pm
+from jaxcomp.bucketing import DEFAULT_BUCKET_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -757,3 +759,16 @@ def test_demo_is_priced_by_its_dct_topk_all_gathers():
   assert y.shape == (5000,) and 0 < float(jnp.linalg.norm(y)) < float(jnp.linalg.norm(x))
   with pytest.raises(ValueError, match="compression_topk must be an integer >= 1"):
     pm.DeMoCompressor(compression_topk=0)
+
+
+def test_default_bucket_size_is_where_start_up_equals_transfer():
+  """bucketing="auto"'s default size is the message at which a ring
+  all-reduce's start-up time equals its transfer time on the network
+  `jaxcomp whatif` assumes by default: half of it latency, half bytes."""
+  args = cli.build_parser().parse_args(["whatif"])
+  p = args.workers
+  link = pm.Link.from_bandwidth(args.bandwidth, args.latency * 1e-6)
+  total = pm.costs.allreduce_time(DEFAULT_BUCKET_BYTES, p, link)
+  start_up = pm.costs.allreduce_time(0, p, link)
+  assert (p, args.bandwidth, args.latency) == (16, 10.0, 50.0)
+  assert start_up == pytest.approx(total - start_up, rel=1e-12)

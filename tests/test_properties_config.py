@@ -122,7 +122,7 @@ CONSTRUCTOR = dict(
     error_feedback=(st.sampled_from([None, True, False,
                                      *jaxcomp.feedback.names()]),
                     st.sampled_from(["nope", 1, 0.5])),
-    bucketing=(st.sampled_from(["layerwise", "whole", "fixed",
+    bucketing=(st.sampled_from(["auto", "layerwise", "whole", "fixed",
                                 "fixed_bytes"]),
                st.sampled_from(["mgwfbp", "nope", None])),
     bucket_elements=(st.integers(1, 64), st.one_of(st.integers(-3, 0), JUNK)),
@@ -147,7 +147,10 @@ def constructor_args(draw):
   if "bucket_elements" not in wrong and kwargs["bucketing"] != "fixed":
     kwargs["bucket_elements"] = None
   if "bucket_bytes" not in wrong and kwargs["bucketing"] != "fixed_bytes":
-    kwargs["bucket_bytes"] = None
+    # "auto" reads it too (but not for compressors bound to one tensor's
+    # shape, which stay one bucket per leaf and refuse it by name).
+    if kwargs["bucketing"] != "auto" or not draw(st.booleans()):
+      kwargs["bucket_bytes"] = None
   return kwargs
 
 
@@ -206,13 +209,16 @@ SIZES = st.lists(st.one_of(st.integers(0, 3), st.sampled_from(
 
 
 @given(sizes=SIZES, strategy=st.sampled_from(
-    ["layerwise", "whole", "fixed", "fixed_bytes"]),
-       min_size=st.integers(0, 200), limit=st.integers(1, 2**33))
-def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit):
+    ["auto", "layerwise", "whole", "fixed", "fixed_bytes"]),
+       min_size=st.integers(0, 200), limit=st.integers(1, 2**33),
+       kinds=st.lists(st.sampled_from("ab"), min_size=12, max_size=12))
+def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit,
+                                           kinds):
   plan = bucketing.plan_buckets(
       sizes, strategy=strategy, min_size=min_size,
       bucket_elements=limit if strategy == "fixed" else None,
-      bucket_bytes=limit if strategy == "fixed_bytes" else None)
+      bucket_bytes=limit if strategy in ("fixed_bytes", "auto") else None,
+      kinds=kinds if strategy == "auto" else None)
   flat = [i for b in plan.buckets for i in b]
   # Every leaf exactly once, small ones exact, buckets in leaf order.
   assert sorted([*plan.exact, *flat]) == list(range(len(sizes)))
@@ -224,6 +230,20 @@ def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit):
     assert all(len(b) == 1 for b in plan.buckets)
   elif strategy == "whole":
     assert len(plan.buckets) == (1 if flat else 0)
+  elif strategy == "auto":
+    elements = -(-limit // 4)
+    for b in plan.buckets:
+      # A leaf of a full bucket's size is alone; smaller ones share a kind,
+      # and a merged bucket is closed as soon as it is full.
+      if any(sizes[i] >= elements for i in b):
+        assert len(b) == 1, (b, plan)
+      assert len({kinds[i] for i in b}) == 1, (b, plan)
+      assert sum(sizes[i] for i in b[:-1]) < elements, (b, plan)
+    for b, nxt in zip(plan.buckets, plan.buckets[1:]):
+      # A merged bucket left short is followed by a leaf it could not take.
+      if sum(sizes[i] for i in b) < elements:
+        j = nxt[0]
+        assert sizes[j] >= elements or kinds[j] != kinds[b[-1]], (b, nxt, plan)
   else:
     elements = limit if strategy == "fixed" else -(-limit // 4)
     for b in plan.buckets[:-1]:  # full, and closed as soon as full

@@ -34,7 +34,9 @@ def _fixture_run(mesh):
   two steps."""
   params = {"b": jnp.arange(4, dtype=jnp.float32) / 4,
             "w": jnp.linspace(-1, 1, 64, dtype=jnp.float32).reshape(16, 4)}
-  tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25),
+  # The fixture was written when "layerwise" was the default bucketing.
+  tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25,
+                                           bucketing="layerwise"),
                    optax.adam(1e-2))
   state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
   return tx, jax.device_put(params, NamedSharding(mesh, P())), state, specs

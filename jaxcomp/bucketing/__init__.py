@@ -9,6 +9,18 @@ compressed as a whole.
 
 Strategies (``compressed_mean(bucketing=...)``):
 
+* ``"auto"`` (the default): a leaf of at least ``bucket_bytes`` (default
+  :data:`DEFAULT_BUCKET_BYTES`, 1 MB of float32: the size at which a ring
+  all-reduce's start-up time equals its transfer time on the performance
+  model's default network) is a bucket alone, so the layers that carry the
+  bytes are compressed layer by layer; runs of consecutive smaller leaves of
+  one dtype (biases, norms, small matrices, whose own exchange would cost
+  more in start-up than in bytes) are packed into buckets of about that
+  size, as PyTorch DDP's 25 MB buckets pack a whole model. Compressors that
+  are bound to one tensor's shape (DCT top-k, chunked top-k) stay
+  layer-wise; PowerSGD compresses each tensor of a bucket on its own and
+  exchanges the bucket's factors together (as PyTorch DDP's PowerSGD hook
+  does per bucket);
 * ``"layerwise"``: one bucket per leaf (layer-wise compression: top-k keeps
   the k largest of every layer);
 * ``"whole"``: one bucket for the whole model (global top-k);
@@ -24,9 +36,11 @@ Strategies (``compressed_mean(bucketing=...)``):
 from jaxcomp.bucketing._mgwfbp import mgwfbp_plan
 from jaxcomp.bucketing._mgwfbp import wfbp_finish_time
 from jaxcomp.bucketing._plans import BUFFER_ITEMSIZE
+from jaxcomp.bucketing._plans import DEFAULT_BUCKET_BYTES
 from jaxcomp.bucketing._plans import STRATEGIES
 from jaxcomp.bucketing._plans import BucketPlan
 from jaxcomp.bucketing._plans import check_config
 from jaxcomp.bucketing._plans import fill
+from jaxcomp.bucketing._plans import merge_small
 from jaxcomp.bucketing._plans import mgwfbp_plan_for
 from jaxcomp.bucketing._plans import plan_buckets

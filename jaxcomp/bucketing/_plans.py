@@ -13,8 +13,16 @@ import jax
 
 from jaxcomp.bucketing._mgwfbp import mgwfbp_plan
 
-STRATEGIES = ("layerwise", "whole", "fixed", "fixed_bytes", "mgwfbp")
+STRATEGIES = ("auto", "layerwise", "whole", "fixed", "fixed_bytes", "mgwfbp")
 BUFFER_ITEMSIZE = 4  # buckets are float32 buffers
+# bucketing="auto"'s size, bytes of float32: the message size at which a ring
+# all-reduce's start-up time equals its transfer time on the performance
+# model's default network (`jaxcomp whatif`: p = 16 workers, alpha = 50 us
+# per message, 10 Gbit/s): 2 (p - 1) alpha = 2 (p - 1) / p * m * beta gives
+# m = p * alpha / beta = 16 * 50e-6 s * 1.25e9 B/s = 1e6 bytes. A leaf below
+# it spends more time starting its own exchange than sending its bytes.
+# (tests/test_perfmodel.py checks this against the model's formulas.)
+DEFAULT_BUCKET_BYTES = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +79,14 @@ def check_config(strategy: str, *, bucket_elements: int | None = None,
     raise ValueError(f"bucketing must be one of {STRATEGIES}, got {strategy!r}")
   # A size the strategy does not read would be silently ignored (e.g.
   # bucket_bytes given, the default layer-wise buckets used).
-  for name, value, needs in (("bucket_elements", bucket_elements, "fixed"),
-                             ("bucket_bytes", bucket_bytes, "fixed_bytes")):
-    if value is not None and strategy != needs:
+  for name, value, needs in (("bucket_elements", bucket_elements, ("fixed",)),
+                             ("bucket_bytes", bucket_bytes,
+                              ("fixed_bytes", "auto"))):
+    if value is not None and strategy not in needs:
       raise ValueError(
-          f"{name} is read only by bucketing={needs!r}, got {name}={value!r} "
-          f"with bucketing={strategy!r}; pass bucketing={needs!r} or drop "
-          f"{name}")
+          f"{name} is read only by bucketing={' or '.join(map(repr, needs))}"
+          f", got {name}={value!r} with bucketing={strategy!r}; pass "
+          f"bucketing={needs[0]!r} or drop {name}")
   if strategy == "fixed":
     if bucket_elements is None:
       raise ValueError("bucketing='fixed' needs bucket_elements >= 1, got "
@@ -87,6 +96,8 @@ def check_config(strategy: str, *, bucket_elements: int | None = None,
     if bucket_bytes is None:
       raise ValueError("bucketing='fixed_bytes' needs bucket_bytes >= 1, got "
                        f"{bucket_bytes=}")
+    _positive_int(bucket_bytes, "bucket_bytes")
+  if strategy == "auto" and bucket_bytes is not None:
     _positive_int(bucket_bytes, "bucket_bytes")
   if strategy == "mgwfbp":
     raise ValueError(
@@ -119,10 +130,48 @@ def fill(order: Sequence[int], sizes: Sequence[int], limit: float
   return tuple(buckets)
 
 
+def merge_small(order: Sequence[int], sizes: Sequence[int], limit: float,
+                kinds: Sequence | None = None) -> tuple[tuple[int, ...], ...]:
+  """``bucketing="auto"``'s buckets: walks ``order`` (indices into
+  ``sizes``); an item of at least ``limit`` is a bucket alone, and runs of
+  consecutive smaller items of one kind (``kinds[i]``, e.g. the leaves'
+  dtypes; one kind when None) are packed into buckets closed as soon as
+  they hold at least ``limit``.
+
+  Example:
+    >>> merge_small([0, 1, 2, 3, 4], [1, 1, 9, 2, 2], 4)
+    ((0, 1), (2,), (3, 4))
+  """
+  buckets: list[tuple[int, ...]] = []
+  run: list[int] = []
+  total = 0
+
+  def close():
+    nonlocal run, total
+    if run:
+      buckets.append(tuple(run))
+    run, total = [], 0
+
+  for i in order:
+    if sizes[i] >= limit:
+      close()
+      buckets.append((i,))
+      continue
+    if run and kinds is not None and kinds[run[0]] != kinds[i]:
+      close()
+    run.append(i)
+    total += sizes[i]
+    if total >= limit:
+      close()
+  close()
+  return tuple(buckets)
+
+
 def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
                  min_size: int = 0, bucket_elements: int | None = None,
                  bucket_bytes: int | None = None,
-                 plan: Sequence[Sequence[int]] | None = None) -> BucketPlan:
+                 plan: Sequence[Sequence[int]] | None = None,
+                 kinds: Sequence | None = None) -> BucketPlan:
   """Plans buckets for leaves of the given element counts.
 
   Args:
@@ -134,6 +183,10 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
     bucket_bytes: bucket size in bytes of the float32 buffer (4 bytes per
       element) for ``"fixed_bytes"``; a bucket is closed as soon as it holds
       at least that many bytes, so a single larger leaf is a bucket alone.
+      For ``"auto"``: the size below which a leaf is merged with its
+      neighbours (default :data:`DEFAULT_BUCKET_BYTES`).
+    kinds: ``"auto"`` only: per leaf, a kind (its dtype) that a merged
+      bucket does not mix, so a bucket travels in its leaves' own dtype.
     plan: an explicit plan (lists of leaf indices); overrides ``strategy``.
       Leaves it does not name go to the exact group.
 
@@ -169,6 +222,10 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
     return BucketPlan(exact, tuple((i,) for i in big))
   if strategy == "whole":
     return BucketPlan(exact, (tuple(big),) if big else ())
+  if strategy == "auto":
+    limit = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    return BucketPlan(exact, merge_small(
+        big, sizes, -(-limit // BUFFER_ITEMSIZE), kinds))
   # check_config made the size the strategy reads an int >= 1.
   if strategy == "fixed":
     return BucketPlan(exact, fill(big, sizes, cast(int, bucket_elements)))

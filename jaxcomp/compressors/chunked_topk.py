@@ -99,7 +99,7 @@ class ChunkedTopK(SparsePayload):
   round(h * w * topk / chunk**2)`` entries (``topk`` for a full chunk, at
   least 1), as the reference scales it. Bound to a tensor's shape by
   :meth:`for_shapes` (:func:`jaxcomp.compressed_mean` binds each bucket of
-  its default ``bucketing="layerwise"``); unbound, an ``n``-element buffer
+  its default ``bucketing="auto"``, layer-wise for it); unbound, an ``n``-element buffer
   is viewed as rows of ``chunk`` (zero-padded), so that its chunks are
   consecutive runs of ``chunk**2`` elements (how the performance model
   prices it).

@@ -427,7 +427,10 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
   """Resolves a bucket plan to lists of layer indices in communication order.
 
   Args:
-    plan: ``"layer"`` (one bucket per tensor), ``"single"`` (one bucket),
+    plan: ``"layer"`` (one bucket per tensor), ``"auto"``
+      (``compressed_mean``'s default ``bucketing="auto"``: a tensor of at
+      least :data:`jaxcomp.bucketing.DEFAULT_BUCKET_BYTES` alone, runs of
+      smaller ones packed), ``"single"`` (one bucket),
       ``"mgwfbp"`` (:func:`jaxcomp.perfmodel.mgwfbp_plan` with ``comm_time`` or
       ``alpha``/``beta``), a number (fixed-size buckets of at least that many
       bytes, as in PyTorch DDP / Horovod fusion), or an explicit list of
@@ -444,10 +447,14 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
       return [[i] for i in reversed(range(L))]
     if plan == "single":
       return [list(range(L))]
+    if plan == "auto":  # planned in forward (leaf) order, as the library
+      return [list(b) for b in reversed(bucketing.merge_small(
+          range(L), list(profile.layer_sizes),
+          -(-bucketing.DEFAULT_BUCKET_BYTES // bucketing.BUFFER_ITEMSIZE)))]
     if plan == "mgwfbp":
       return bucketing.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
                                  alpha, beta, comm_time=comm_time)
-    raise ValueError(f"unknown bucket plan {plan!r}; expected 'layer', 'single', 'mgwfbp', "
+    raise ValueError(f"unknown bucket plan {plan!r}; expected 'layer', 'auto', 'single', 'mgwfbp', "
                      "a bucket size in bytes, or a list of buckets")
   if isinstance(plan, (int, float)) and not isinstance(plan, bool):
     if not plan > 0:

@@ -19,6 +19,7 @@ shard of the mean instead.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import NamedTuple
 from collections.abc import Sequence
@@ -131,7 +132,7 @@ def compressed_mean(
     *,
     collective: str | collectives_lib.Collective | None = None,
     error_feedback: str | bool | feedback_lib.Feedback | None = None,
-    bucketing: str = "layerwise",
+    bucketing: str = "auto",
     min_compress_size: int = 0,
     bucket_elements: int | None = None,
     bucket_bytes: int | None = None,
@@ -170,15 +171,26 @@ def compressed_mean(
       none for unbiased ones), ``True``/``"residual"``, ``False``/``"none"``,
       ``"ef21"``, ``"dgc"`` (:mod:`jaxcomp.feedback`), or a Feedback
       instance.
-    bucketing: ``"layerwise"`` (one bucket per leaf), ``"whole"`` (one
-      bucket), ``"fixed"`` (``bucket_elements`` per bucket),
-      ``"fixed_bytes"`` (``bucket_bytes`` per bucket) or ``"mgwfbp"`` (with
-      ``plan=jaxcomp.bucketing.mgwfbp_plan_for(...)``).
+    bucketing: ``"auto"`` (default: a leaf of at least ``bucket_bytes``,
+      default 1 MB of float32, is a bucket alone; runs of consecutive
+      smaller leaves of one dtype are packed into buckets of about that
+      size, so biases and norms do not each pay a collective's start-up;
+      compressors bound to one tensor's shape (DCT top-k, chunked top-k)
+      stay layer-wise, and PowerSGD compresses each tensor of a bucket on
+      its own, exchanging the bucket's factors together; see :mod:`jaxcomp.bucketing`), ``"layerwise"`` (one
+      bucket per leaf), ``"whole"`` (one bucket), ``"fixed"``
+      (``bucket_elements`` per bucket), ``"fixed_bytes"`` (``bucket_bytes``
+      per bucket) or ``"mgwfbp"`` (with
+      ``plan=jaxcomp.bucketing.mgwfbp_plan_for(...)``). A biased compressor
+      selects within a bucket (top-k keeps the k largest of the bucket), so
+      the bucketing is part of what it computes.
     min_compress_size: leaves with fewer elements skip compression and go
       through an exact float32 ``pmean``.
     bucket_elements: bucket size in elements for ``bucketing="fixed"``.
     bucket_bytes: bucket size in bytes (float32) for
-      ``bucketing="fixed_bytes"``.
+      ``bucketing="fixed_bytes"``; for ``"auto"``, the size below which
+      leaves are merged (default
+      :data:`jaxcomp.bucketing.DEFAULT_BUCKET_BYTES`).
     plan: explicit buckets as lists of leaf indices (``jax.tree.leaves``
       order); overrides ``bucketing``.
     mask: which leaves are compressed: None (all), a pytree of booleans
@@ -297,11 +309,19 @@ def compressed_mean(
   shard = output == "shard"
   bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
                              bucket_bytes=bucket_bytes, plan=plan)
+  if comp.per_tensor and plan is None and bucketing == "auto":
+    if bucket_bytes is not None:
+      raise ValueError(
+          f"compressor {comp.name!r} works on one tensor at a time, so "
+          f"bucketing='auto' keeps one bucket per leaf and would ignore "
+          f"{bucket_bytes=}: drop bucket_bytes")
+    bucketing = "layerwise"  # what "auto" means for it
   if comp.per_tensor and (plan is not None or bucketing != "layerwise"):
     raise ValueError(
         f"compressor {comp.name!r} works on one tensor at a time, in its "
-        f"shape: use bucketing='layerwise' (the default) and no plan, not "
-        f"bucketing={bucketing!r}" + ("" if plan is None else " with a plan"))
+        f"shape: use bucketing='layerwise' or 'auto' (the default) and no "
+        f"plan, not bucketing={bucketing!r}"
+        + ("" if plan is None else " with a plan"))
   buckets = Bucketing(bucketing, min_compress_size, bucket_elements,
                       bucket_bytes, plan, mask)
   parts = Parts(comp, coll, fb, policy)
@@ -314,9 +334,16 @@ def compressed_mean(
       "nonfinite": nonfinite, "seed": seed, "output": output},
       rules={"feedback": fb.topology, "exchange_state": coll.topology})
 
-  def make_layout(tree, what: str, shards: bool = False) -> Layout:
+  def make_layout(tree, what: str, shards: bool = False,
+                  made=None) -> Layout:
     return layout(tree, buckets, what, shard_axis=axis_name if shard else None,
-                  shards=shards)
+                  shards=shards, axis_name=axis_name, made=made)
+
+  def config_of(lay: Layout) -> TransformConfig:
+    """The configuration, with the plan that "auto" made where it ran."""
+    if bucketing != "auto" or plan is not None:
+      return config
+    return dataclasses.replace(config, plan=lay.plan)
 
   def per_device_state(lay: Layout):
     """``(feedback, exchange_state)``: per bucket, the feedback's state and
@@ -355,7 +382,7 @@ def compressed_mean(
   def make_state(lay: Layout) -> CompressedMeanState:
     feedback, exchange_state = per_device_state(lay)
     return CompressedMeanState(
-        config=config, count=jnp.zeros((), jnp.int32),
+        config=config_of(lay), count=jnp.zeros((), jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)),
         feedback=feedback, exchange_state=exchange_state,
         stats=CompressionStats(
@@ -373,8 +400,11 @@ def compressed_mean(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    lay = make_layout(updates, "gradient")
     _mesh.check_bound(axis_name, "compressed_mean.update")
+    made = getattr(getattr(state, "config", None), "plan", None)
+    lay = make_layout(updates, "gradient",
+                      made=made if bucketing == "auto" and plan is None
+                      else None)
     check_per_device([x for i, x in enumerate(leaves)
                       if i not in lay.passthrough], axis_name)
     check_state(state, jax.eval_shape(lambda: make_state(lay)))
@@ -408,7 +438,7 @@ def compressed_mean(
         residual_norm=_mesh.to_varying(jnp.sqrt(sq), axis_name),
         skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
     return jax.tree.unflatten(treedef, mean_leaves), CompressedMeanState(
-        config=config, count=state.count + 1, key=state.key,
+        config=config_of(lay), count=state.count + 1, key=state.key,
         feedback=ex.feedback, exchange_state=ex.exchange_state, stats=stats)
 
   # optax's OptState (a tree of arrays) admits no static config field.

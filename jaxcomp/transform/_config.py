@@ -46,10 +46,17 @@ class TransformConfig:
     rules: ``((state field, rule), ...)``: how each per-device field of the
       state moves to a mesh of another size, as the part that keeps it
       declares (``Feedback.topology``, ``Collective.topology``).
+    plan: the bucket plan ``init`` made, where the bucketing depends on
+      where ``init`` ran (``"auto"``), else None.
   """
 
   text: str
   rules: tuple[tuple[str, TopologyRule], ...] = ()
+  # The bucket plan ``init`` made (``bucketing="auto"``, whose plan depends
+  # on the leaves' types where ``init`` ran: a tensor-parallel shard is kept
+  # apart), so that every ``update`` of the state cuts the gradient alike,
+  # wherever it is traced; not part of the configuration's description.
+  plan: Any = None
 
   @classmethod
   def of(cls, config: Mapping[str, Any],

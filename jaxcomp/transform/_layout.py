@@ -88,8 +88,19 @@ def _check_flat_shards(tree, what: str) -> None:
         f"the {what} leaves {', '.join(bad[:3])} are not 1-D")
 
 
+def _kind(x, axis_name) -> tuple:
+  """What a merged bucket keeps apart (``bucketing="auto"``): the leaf's
+  dtype, and the mesh axes it varies over besides the averaging axes (a
+  tensor-parallel shard varies over ``"model"``; merged with a replicated
+  leaf, both would come out varying over it)."""
+  names = set(_mesh.axes(axis_name)) if axis_name is not None else set()
+  return (jnp.dtype(jnp.result_type(x)),
+          tuple(sorted(_mesh.varying_axes(x) - names)))
+
+
 def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
-           shards: bool = False) -> Layout:
+           shards: bool = False, axis_name=None,
+           made: bucketing_lib.BucketPlan | None = None) -> Layout:
   """The bucket layout of ``tree``'s leaves.
 
   Args:
@@ -101,6 +112,11 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
       ceil(n / p)`` elements (zero-padded), its size ``p * c``.
     shards: ``tree`` holds flat parameter shards (``output="shard"``'s
       ``init``), not tensors of the whole shapes.
+    axis_name: the averaging axes (``bucketing="auto"`` keeps leaves that
+      vary over other axes apart).
+    made: the plan ``init`` made for ``"auto"`` (carried in the state), used
+      as it is so that an update traced where values carry no device types
+      cuts the gradient as ``init`` did.
 
   Raises:
     TypeError: a leaf that is not floating and not left out by the mask.
@@ -122,14 +138,16 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
       if not jnp.issubdtype(jnp.result_type(x), jnp.floating))
   # Leaves the mask leaves out are planned as empty, which sends them to
   # the exact group (and out of an explicit plan).
-  bplan = bucketing_lib.plan_buckets(
-      [n if f else 0 for n, f in zip(sizes, flags)],
-      strategy=bucketing.strategy, min_size=bucketing.min_size,
-      bucket_elements=bucketing.bucket_elements,
-      bucket_bytes=bucketing.bucket_bytes, plan=bucketing.plan)
+  n_leaves = len(leaves)
+  if made is not None and sorted(
+      [*made.exact, *(i for b in made.buckets for i in b)]) == list(
+          range(n_leaves)):
+    bplan = made
+  else:
+    bplan = _plan(sizes, flags, leaves, bucketing, axis_name)
   buckets = tuple(b for b in (tuple(i for i in b if flags[i])
                               for b in bplan.buckets) if b)
-  exact = tuple(sorted(set(range(len(leaves))) - set(passthrough)
+  exact = tuple(sorted(set(range(n_leaves)) - set(passthrough)
                        - {i for b in buckets for i in b}))
   shapes = [tuple((sizes[i],) if shard_axis is not None
                   else tuple(jnp.shape(leaves[i])) for i in b)
@@ -139,6 +157,17 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
                    else jnp.dtype(jnp.float32) for b in buckets]
   return Layout(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
                 shapes, bucket_dtypes, passthrough)
+
+
+def _plan(sizes, flags, leaves, bucketing: Bucketing,
+          axis_name) -> bucketing_lib.BucketPlan:
+  """The bucket plan of leaves of ``sizes`` (``flags``: the mask's)."""
+  return bucketing_lib.plan_buckets(
+      [n if f else 0 for n, f in zip(sizes, flags)],
+      strategy=bucketing.strategy, min_size=bucketing.min_size,
+      bucket_elements=bucketing.bucket_elements,
+      bucket_bytes=bucketing.bucket_bytes, plan=bucketing.plan,
+      kinds=[_kind(x, axis_name) for x in leaves])
 
 
 def check_per_device(tree, axis_name) -> None:
