@@ -61,6 +61,24 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
   return shards, shapes
 
 
+def shard_copies(params, mesh, copies_over: AxisName,
+                 shard_axis: AxisName):
+  """FSDP inside islands: one copy of ``params`` per island of
+  ``copies_over``, each held as flat shards over ``shard_axis``: every leaf
+  ``(islands, p * c)`` (zero-padded as :func:`shard_params`), placed with
+  ``P(copies_over, shard_axis)``."""
+  p = wire.group_size(shard_axis, dict(mesh.shape))
+  n = wire.group_size(copies_over, dict(mesh.shape))
+
+  def copies(x):
+    x = jnp.ravel(x)
+    x = jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
+    return jnp.broadcast_to(x[None], (n, x.size))
+
+  return distributed.global_array(jax.tree.map(copies, params), mesh,
+                                  P(copies_over, shard_axis))
+
+
 def unshard_params(shards, shapes):
   """The whole parameters from global flat shards (outside ``shard_map``):
   each leaf's first ``n`` elements in its shape, replicated on the shards'
@@ -68,7 +86,9 @@ def unshard_params(shards, shapes):
   def one(x, s):
     if isinstance(getattr(x, "sharding", None), NamedSharding):
       x = jax.device_put(x, NamedSharding(x.sharding.mesh, P()))
-    return x[:math.prod(s.shape)].reshape(s.shape)
+    # A DiLoCo anchor of FSDP islands is per device, (p, c): the same
+    # elements in the same order.
+    return x.reshape(-1)[:math.prod(s.shape)].reshape(s.shape)
   return jax.tree.map(one, shards, shapes)
 
 
@@ -151,13 +171,15 @@ def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
   return wrapped
 
 
-def check_shard_outputs(opt_state, shard_axis) -> None:
-  if holds_diloco(opt_state):
+def check_shard_outputs(opt_state, shard_axis, copies_over=None) -> None:
+  if holds_diloco(opt_state) and copies_over is None:
     raise ValueError(
-        "tx holds jaxcomp.diloco, which FSDP cannot shard: DiLoCo keeps one "
-        "whole copy of the parameters per device between syncs. Train it "
-        "replicated (jaxcomp.lowcomm.init, or jaxcomp.flax.Optimizer without "
-        "fsdp=True)")
+        "tx holds jaxcomp.diloco, which FSDP cannot shard over the devices "
+        "that DiLoCo averages: DiLoCo keeps one whole copy of the parameters "
+        "per worker between syncs. Train it replicated (jaxcomp.lowcomm.init"
+        ", or jaxcomp.flax.Optimizer without fsdp=True), or as islands with "
+        "FSDP inside each: jaxcomp.fsdp.init(..., shard_axis=<the island's "
+        "axis>, copies_over=<the islands' axis>)")
   configs = transform.transform_configs(opt_state)
   shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
   if not shard:

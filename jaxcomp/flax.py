@@ -73,26 +73,39 @@ class Optimizer(nnx.Optimizer):
     param_compressor: with ``fsdp``: compress the parameters' all-gather
       (ZeRO++'s qwZ, a deterministic compressor such as ``"int8_block"``;
       :func:`jaxcomp.fsdp.gather_params`).
+    copies_over: with a :func:`jaxcomp.diloco` in ``tx``: the axes holding
+      separate copies, default (``None``) ``axis_name``, one per device.
+      Islands: the outer axis of a ``("hosts", "data")`` mesh, with
+      ``axis_name=("hosts", "data")`` and ``tx = jaxcomp.diloco(
+      optax.chain(jaxcomp.compressed_mean("identity", "data"), inner), ...,
+      axis_name="hosts")``: exact data parallelism inside each island,
+      DiLoCo's exchange across islands (:func:`jaxcomp.lowcomm.init`).
 
-  With a :func:`jaxcomp.diloco` in ``tx``, each device trains its own copy
-  of the parameters between syncs: the optimizer keeps them in ``local``
-  (each leaf with a leading device axis, sharded ``P(axis_name)``, saved
-  with the optimizer's state), and after every step the model holds the
-  synchronized parameters (:func:`jaxcomp.lowcomm.synced_params`: what
-  evaluation uses; between syncs, those of the last sync).
+  With a :func:`jaxcomp.diloco` in ``tx``, each device (or island) trains
+  its own copy of the parameters between syncs: the optimizer keeps them in
+  ``local`` (each leaf with a leading axis of copies, sharded
+  ``P(copies_over)``, saved with the optimizer's state), and after every
+  step the model holds the synchronized parameters
+  (:func:`jaxcomp.lowcomm.synced_params`: what evaluation uses; between
+  syncs, those of the last sync).
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; with ``fsdp``, no
       ``compressed_mean(..., output="shard")`` over ``shard_axis`` in
       ``tx``, or a :func:`jaxcomp.diloco` in it; a ``param_compressor``
-      without ``fsdp``, or one with randomness or an exchange of its own.
+      without ``fsdp``, or one with randomness or an exchange of its own;
+      ``copies_over`` with ``fsdp``, without a :func:`jaxcomp.diloco` in
+      ``tx``, or not among ``axis_name``'s axes.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
                axis_name: AxisName = "data", fsdp: bool = False,
                shard_axis: AxisName | None = None,
-               param_compressor=None):
+               param_compressor=None, copies_over: AxisName | None = None):
     params = nnx.as_pure(nnx.state(model, wrt))
+    if fsdp and copies_over is not None:
+      raise ValueError("copies_over places DiLoCo's per-island copies, "
+                       "which fsdp=True does not hold: pass one of them")
     shard_axis = axis_name if shard_axis is None else shard_axis
     # The layout of the one step family (jaxcomp.steps): FSDP's flat shards,
     # DiLoCo's per-device copies, or replicated parameters.
@@ -105,9 +118,18 @@ class Optimizer(nnx.Optimizer):
       if param_compressor is not None:
         raise ValueError("param_compressor compresses FSDP's parameter "
                          "all-gather: pass fsdp=True with it")
-      state, specs = placement.init_sharded(tx, params, mesh, axis_name)
-      layout = (steps.PerDevice() if holds_diloco(state)
-                else steps.DataParallel())
+      if copies_over is not None:  # DiLoCo islands
+        layout = steps.PerDevice(copies_over)
+        _, state, specs = layout.place(tx, params, mesh, axis_name)
+        if not holds_diloco(state):
+          raise ValueError(
+              "copies_over places DiLoCo's per-island copies: tx must hold "
+              "a jaxcomp.diloco(...) over copies_over; leave it None "
+              "otherwise")
+      else:
+        state, specs = placement.init_sharded(tx, params, mesh, axis_name)
+        layout = (steps.PerDevice() if holds_diloco(state)
+                  else steps.DataParallel())
     # nnx.Optimizer.__init__ with the state placed per device (its own
     # tx.init would run outside shard_map, where no device axis is bound).
     super().__init__(model, optax.GradientTransformation(
@@ -116,7 +138,7 @@ class Optimizer(nnx.Optimizer):
     # DiLoCo: each device's own parameters, beside the model's synchronized
     # ones.
     self.local = nnx.data(nnx_optimizer.to_opt_state(
-        per_device_copies(params, mesh, axis_name))
+        per_device_copies(params, mesh, layout.copies_axis(axis_name)))
         if isinstance(layout, steps.PerDevice) else None)
     self.mesh = nnx.static(mesh)
     self.axis_name = nnx.static(axis_name)
@@ -263,7 +285,7 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
       return (params, local, new_rest, to_global(opt_state, specs), count + 1,
               out)
 
-    lspec = P(axis) if diloco else P()
+    lspec = P(layout.copies_axis(axis)) if diloco else P()
     ospec = P(axis) if per_device_loss else P()
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(pspec, lspec, P(), P(), specs, P(), bspec),

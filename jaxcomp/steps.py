@@ -190,15 +190,29 @@ class PerDevice(Layout):
       copy and averaging their gradients exactly inside ``tx`` (an inner
       ``compressed_mean("identity", "data")``), DiLoCo's exchange over
       ``over``.
+    inside: islands with FSDP inside: each island's copy held as flat
+      shards over ``inside.shard_axis`` (an :class:`FSDP` layout), gathered
+      for the loss, the gradient reduce-scattered by an inner
+      ``compressed_mean("identity", shard_axis, output="shard")``; DiLoCo's
+      pseudo-gradient is then each device's shard, exchanged over ``over``
+      with the devices holding the same shard in the other islands.
   """
 
   over: AxisName | None = None
+  inside: FSDP | None = None
 
   def copies_axis(self, axis_name):
     return axis_name if self.over is None else self.over
 
   def params_spec(self, axis_name):
-    return P(self.copies_axis(axis_name))
+    if self.inside is None:
+      return P(self.copies_axis(axis_name))
+    return P(self.copies_axis(axis_name), self.inside._axis(axis_name))
+
+  def value_and_grad(self, loss_fn, axis_name, *, has_aux=False):
+    if self.inside is None:
+      return super().value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+    return self.inside.value_and_grad(loss_fn, axis_name, has_aux=has_aux)
 
   def enter(self, params):
     return jax.tree.map(lambda x: x[0], params)
@@ -208,8 +222,11 @@ class PerDevice(Layout):
 
   def leave(self, params):
     if self.over is not None and _mesh.types_track_devices(self.over):
+      sharded = (set(_mesh.axes(self.inside.shard_axis))
+                 if self.inside is not None and self.inside.shard_axis
+                 is not None else set())
       inside = {a for x in jax.tree.leaves(params)
-                for a in _mesh.varying_axes(x)} - set(_mesh.axes(self.over))
+                for a in _mesh.varying_axes(x)} - set(_mesh.axes(self.over)) - sharded
       if inside:
         raise ValueError(
             f"islands: each copy over {self.over!r} is shared by the devices "
@@ -224,6 +241,23 @@ class PerDevice(Layout):
     if not set(_mesh.axes(over)) <= set(_mesh.axes(axis_name)):
       raise ValueError(f"the copies' axes over={over!r} must be among the "
                        f"step's axis_name={axis_name!r}")
+    if self.inside is not None:
+      shard_axis = self.inside.shard_axis
+      if shard_axis is None or set(_mesh.axes(shard_axis)) & set(
+          _mesh.axes(over)) or not set(_mesh.axes(shard_axis)) <= set(
+              _mesh.axes(axis_name)):
+        raise ValueError(
+            f"FSDP inside islands shards each island's copy over the "
+            f"island's own devices: shard_axis={shard_axis!r} must be among "
+            f"axis_name={axis_name!r} and apart from the islands' axes "
+            f"{over!r}")
+      shards, shapes = _fsdp.shard_params(params, mesh, shard_axis)
+      state, specs = init_sharded(tx, shards, mesh, axis_name,
+                                  params_spec=P(shard_axis), grads=shapes,
+                                  params_vary_over=over)
+      _fsdp.check_shard_outputs(state, shard_axis, copies_over=over)
+      return (_fsdp.shard_copies(params, mesh, over, shard_axis), state,
+              specs)
     state, specs = init_sharded(tx, params, mesh, axis_name,
                                 params_vary_over=over)
     return per_device_copies(params, mesh, over), state, specs

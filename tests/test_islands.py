@@ -162,3 +162,213 @@ def test_streaming_fragments_with_delayed_landing_keep_islands_whole(mesh24):
     for c in _copies(local).values():
       np.testing.assert_array_equal(c, np.broadcast_to(c[:, :1], c.shape))
   assert np.isfinite(np.asarray(jax.tree.leaves(local)[0])).all()
+
+
+# -- Islands in the user's idioms: a jit step, NNX ---------------------------
+
+
+def _functional_run(tx, mesh, batches):
+  local, st, step = _setup(tx, mesh)
+  hist = []
+  for b in batches:
+    local, st, loss = step(local, st, b)
+    hist.append((jax.device_get(local), jax.device_get(lowcomm.synced_params(st)),
+                 np.asarray(loss)))
+  return st, hist
+
+
+def test_local_step_with_islands_is_make_train_step(mesh24):
+  """lowcomm.local_step(copies_over="hosts") inside the user's own jax.jit
+  step runs what make_train_step compiles for islands, bit for bit."""
+  tx = _islands_tx(optax.sgd(0.2, momentum=0.9), sync_every=2,
+                   compressor="int8_block", bits=4)
+  batches = _batches(mesh24, 5)
+  ref_st, hist = _functional_run(tx, mesh24, batches)
+  local_step = lowcomm.local_step(_loss, tx, mesh24, axis_name=AXES,
+                                  per_device_loss=True, copies_over="hosts")
+  local, st = local_step.init(_params())
+  assert jax.tree.leaves(local)[0].shape[0] == 2  # one copy per island
+
+  @jax.jit
+  def train_step(local, st, batch):
+    local, st, loss = local_step(local, st, batch)
+    return local, st, loss, lowcomm.synced_params(st)
+
+  for b, (ref_local, ref_anchor, ref_loss) in zip(batches, hist):
+    local, st, loss, anchor = train_step(local, st, b)
+    for k in ref_local:
+      np.testing.assert_array_equal(np.asarray(local[k]), ref_local[k])
+      np.testing.assert_array_equal(np.asarray(anchor[k]), ref_anchor[k])
+    np.testing.assert_array_equal(np.asarray(loss), ref_loss)
+  for x, y in zip(jax.tree.leaves(st), jax.tree.leaves(ref_st)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_nnx_optimizer_with_islands_trains_as_the_functional_step(mesh24):
+  """jaxcomp.flax.Optimizer(copies_over="hosts"): one copy per island in
+  optimizer.local, the model on the synchronized parameters, both as
+  lowcomm.make_train_step computes them for the same function."""
+  from flax import nnx
+  import jaxcomp.flax
+  from tests.test_lowcomm import _nnx_loss, _nnx_model
+  tx = _islands_tx(optax.sgd(0.2, momentum=0.9), sync_every=2,
+                   compressor="int8_block", bits=4)
+  model = _nnx_model()
+  graphdef, params0 = nnx.split(model, nnx.Param)
+  params0 = nnx.as_pure(params0)
+  opt = jaxcomp.flax.Optimizer(model, tx, wrt=nnx.Param, mesh=mesh24,
+                               axis_name=AXES, copies_over="hosts")
+  assert opt.local["lin"]["kernel"][...].shape == (2, 13, 7)
+  step = jaxcomp.flax.train_step(_nnx_loss)
+  fn_loss = lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b)
+  ref_local, ref_st, specs = lowcomm.init(tx, params0, mesh24, AXES,
+                                          copies_over="hosts")
+  ref_step = lowcomm.make_train_step(fn_loss, tx, mesh=mesh24, state_specs=specs,
+                                     axis_name=AXES, copies_over="hosts")
+  for i, b in enumerate(_batches(mesh24, 4)):
+    loss = step(model, opt, b)
+    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, b)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    w_local = np.asarray(opt.local["lin"]["kernel"][...])
+    np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
+                               rtol=1e-6, atol=1e-7)
+    w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
+    np.testing.assert_allclose(
+        w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
+        rtol=1e-6, atol=1e-7)
+    # The islands meet at each sync and differ between syncs.
+    assert np.array_equal(w_local[0], w_local[1]) == ((i + 1) % 2 == 0), i
+  with pytest.raises(ValueError, match="fsdp=True does not hold"):
+    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh24,
+                           axis_name=AXES, fsdp=True, copies_over="hosts")
+  with pytest.raises(ValueError, match="must hold a jaxcomp.diloco"):
+    jaxcomp.flax.Optimizer(
+        _nnx_model(), optax.chain(jaxcomp.compressed_mean("identity", AXES),
+                                  optax.sgd(0.1)),
+        wrt=nnx.Param, mesh=mesh24, axis_name=AXES, copies_over="hosts")
+
+
+# -- FSDP inside each island -------------------------------------------------
+
+
+def _fsdp_islands_tx(inner, *, sync_every, **kwargs):
+  """Each island shards its copy over "data" (the gradient reduce-scattered
+  exactly there); DiLoCo exchanges each device's pseudo-gradient shard
+  over "hosts"."""
+  return jaxcomp.diloco(
+      optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
+                  inner),
+      sync_every=sync_every, axis_name="hosts", **kwargs)
+
+
+def _fsdp_setup(tx, mesh):
+  from jaxcomp import fsdp
+  local, shapes, st, specs = fsdp.init(tx, _params(), mesh, AXES,
+                                       shard_axis="data", copies_over="hosts")
+  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh, state_specs=specs,
+                              axis_name=AXES, shard_axis="data",
+                              copies_over="hosts", per_device_loss=True,
+                              donate=False)
+  return local, shapes, st, step
+
+
+def _whole_copies(local, shapes):
+  """Each island's copy made whole: {name: (islands, *shape)}."""
+  out = {}
+  for k, s in shapes.items():
+    x = np.asarray(jax.device_get(local[k]))
+    n = int(np.prod(s.shape))
+    out[k] = x[:, :n].reshape(x.shape[0], *s.shape)
+  return out
+
+
+def test_fsdp_islands_train_as_replicated_islands(mesh24):
+  """FSDP inside each island computes what the replicated islands compute
+  (the same gradients, reduce-scattered instead of all-reduced), with and
+  without a sync in the interval, while each device holds a quarter."""
+  from jaxcomp import fsdp
+  kw = dict(sync_every=3, outer=optax.sgd(0.7, momentum=0.5, nesterov=True))
+  local, shapes, st, step = _fsdp_setup(
+      _fsdp_islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
+  ref_local, ref_st, ref_step = _setup(
+      _islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
+  n = {k: int(np.prod(s.shape)) for k, s in shapes.items()}
+  for k, x in local.items():  # (islands, p * c): a quarter per device
+    assert x.shape[0] == 2
+    assert x.addressable_shards[0].data.shape == (1, -(-n[k] // 4))
+  for i, batch in enumerate(_batches(mesh24, 7)):
+    local, st, loss = step(local, st, batch)
+    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, batch)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
+    whole = _whole_copies(local, shapes)
+    for k in whole:
+      np.testing.assert_allclose(whole[k], _copies(ref_local)[k][:, 0],
+                                 rtol=2e-5, atol=2e-6)
+    anchor = fsdp.unshard_params(lowcomm.synced_params(st), shapes)
+    for k in anchor:
+      np.testing.assert_allclose(np.asarray(anchor[k]),
+                                 np.asarray(lowcomm.synced_params(ref_st)[k]),
+                                 rtol=2e-5, atol=2e-6)
+      if (i + 1) % 3 == 0:  # a sync: both islands on the anchor, exactly
+        np.testing.assert_array_equal(whole[k][0], whole[k][1])
+        np.testing.assert_array_equal(whole[k][0], np.asarray(anchor[k]))
+
+
+def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
+  """Every step: the parameters' all-gather and the gradient's
+  reduce-scatter inside each island; across islands, only each device's
+  compressed shard of the pseudo-gradient, inside the sync's branch."""
+  tx = _fsdp_islands_tx(optax.sgd(0.1), sync_every=4, compressor="int8_block",
+                        bits=4)
+  local, shapes, st, step = _fsdp_setup(tx, mesh24)
+  batch = _batches(mesh24, 1)[0]
+  traffic = jaxcomp.collective_traffic(step.lower(local, st, batch).compile())
+  island = [frozenset(range(4 * i, 4 * i + 4)) for i in range(2)]
+  inner = [o for o in traffic.ops if not o.in_branch]
+  assert {o.kind for o in inner} >= {"all-gather", "reduce-scatter"}, inner
+  assert all(_groups_of(o) == set(island) for o in inner), inner
+  crossing = [o for o in traffic.ops
+              if any(not any(grp <= isl for isl in island)
+                     for grp in _groups_of(o))]
+  assert crossing and all(o.in_branch for o in crossing), crossing
+  # Each device sends its own shard's payload, not the whole model's: a
+  # quarter of what the replicated islands send across, up to the blocks'
+  # scales and the shards' padding.
+  r_local, r_st, r_step = _setup(
+      _islands_tx(optax.sgd(0.1), sync_every=4, compressor="int8_block", bits=4),
+      mesh24)
+  r_traffic = jaxcomp.collective_traffic(r_step.lower(r_local, r_st, batch).compile())
+  across = lambda t: sum(o.operand_bytes for o in t.ops if any(
+      not any(grp <= isl for isl in island) for grp in _groups_of(o)))
+  assert 0 < across(traffic) <= across(r_traffic) / 2
+
+
+def test_fsdp_islands_resume_mid_interval_bit_exactly(mesh24, tmp_path):
+  tx = _fsdp_islands_tx(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="topk",
+                        ratio=0.2)
+  local, _, st, step = _fsdp_setup(tx, mesh24)
+  batches = _batches(mesh24, 5)
+  for b in batches[:2]:
+    local, st, _ = step(local, st, b)
+  ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
+  ckpt.save(2, {"params": local, "opt_state": st})
+  a, a_st = local, st
+  for b in batches[2:]:
+    a, a_st, _ = step(a, a_st, b)
+  fresh, _, fresh_st, _ = _fsdp_setup(tx, mesh24)
+  _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
+  r, r_st = restored["params"], restored["opt_state"]
+  for b in batches[2:]:
+    r, r_st, _ = step(r, r_st, b)
+  for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_fsdp_islands_refuse_what_cannot_work(mesh24):
+  from jaxcomp import fsdp
+  tx = _fsdp_islands_tx(optax.sgd(0.1), sync_every=2)
+  with pytest.raises(ValueError, match="copies_over"):
+    fsdp.init(tx, _params(), mesh24, AXES, shard_axis="data")
+  with pytest.raises(ValueError, match="apart from the islands' axes"):
+    fsdp.init(tx, _params(), mesh24, AXES, shard_axis="hosts",
+              copies_over="hosts")

@@ -102,6 +102,9 @@ class LocalStep:
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     per_device_loss: return each device's own loss (shape ``(p,)``; no
       collective between syncs) instead of their mean.
+    copies_over: the axes holding separate copies, default ``axis_name``
+      (one per device); islands: the outer axis (see :func:`init`), ``local``
+      then holds one copy per island, sharded ``P(copies_over)``.
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; from ``init``,
@@ -110,9 +113,11 @@ class LocalStep:
 
   def __init__(self, loss_fn: Callable, tx, mesh, *,
                axis_name: AxisName = "data", batch_spec: Any = None,
-               has_aux: bool = False, per_device_loss: bool = False):
+               has_aux: bool = False, per_device_loss: bool = False,
+               copies_over: AxisName | None = None):
     steps.check_mesh_axes(mesh, axis_name)
     self.tx, self.mesh, self.axis_name = tx, mesh, axis_name
+    self.layout = steps.PerDevice(copies_over)
     self._kwargs = dict(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
                         batch_spec=batch_spec, has_aux=has_aux,
                         per_device_loss=per_device_loss)
@@ -123,13 +128,14 @@ class LocalStep:
     """``(local_params, opt_state)`` for ``params``, placed on the mesh (see
     :func:`init`); keeps the state's partition specs for the step."""
     local, opt_state, self.specs = init(self.tx, params, self.mesh,
-                                        self.axis_name)
+                                        self.axis_name,
+                                        copies_over=self.layout.over)
     if not holds_diloco(opt_state):
       raise ValueError("jaxcomp.lowcomm.local_step needs a tx holding "
                        "jaxcomp.diloco(...); for a compressed data-parallel "
                        "step use jaxcomp.compressed_value_and_grad")
     self._step = steps.per_device_step(state_specs=self.specs,
-                                       layout=steps.PerDevice(), **self._kwargs)
+                                       layout=self.layout, **self._kwargs)
     return local, opt_state
 
   def __call__(self, local_params, opt_state, batch):
@@ -143,9 +149,10 @@ class LocalStep:
 
 def local_step(loss_fn: Callable, tx, mesh, *, axis_name: AxisName = "data",
                batch_spec: Any = None, has_aux: bool = False,
-               per_device_loss: bool = False) -> LocalStep:
+               per_device_loss: bool = False,
+               copies_over: AxisName | None = None) -> LocalStep:
   """:class:`LocalStep`: the DiLoCo step for your own ``jax.jit`` step."""
   return LocalStep(loss_fn, tx, mesh, axis_name=axis_name,
                    batch_spec=batch_spec, has_aux=has_aux,
-                   per_device_loss=per_device_loss)
+                   per_device_loss=per_device_loss, copies_over=copies_over)
 
