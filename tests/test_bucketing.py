@@ -220,3 +220,15 @@ def test_auto_packs_small_leaves_and_keeps_large_ones_alone(mesh8):
   assert [len(f) for f in st.feedback] == [1, 1]
   with pytest.raises(ValueError, match="drop bucket_bytes"):
     jaxcomp.compressed_mean("chunked_topk", "data", bucket_bytes=100)
+
+
+def test_auto_leaves_plain_psums_to_xla():
+  """identity and a cast over psum keep one bucket per leaf under "auto"
+  (XLA's combiner merges their all-reduces; packing would add a copy)."""
+  for name in ("identity", "bf16"):
+    tx = jaxcomp.compressed_mean(name, "data")
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    st, _ = jaxcomp.init_sharded(tx, {"a": jnp.zeros(3), "b": jnp.zeros(4)},
+                                 mesh, "data")
+    assert jaxcomp.transform_configs(st)[""]["bucketing"] == "layerwise", name
+    assert len(st.exchange_state) == 2, name

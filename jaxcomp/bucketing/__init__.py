@@ -18,7 +18,8 @@ Strategies (``compressed_mean(bucketing=...)``):
   more in start-up than in bytes) are packed into buckets of about that
   size, as PyTorch DDP's 25 MB buckets pack a whole model. Compressors that
   are bound to one tensor's shape (DCT top-k, chunked top-k) stay
-  layer-wise; PowerSGD compresses each tensor of a bucket on its own and
+  layer-wise, and so do plain psums of every leaf (identity, the casts over
+  ``"psum"``), whose all-reduces XLA's combiner merges without a copy; PowerSGD compresses each tensor of a bucket on its own and
   exchanges the bucket's factors together (as PyTorch DDP's PowerSGD hook
   does per bucket);
 * ``"layerwise"``: one bucket per leaf (layer-wise compression: top-k keeps

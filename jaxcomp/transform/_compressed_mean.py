@@ -176,9 +176,12 @@ def compressed_mean(
       smaller leaves of one dtype are packed into buckets of about that
       size, so biases and norms do not each pay a collective's start-up;
       compressors bound to one tensor's shape (DCT top-k, chunked top-k)
-      stay layer-wise, and PowerSGD compresses each tensor of a bucket on
-      its own, exchanging the bucket's factors together; see :mod:`jaxcomp.bucketing`), ``"layerwise"`` (one
-      bucket per leaf), ``"whole"`` (one bucket), ``"fixed"``
+      and plain psums of every leaf (identity, the casts: XLA combines
+      their all-reduces itself) stay layer-wise, and PowerSGD compresses
+      each tensor of a bucket on its own, exchanging the bucket's factors
+      together; see
+      :mod:`jaxcomp.bucketing`), ``"layerwise"`` (one bucket per leaf),
+      ``"whole"`` (one bucket), ``"fixed"``
       (``bucket_elements`` per bucket), ``"fixed_bytes"`` (``bucket_bytes``
       per bucket) or ``"mgwfbp"`` (with
       ``plan=jaxcomp.bucketing.mgwfbp_plan_for(...)``). A biased compressor
@@ -316,6 +319,12 @@ def compressed_mean(
           f"bucketing='auto' keeps one bucket per leaf and would ignore "
           f"{bucket_bytes=}: drop bucket_bytes")
     bucketing = "layerwise"  # what "auto" means for it
+  if unprotected and plan is None and bucketing == "auto" and (
+      bucket_bytes is None):
+    # A plain psum of every leaf: XLA's all-reduce combiner already merges
+    # a step's independent all-reduces, so packing would only add a copy
+    # (compression switched off compiles to the plain step).
+    bucketing = "layerwise"
   if comp.per_tensor and (plan is not None or bucketing != "layerwise"):
     raise ValueError(
         f"compressor {comp.name!r} works on one tensor at a time, in its "

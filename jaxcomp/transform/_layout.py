@@ -140,8 +140,8 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
   # the exact group (and out of an explicit plan).
   n_leaves = len(leaves)
   if made is not None and sorted(
-      [*made.exact, *(i for b in made.buckets for i in b)]) == list(
-          range(n_leaves)):
+      [*made.exact, *passthrough, *(i for b in made.buckets for i in b)]
+  ) == list(range(n_leaves)):
     bplan = made
   else:
     bplan = _plan(sizes, flags, leaves, bucketing, axis_name)
