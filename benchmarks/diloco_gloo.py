@@ -261,11 +261,11 @@ def _predict(measured, link: str, args):
     overlapping (XLA:CPU runs collectives on the compute thread):
     ``jaxcomp whatif --workers 4 --buckets layer --overlap serial``.
   * DiLoCo: ``jaxcomp whatif --workers 4 --algorithm hierarchical
-    --workers-per-node 2 --diloco-every H`` (``pm.predict(...,
-    sync_every=H)``, the exchange after the step, nothing overlapping),
-    plus what the model cannot say in one call: the exact mean inside the
-    island on every step, priced as a dense data-parallel exchange over the
-    process's devices on the in-process link.
+    --workers-per-node 2 --sharding islands --diloco-every H``
+    (``pm.predict(..., output="islands", sync_every=H)``): the exact mean
+    inside the island on every step over the in-process link, and every H
+    steps each device's exchange of the whole pseudo-gradient across
+    processes, the process's devices sharing its link, nothing overlapping.
   """
   from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
@@ -289,11 +289,11 @@ def _predict(measured, link: str, args):
   dil = {
       "DiLoCo, int8 blocks 4-bit": pm.predict(
           prof, compressors.get("int8_block", bits=4), islands, codec=codec,
-          sync_every=args.sync_every, **kw),
-      "DiLoCo, dense": pm.predict(prof, identity, islands,
+          output="islands", sync_every=args.sync_every, **kw),
+      "DiLoCo, dense": pm.predict(prof, identity, islands, output="islands",
                                   sync_every=args.sync_every, **kw),
   }
-  step = {RUNS[0]: dp.step_time, **{k: v.step_time + inner for k, v in dil.items()}}
+  step = {RUNS[0]: dp.step_time, **{k: v.step_time for k, v in dil.items()}}
   note = (f"{link}: across processes {gbps:g} Gbit/s (the tc rate), "
           f"{inter.alpha * 1e6:.0f} us per message (measured); inside one "
           f"{intra.gbps:.3g} Gbit/s, {intra.alpha * 1e6:.0f} us (measured); "

@@ -196,12 +196,14 @@ def _run_whatif(args) -> int:
   codecs, codec_note = _codecs(args, comps)
   overlap = "after_backward" if args.no_overlap else args.overlap
   collective = None if args.collective == "default" else args.collective
-  output = {"replicated": "mean", "fsdp": "shard", "hsdp": "hsdp"}[args.sharding]
-  if output == "hsdp" and network.algorithm != "hierarchical":
-    raise ValueError("--sharding hsdp shards inside a node: pass --algorithm hierarchical "
-                     "(and --workers-per-node)")
-  if output != "mean" and args.diloco_every > 1:
-    raise ValueError(f"--diloco-every prices replicated DiLoCo; drop --sharding {args.sharding}")
+  output = {"replicated": "mean", "fsdp": "shard", "hsdp": "hsdp",
+            "islands": "islands", "islands-fsdp": "islands_fsdp"}[args.sharding]
+  if output != "mean" and output != "shard" and network.algorithm != "hierarchical":
+    raise ValueError(f"--sharding {args.sharding} groups the workers by node: pass "
+                     "--algorithm hierarchical (and --workers-per-node)")
+  if output in ("shard", "hsdp") and args.diloco_every > 1:
+    raise ValueError(f"--diloco-every prices replicated DiLoCo or islands; drop "
+                     f"--sharding {args.sharding}")
   kw: dict[str, Any] = dict(
       codecs=codecs, buckets=args.buckets, overlap=overlap, collective=collective,
       sync_every=args.diloco_every, output=output)
@@ -222,7 +224,11 @@ def _run_whatif(args) -> int:
            if args.diloco_every > 1 else "")
         + {"mean": "", "shard": "; FSDP (float32 parameter gathers, compressed "
            "reduce-scatter)", "hsdp": "; HSDP (sharded inside a node, exact there; "
-           "shards compressed across nodes)"}[output], file=out)
+           "shards compressed across nodes)",
+           "islands": "; DiLoCo islands (exact data parallelism inside a node, "
+           "pseudo-gradients compressed across nodes; dense: data parallelism)",
+           "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
+           "of the pseudo-gradient across nodes; dense: HSDP)"}[output], file=out)
   print(codec_note, file=out)
   print(file=out)
   rows = []
@@ -334,13 +340,16 @@ def _add_whatif(sub):
                  help="price the compressors as DiLoCo's pseudo-gradient exchange, "
                  "once every H steps (the dense baseline stays data parallel; "
                  "default 1: every step)")
-  p.add_argument("--sharding", choices=("replicated", "fsdp", "hsdp"), default="replicated",
+  p.add_argument("--sharding", choices=("replicated", "fsdp", "hsdp", "islands",
+                                        "islands-fsdp"), default="replicated",
                  help="replicated (default: data parallelism, every worker averages whole "
                  "gradients); fsdp (parameters sharded over all workers: float32 gathers "
                  "before the forward pass, the gradient reduce-scattered with each "
                  "compressor); hsdp (needs --algorithm hierarchical: sharded over a "
                  "node's workers, exact there, each shard averaged across nodes with "
-                 "each compressor)")
+                 "each compressor); islands (needs --algorithm hierarchical: DiLoCo "
+                 "across nodes every --diloco-every steps, exact data parallelism "
+                 "inside); islands-fsdp (the same with FSDP inside each node)")
   p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
                  help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,

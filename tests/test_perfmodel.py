@@ -772,3 +772,43 @@ def test_default_bucket_size_is_where_start_up_equals_transfer():
   start_up = pm.costs.allreduce_time(0, p, link)
   assert (p, args.bandwidth, args.latency) == (16, 10.0, 50.0)
   assert start_up == pytest.approx(total - start_up, rel=1e-12)
+
+
+def test_islands_layout_is_the_islands_step_plus_a_share_of_the_sync():
+  """output="islands": the island's exact data-parallel step over the
+  intra link every step, plus 1/H of each device's exchange of the whole
+  pseudo-gradient across nodes (the node's g devices sharing its link);
+  "islands_fsdp": the FSDP step inside, and only a shard across."""
+  sizes = [4096, 64, 8192, 8]
+  prof = pm.ModelProfile("t", sizes, [1e-3] * 4, 2e-3, 1e-4)
+  intra, inter = pm.Link(2e-6, 1e-11), pm.Link(5e-5, 8e-10)
+  g, hosts, h = 4, 2, 10
+  net = pm.Network(g * hosts, inter, algorithm="hierarchical",
+                   workers_per_node=g, intra=intra)
+  comp = FakeCompressor(0.25)
+  across = pm.Network(hosts, pm.Link(inter.alpha, inter.beta * g))
+  for kind, inner_out, synced in (
+      ("islands", "mean", sizes),
+      ("islands_fsdp", "shard", [-(-n // g) for n in sizes])):
+    pr = pm.predict(prof, comp, net, output=kind, sync_every=h)
+    inner = pm.predict(prof, pm.DenseCompressor(), pm.Network(g, intra),
+                       output=inner_out)
+    sync = pm.predict(pm.ModelProfile("s", synced, [0.0] * 4, 0.0), comp,
+                      across, overlap="serial")
+    assert pr.step_time == pytest.approx(inner.step_time + sync.step_time / h)
+    assert pr.bytes_per_worker == pytest.approx(
+        inner.bytes_per_worker + sync.bytes_per_worker / h)
+  # Each device sends a quarter across with FSDP inside (sizes divisible by g).
+  rep = pm.predict(prof, comp, net, output="islands", sync_every=1)
+  fsdp = pm.predict(prof, comp, net, output="islands_fsdp", sync_every=1)
+  rep_in = pm.predict(prof, pm.DenseCompressor(), pm.Network(g, intra))
+  fsdp_in = pm.predict(prof, pm.DenseCompressor(), pm.Network(g, intra),
+                       output="shard")
+  assert fsdp.bytes_per_worker - fsdp_in.bytes_per_worker == pytest.approx(
+      (rep.bytes_per_worker - rep_in.bytes_per_worker) / g)
+  # compare() measures the islands against data parallelism over all.
+  res = pm.compare(prof, {"q": comp}, net, output="islands", sync_every=h)
+  assert res["dense"].step_time == pytest.approx(
+      pm.predict(prof, pm.DenseCompressor(), net).step_time)
+  with pytest.raises(ValueError, match="hierarchical"):
+    pm.predict(prof, comp, pm.Network(8, inter), output="islands")

@@ -188,6 +188,30 @@ def test_whatif_prices_fsdp_and_hsdp(capsys):
           < float(rows["fsdp"]["int8_block"]["step_ms"]))
 
 
+def test_whatif_prices_islands(capsys):
+  # --sharding islands / islands-fsdp: jaxcomp.perfmodel.compare's rows
+  # with output="islands" / "islands_fsdp" and --diloco-every's H.
+  args = ["whatif", "--profile", "gpt2-small", "-p", "16", "-b", "1", "--algorithm",
+          "hierarchical", "--workers-per-node", "8", "-c", "int8_block",
+          "--diloco-every", "50", *FAST]
+  net = pm.Network(16, pm.Link.from_bandwidth(1, 50e-6), "hierarchical", 8,
+                   pm.Link.from_bandwidth(1200, 5e-6))
+  from jaxcomp import compressors
+  for sharding, output in (("islands", "islands"), ("islands-fsdp", "islands_fsdp")):
+    out = cli_out(args + ["--sharding", sharding])
+    assert "DiLoCo islands" in out
+    rows = _table(out)
+    want = pm.compare(pm.builtin_profile("gpt2-small"),
+                      {"int8_block": compressors.get("int8_block")}, net,
+                      buckets="mgwfbp", output=output, sync_every=50)
+    for name in ("dense", "int8_block"):
+      assert float(rows[name]["step_ms"]) == pytest.approx(
+          want[name].step_time * 1e3, abs=0.06)
+  with pytest.raises(SystemExit):
+    cli.main(["whatif", "--sharding", "islands", *FAST])
+  assert "pass --algorithm hierarchical" in capsys.readouterr().err
+
+
 def test_whatif_prices_demo(capsys):
   # "demo" is jaxcomp.demo's exchange (perfmodel.DeMoCompressor): two
   # all-gathered arrays per tensor, 64x fewer bytes than float32 at the

@@ -472,6 +472,48 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
   return buckets
 
 
+OUTPUTS = ("mean", "shard", "hsdp", "islands", "islands_fsdp")
+
+
+def _islands(profile: ModelProfile, compressor, network: costs.Network, *,
+             sharded: bool, sync_every: int, buckets, overlap, **kw
+             ) -> Prediction:
+  """:func:`predict` for ``output="islands"`` / ``"islands_fsdp"``: the
+  island's own step plus ``1 / H`` of the sync across islands."""
+  if network.algorithm != "hierarchical" or network.intra is None:
+    raise ValueError(
+        "output='islands' trains data-parallel inside each island and "
+        "syncs across islands: pass Network(workers, link, "
+        "algorithm='hierarchical', workers_per_node=<devices per island>, "
+        "intra=Link(...))")
+  g = network.workers_per_node
+  hosts = network.workers // g
+  inner = predict(profile, DenseCompressor(), costs.Network(g, network.intra),
+                  buckets=buckets, overlap=overlap,
+                  output="shard" if sharded else "mean")
+  # What one device exchanges at a sync: the whole pseudo-gradient, or its
+  # shard of every tensor; the g devices of an island share its link.
+  sizes = (tuple(collectives.chunk_size(n, g) for n in profile.layer_sizes)
+           if sharded else profile.layer_sizes)
+  exchanged = ModelProfile(f"{profile.name} (sync)", sizes,
+                           (0.0,) * len(sizes), 0.0)
+  across = costs.Network(hosts, costs.Link(network.link.alpha,
+                                           network.link.beta * g))
+  sync = predict(exchanged, compressor, across, buckets=buckets,
+                 overlap="serial", **kw)
+  h = sync_every
+  t = inner.step_time + sync.step_time / h
+  return Prediction(
+      step_time=t,
+      comm_time=inner.comm_time + sync.comm_time / h,
+      exposed_comm=inner.exposed_comm + (sync.step_time - sync.codec_time) / h,
+      compute_time=inner.compute_time + sync.codec_time / h,
+      codec_time=inner.codec_time + sync.codec_time / h,
+      scaling_factor=profile.compute_time / t if t > 0 else 1.0,
+      bytes_per_worker=inner.bytes_per_worker + sync.bytes_per_worker / h,
+      num_buckets=sync.num_buckets, collective=sync.collective)
+
+
 def predict(profile: ModelProfile, compressor, network: costs.Network, *,
             codec: CodecCost | None = None, buckets="layer", overlap: bool | str = True,
             collective: str | None = None, error_feedback: bool | None = None,
@@ -528,6 +570,18 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       the ``g`` devices of a node sharing it; as
       ``chain(compressed_mean("identity", "devices", output="shard"),
       compressed_mean(compressor, "hosts"))`` runs).
+      ``"islands"`` (DiLoCo across islands, :func:`jaxcomp.lowcomm.init`
+      with ``copies_over``, on a hierarchical ``network`` of ``g =
+      workers_per_node`` devices per island): every step an exact float32
+      all-reduce of the gradient inside the island over ``intra`` (with
+      ``buckets`` and ``overlap``), and every ``sync_every`` steps each of
+      the ``g`` devices exchanges the whole pseudo-gradient with its
+      counterparts in the other islands, compressed, the ``g`` devices of
+      an island sharing its ``link``; ``"islands_fsdp"`` (FSDP inside each
+      island, :func:`jaxcomp.fsdp.init` with ``copies_over``): the
+      parameters all-gathered and the gradient reduce-scattered inside the
+      island every step, and at a sync each device exchanges only its
+      ``ceil(n / g)``-element shard of every tensor.
     sync_every: DiLoCo's ``H`` (:func:`jaxcomp.diloco`): the exchange (of
       the pseudo-gradient, the parameters' size) runs once every ``H``
       steps, after that step's local update, overlapping nothing; the
@@ -543,9 +597,16 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
   if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
     raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+  if output in ("islands", "islands_fsdp"):
+    return _islands(profile, compressor, network, codec=codec, buckets=buckets,
+                    overlap=overlap, collective=collective,
+                    error_feedback=error_feedback,
+                    messages_per_bucket=messages_per_bucket,
+                    sharded=output == "islands_fsdp", sync_every=sync_every)
   if sync_every > 1:
     if output != "mean":
-      raise ValueError("sync_every > 1 (DiLoCo) runs with output='mean'")
+      raise ValueError("sync_every > 1 (DiLoCo) runs with output='mean', "
+                       "'islands' or 'islands_fsdp'")
     one = predict(profile, compressor, network, codec=codec, buckets=buckets,
                   overlap="serial", collective=collective,
                   error_feedback=error_feedback,
@@ -577,8 +638,8 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
 
   shard = output == "shard"
   hsdp = output == "hsdp"
-  if output not in ("mean", "shard", "hsdp"):
-    raise ValueError(f"output must be 'mean', 'shard' or 'hsdp', got {output!r}")
+  if output not in OUTPUTS:
+    raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
   if shard and not library.reduce_scatter:
     raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
                      "own exchange of whole tensors")
@@ -731,7 +792,9 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
   default), or a mapping from names in ``compressors`` to a collective or
   None. The other arguments are :func:`predict`'s; ``sync_every`` applies to
   the compressors, not to the dense baseline (data parallelism), so that
-  ``speedup`` says what DiLoCo gains over it.
+  ``speedup`` says what DiLoCo gains over it; with ``output="islands"``
+  the baseline is dense data parallelism over every worker
+  (``output="mean"``), with ``"islands_fsdp"`` dense HSDP.
 
   The result maps ``"dense"`` and each name in ``compressors`` to a
   :class:`Prediction`; ``speedup`` is dense step time over that step time.
@@ -754,8 +817,11 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
                        f"mapping of compressor names, got {collective!r}")
     chosen = {name: None if c.linear or getattr(c, "own_exchange", False) else collective
               for name, c in compressors.items()}
+  # The islands layouts are measured against data parallelism over every
+  # worker (HSDP's sharding for FSDP islands), dense.
+  baseline = {"islands": "mean", "islands_fsdp": "hsdp"}.get(output, output)
   dense = predict(profile, DenseCompressor(), network, buckets=buckets, overlap=overlap,
-                  output=output)
+                  output=baseline)
   out = {"dense": dataclasses.replace(dense, speedup=1.0)}
   for name, c in compressors.items():
     pr = predict(profile, c, network, codec=codecs.get(name), buckets=buckets, overlap=overlap,
