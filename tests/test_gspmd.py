@@ -192,3 +192,47 @@ def test_a_constraint_naming_the_data_axis_says_what_to_write():
   state = grad_fn.init(params)
   with pytest.raises(ValueError, match=r"P\(None, 'model'\)"):
     jax.jit(grad_fn)(params, state, batch)
+
+
+_ONE_DEVICE = r"""
+import sys, warnings
+import jax
+if sys.argv[1] == "drop":
+  jax.config.update("jax_remove_size_one_mesh_axis_from_type", True)
+import jax.numpy as jnp, optax, jaxcomp
+from jax.sharding import NamedSharding, PartitionSpec as P
+warnings.simplefilter("error")
+mesh = jax.make_mesh((1,), ("data",))
+params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+def loss_fn(p, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1))
+st, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
+batch = jax.device_put((jnp.ones((8, 16)), jnp.ones((8, 8))),
+                       NamedSharding(mesh, P("data")))
+placed = jax.device_put(params, NamedSharding(mesh, P()))
+ops = jaxcomp.collective_traffic(step.lower(placed, st, batch).compile()).ops
+print(sorted((o.kind, o.group_size) for o in ops))
+"""
+
+
+@pytest.mark.parametrize("mode,want", [
+    ("drop", "[]"),                          # the plain step's: none
+    ("keep", "[('all-reduce', 1)]"),         # JAX's default: over one device
+])
+def test_identity_on_one_device_under_jaxs_size_one_axis_flag(mode, want):
+  """On one device, with JAX's jax_remove_size_one_mesh_axis_from_type,
+  compression switched off compiles to no collective at all, as the plain
+  step (and no warning); by default JAX keeps an all-reduce over the one
+  device (docs/codec_speed.md)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  out = subprocess.run([sys.executable, "-c", _ONE_DEVICE, mode], env=env,
+                       capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == want

@@ -176,6 +176,10 @@ def check_per_device(tree, axis_name) -> None:
   inside ``shard_map`` w.r.t. replicated parameters), so compressing it would
   save nothing and the mean would come out ``p`` times too large."""
   if not _mesh.types_track_devices(axis_name):
+    if _mesh.axis_size(axis_name) == 1:
+      # One device (JAX drops size-1 axes from types under
+      # jax_remove_size_one_mesh_axis_from_type): a sum over it is the value.
+      return
     # pmap (or shard_map with check_vma=False) types no value by device, so
     # a gradient already averaged looks like a per-device one.
     warnings.warn(
