@@ -314,6 +314,27 @@ def test_fsdp_islands_train_as_replicated_islands(mesh24):
         np.testing.assert_array_equal(whole[k][0], np.asarray(anchor[k]))
 
 
+def test_fsdp_islands_streaming_fragments_as_replicated_islands(mesh24):
+  """Streaming DiLoCo's fragments with a delayed landing, FSDP inside each
+  island: what the replicated islands compute, within float rounding."""
+  from jaxcomp import fsdp
+  kw = dict(sync_every=4, fragments=2, overlap_steps=1)
+  local, shapes, st, step = _fsdp_setup(
+      _fsdp_islands_tx(optax.sgd(0.3), **kw), mesh24)
+  ref_local, ref_st, ref_step = _setup(_islands_tx(optax.sgd(0.3), **kw), mesh24)
+  for batch in _batches(mesh24, 9):
+    local, st, _ = step(local, st, batch)
+    ref_local, ref_st, _ = ref_step(ref_local, ref_st, batch)
+  whole = _whole_copies(local, shapes)
+  anchor = fsdp.unshard_params(lowcomm.synced_params(st), shapes)
+  for k in whole:
+    np.testing.assert_allclose(whole[k], _copies(ref_local)[k][:, 0],
+                               rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(anchor[k]),
+                               np.asarray(lowcomm.synced_params(ref_st)[k]),
+                               rtol=2e-5, atol=2e-6)
+
+
 def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
   """Every step: the parameters' all-gather and the gradient's
   reduce-scatter inside each island; across islands, only each device's
