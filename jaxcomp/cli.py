@@ -163,13 +163,14 @@ def _network(args, workers=None):
 
 
 def _buckets(s: str):
-  if s in ("layer", "single", "mgwfbp"):
+  if s in ("layer", "auto", "single", "mgwfbp"):
     return s
   try:
     mb = float(s)
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"--buckets takes layer, single, mgwfbp or a bucket size in MB, got {s!r}") from None
+        f"--buckets takes layer, auto, single, mgwfbp or a bucket size in MB, "
+        f"got {s!r}") from None
   if not mb > 0:
     raise argparse.ArgumentTypeError(f"bucket size must be > 0 MB, got {s}")
   return mb * 1e6
@@ -324,7 +325,8 @@ def _add_whatif(sub):
                  help="encode/decode time: 'measure' (micro-benchmark on this device, default), "
                  "'none', or a JSON file {compressor spec: CodecCost fields}")
   p.add_argument("--buckets", type=_buckets, default="mgwfbp",
-                 help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, single, or a bucket size in MB")
+                 help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, "
+                 "auto (compressed_mean's default bucketing), single, or a bucket size in MB")
   p.add_argument("--overlap", choices=("wfbp", "after_backward", "serial"), default="wfbp",
                  help="wfbp (default): a bucket's collective overlaps the rest of the backward "
                       "pass; after_backward: collectives start after it; serial: nothing "

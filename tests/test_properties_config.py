@@ -224,7 +224,11 @@ def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit,
   assert sorted([*plan.exact, *flat]) == list(range(len(sizes)))
   assert list(plan.exact) == [i for i, s in enumerate(sizes)
                               if s < max(min_size, 1)]
-  assert flat == [i for i, s in enumerate(sizes) if s >= max(min_size, 1)]
+  big = [i for i, s in enumerate(sizes) if s >= max(min_size, 1)]
+  # In leaf order ("auto": each bucket's leaves in leaf order, the small
+  # ones packed past the large ones between them).
+  assert (sorted(flat) if strategy == "auto" else flat) == big
+  assert all(list(b) == sorted(b) for b in plan.buckets), plan
   assert all(plan.buckets), plan
   if strategy == "layerwise":
     assert all(len(b) == 1 for b in plan.buckets)
@@ -232,18 +236,25 @@ def test_bucket_plans_partition_the_leaves(sizes, strategy, min_size, limit,
     assert len(plan.buckets) == (1 if flat else 0)
   elif strategy == "auto":
     elements = -(-limit // 4)
+    short = {}
     for b in plan.buckets:
       # A leaf of a full bucket's size is alone; smaller ones share a kind,
-      # and a merged bucket is closed as soon as it is full.
+      # and a packed bucket is closed as soon as it is full.
       if any(sizes[i] >= elements for i in b):
         assert len(b) == 1, (b, plan)
+        continue
       assert len({kinds[i] for i in b}) == 1, (b, plan)
       assert sum(sizes[i] for i in b[:-1]) < elements, (b, plan)
-    for b, nxt in zip(plan.buckets, plan.buckets[1:]):
-      # A merged bucket left short is followed by a leaf it could not take.
       if sum(sizes[i] for i in b) < elements:
-        j = nxt[0]
-        assert sizes[j] >= elements or kinds[j] != kinds[b[-1]], (b, nxt, plan)
+        # At most one bucket per kind is left short: the last one.
+        assert kinds[b[0]] not in short, (b, plan)
+        short[kinds[b[0]]] = b
+    # The small leaves of a kind fill its buckets in leaf order.
+    for kind in set(kinds[i] for i in big if sizes[i] < elements):
+      packed = [i for b in plan.buckets if len(b) > 1 or sizes[b[0]] < elements
+                for i in b if kinds[i] == kind]
+      assert packed == [i for i in big if kinds[i] == kind
+                        and sizes[i] < elements], plan
   else:
     elements = limit if strategy == "fixed" else -(-limit // 4)
     for b in plan.buckets[:-1]:  # full, and closed as soon as full

@@ -227,3 +227,23 @@ def test_whatif_prices_demo(capsys):
   with pytest.raises(SystemExit):
     cli.main(["whatif", "-c", "demo:compression_topk=0", *FAST])
   assert "compression_topk must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_whatif_buckets_auto_is_compressed_means_default(capsys):
+  # --buckets auto: compressed_mean's default plan (GPT-2 small: its
+  # matrices alone, the biases and norms packed), as perfmodel prices it.
+  out = cli_out(["whatif", "--profile", "gpt2-small", "-p", "16", "-b", "10",
+                 "--buckets", "auto", "-c", "int8_block", *FAST])
+  rows = _table(out)
+  from jaxcomp import compressors
+  prof = pm.builtin_profile("gpt2-small")
+  want = pm.compare(prof, {"int8_block": compressors.get("int8_block")},
+                    pm.Network(16, pm.Link.from_bandwidth(10, 50e-6)),
+                    buckets="auto")
+  assert float(rows["int8_block"]["step_ms"]) == pytest.approx(
+      want["int8_block"].step_time * 1e3, abs=0.06)
+  plan = pm.bucket_plan("auto", prof)
+  assert sorted(i for b in plan for i in b) == list(range(len(prof.layer_sizes)))
+  big = [i for i, n in enumerate(prof.layer_sizes) if 4 * n >= 1_000_000]
+  assert all([i] in plan for i in big)  # each large tensor alone
+  assert len(plan) < len(prof.layer_sizes) // 2  # the small ones packed

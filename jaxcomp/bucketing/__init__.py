@@ -13,9 +13,9 @@ Strategies (``compressed_mean(bucketing=...)``):
   :data:`DEFAULT_BUCKET_BYTES`, 1 MB of float32: the size at which a ring
   all-reduce's start-up time equals its transfer time on the performance
   model's default network) is a bucket alone, so the layers that carry the
-  bytes are compressed layer by layer; runs of consecutive smaller leaves of
-  one dtype (biases, norms, small matrices, whose own exchange would cost
-  more in start-up than in bytes) are packed into buckets of about that
+  bytes are compressed layer by layer; the smaller leaves (biases, norms,
+  small matrices, whose own exchange would cost more in start-up than in
+  bytes) are packed in leaf order, by dtype, into buckets of about that
   size, as PyTorch DDP's 25 MB buckets pack a whole model. Compressors that
   are bound to one tensor's shape (DCT top-k, chunked top-k) stay
   layer-wise, and so do plain psums of every leaf (identity, the casts over

@@ -133,37 +133,31 @@ def fill(order: Sequence[int], sizes: Sequence[int], limit: float
 def merge_small(order: Sequence[int], sizes: Sequence[int], limit: float,
                 kinds: Sequence | None = None) -> tuple[tuple[int, ...], ...]:
   """``bucketing="auto"``'s buckets: walks ``order`` (indices into
-  ``sizes``); an item of at least ``limit`` is a bucket alone, and runs of
-  consecutive smaller items of one kind (``kinds[i]``, e.g. the leaves'
-  dtypes; one kind when None) are packed into buckets closed as soon as
-  they hold at least ``limit``.
+  ``sizes``); an item of at least ``limit`` is a bucket alone, where it
+  comes; the smaller ones are packed by kind (``kinds[i]``, e.g. the
+  leaves' dtypes; one kind when None), in order, past the large items
+  between them, each bucket closed as soon as it holds at least ``limit``
+  (the buckets still open at the end come last).
 
   Example:
     >>> merge_small([0, 1, 2, 3, 4], [1, 1, 9, 2, 2], 4)
-    ((0, 1), (2,), (3, 4))
+    ((2,), (0, 1, 3), (4,))
   """
   buckets: list[tuple[int, ...]] = []
-  run: list[int] = []
-  total = 0
-
-  def close():
-    nonlocal run, total
-    if run:
-      buckets.append(tuple(run))
-    run, total = [], 0
-
+  open_: dict = {}  # kind -> (items, total)
   for i in order:
     if sizes[i] >= limit:
-      close()
       buckets.append((i,))
       continue
-    if run and kinds is not None and kinds[run[0]] != kinds[i]:
-      close()
-    run.append(i)
-    total += sizes[i]
+    kind = None if kinds is None else kinds[i]
+    items, total = open_.get(kind, ((), 0))
+    items, total = items + (i,), total + sizes[i]
     if total >= limit:
-      close()
-  close()
+      buckets.append(items)
+      open_.pop(kind, None)
+    else:
+      open_[kind] = (items, total)
+  buckets.extend(items for items, _ in open_.values())
   return tuple(buckets)
 
 

@@ -448,9 +448,13 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
     if plan == "single":
       return [list(range(L))]
     if plan == "auto":  # planned in forward (leaf) order, as the library
-      return [list(b) for b in reversed(bucketing.merge_small(
-          range(L), list(profile.layer_sizes),
-          -(-bucketing.DEFAULT_BUCKET_BYTES // bucketing.BUFFER_ITEMSIZE)))]
+      limit = -(-bucketing.DEFAULT_BUCKET_BYTES // bucketing.BUFFER_ITEMSIZE)
+      merged = bucketing.merge_small(range(L), list(profile.layer_sizes), limit)
+      alone = [list(b) for b in merged
+               if len(b) == 1 and profile.layer_sizes[b[0]] >= limit]
+      # The large tensors in backward order; a bucket of small ones packed
+      # from across the model is ready when the backward pass ends.
+      return alone[::-1] + [sorted(b) for b in merged if list(b) not in alone]
     if plan == "mgwfbp":
       return bucketing.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
                                  alpha, beta, comm_time=comm_time)

@@ -172,9 +172,9 @@ def compressed_mean(
       ``"ef21"``, ``"dgc"`` (:mod:`jaxcomp.feedback`), or a Feedback
       instance.
     bucketing: ``"auto"`` (default: a leaf of at least ``bucket_bytes``,
-      default 1 MB of float32, is a bucket alone; runs of consecutive
-      smaller leaves of one dtype are packed into buckets of about that
-      size, so biases and norms do not each pay a collective's start-up;
+      default 1 MB of float32, is a bucket alone; the smaller leaves are
+      packed in leaf order, by dtype, into buckets of about that size, so
+      biases and norms do not each pay a collective's start-up;
       compressors bound to one tensor's shape (DCT top-k, chunked top-k)
       and plain psums of every leaf (identity, the casts: XLA combines
       their all-reduces itself) stay layer-wise, and PowerSGD compresses
