@@ -135,8 +135,11 @@ def test_topk_compresses_each_local_shard_over_the_data_axis():
   mesh = _mesh((4, 2), ("data", "model"))
   params, batch = _params(mesh), _batch(mesh, "data")
   ratio = 0.05
+  # One bucket per leaf: each local shard's own top-k (the default "auto"
+  # packs these small leaves together).
   grad_fn = jaxcomp.compressed_value_and_grad(
-      _loss, jaxcomp.compressed_mean("topk", "data", ratio=ratio), mesh)
+      _loss, jaxcomp.compressed_mean("topk", "data", ratio=ratio,
+                                     bucketing="layerwise"), mesh)
   state = grad_fn.init(params)
   step = _compressed(grad_fn)
   comp = step.lower(params, state, batch).compile()
