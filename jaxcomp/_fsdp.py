@@ -47,18 +47,25 @@ def shard_params(params, mesh, axis_name: AxisName = "data"):
   """
   placement.check_mesh_axes(mesh, axis_name)
   p = wire.group_size(axis_name, dict(mesh.shape))
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
-                                                       jnp.result_type(x)),
-                        params)
-
-  def flat(x):
-    x = jnp.ravel(x)
-    return jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
-
   # global_array, not device_put: it works on multi-process meshes too.
-  shards = distributed.global_array(jax.tree.map(flat, params), mesh,
-                                    P(axis_name))
-  return shards, shapes
+  shards = distributed.global_array(
+      jax.tree.map(lambda x: _flat_padded(x, p), params), mesh, P(axis_name))
+  return shards, shapes_of(params)
+
+
+def shapes_of(params):
+  """Each leaf's ``jax.ShapeDtypeStruct`` (what :func:`gather_params` and
+  :func:`unshard_params` rebuild the whole parameters in)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
+                                                     jnp.result_type(x)),
+                      params)
+
+
+def _flat_padded(x, p: int):
+  """``x`` raveled and zero-padded to ``p * chunk_size(n, p)`` elements:
+  the ``p`` flat shards of one leaf, in order."""
+  x = jnp.ravel(x)
+  return jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
 
 
 def shard_copies(params, mesh, copies_over: AxisName,
@@ -71,8 +78,7 @@ def shard_copies(params, mesh, copies_over: AxisName,
   n = wire.group_size(copies_over, dict(mesh.shape))
 
   def copies(x):
-    x = jnp.ravel(x)
-    x = jnp.pad(x, (0, p * chunk_size(x.size, p) - x.size))
+    x = _flat_padded(x, p)
     return jnp.broadcast_to(x[None], (n, x.size))
 
   return distributed.global_array(jax.tree.map(copies, params), mesh,

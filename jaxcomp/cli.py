@@ -199,7 +199,7 @@ def _run_whatif(args) -> int:
   collective = None if args.collective == "default" else args.collective
   output = {"replicated": "mean", "fsdp": "shard", "hsdp": "hsdp",
             "islands": "islands", "islands-fsdp": "islands_fsdp"}[args.sharding]
-  if output != "mean" and output != "shard" and network.algorithm != "hierarchical":
+  if output not in ("mean", "shard") and network.algorithm != "hierarchical":
     raise ValueError(f"--sharding {args.sharding} groups the workers by node: pass "
                      "--algorithm hierarchical (and --workers-per-node)")
   if output in ("shard", "hsdp") and args.diloco_every > 1:

@@ -109,6 +109,7 @@ class Optimizer(nnx.Optimizer):
     shard_axis = axis_name if shard_axis is None else shard_axis
     # The layout of the one step family (jaxcomp.steps): FSDP's flat shards,
     # DiLoCo's per-device copies, or replicated parameters.
+    copies = None  # DiLoCo: each device's (or island's) own parameters
     if fsdp:
       shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
                                                    shard_axis=shard_axis)
@@ -120,7 +121,7 @@ class Optimizer(nnx.Optimizer):
                          "all-gather: pass fsdp=True with it")
       if copies_over is not None:  # DiLoCo islands
         layout = steps.PerDevice(copies_over)
-        _, state, specs = layout.place(tx, params, mesh, axis_name)
+        copies, state, specs = layout.place(tx, params, mesh, axis_name)
         if not holds_diloco(state):
           raise ValueError(
               "copies_over places DiLoCo's per-island copies: tx must hold "
@@ -130,6 +131,8 @@ class Optimizer(nnx.Optimizer):
         state, specs = placement.init_sharded(tx, params, mesh, axis_name)
         layout = (steps.PerDevice() if holds_diloco(state)
                   else steps.DataParallel())
+        if holds_diloco(state):
+          copies = per_device_copies(params, mesh, axis_name)
     # nnx.Optimizer.__init__ with the state placed per device (its own
     # tx.init would run outside shard_map, where no device axis is bound).
     super().__init__(model, optax.GradientTransformation(
@@ -137,9 +140,8 @@ class Optimizer(nnx.Optimizer):
     self.tx = tx
     # DiLoCo: each device's own parameters, beside the model's synchronized
     # ones.
-    self.local = nnx.data(nnx_optimizer.to_opt_state(
-        per_device_copies(params, mesh, layout.copies_axis(axis_name)))
-        if isinstance(layout, steps.PerDevice) else None)
+    self.local = nnx.data(None if copies is None
+                          else nnx_optimizer.to_opt_state(copies))
     self.mesh = nnx.static(mesh)
     self.axis_name = nnx.static(axis_name)
     self.specs = nnx.static(_Static(specs))

@@ -58,13 +58,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import steps
 from jaxcomp._fsdp import check_shard_outputs
 from jaxcomp._fsdp import gather_params
+from jaxcomp._fsdp import shapes_of
 from jaxcomp._fsdp import shard_params
 from jaxcomp._fsdp import state_bytes
 from jaxcomp._fsdp import unshard_params
@@ -132,8 +131,7 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
   """
   shard_axis = axis_name if shard_axis is None else shard_axis
   if copies_over is not None:
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        jnp.shape(x), jnp.result_type(x)), params)
+    shapes = shapes_of(params)
     copies, state, specs = steps.init(
         tx, params, mesh, axis_name, layout=steps.PerDevice(
             copies_over, steps.FSDP(shapes, shard_axis)))

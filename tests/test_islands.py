@@ -119,11 +119,11 @@ def test_collectives_cross_islands_only_in_the_sync_branch(mesh24):
   assert crossing and all(o.in_branch for o in crossing), crossing
 
 
-def test_resume_mid_interval_is_bit_exact(mesh24, tmp_path):
-  tx = _islands_tx(optax.sgd(0.1, momentum=0.9), sync_every=3,
-                   compressor="topk", ratio=0.2, fragments=2)
-  local, st, step = _setup(tx, mesh24)
-  batches = _batches(mesh24, 6)
+def _assert_resumes_bit_exactly(setup, batches, tmp_path):
+  """Two steps, an Orbax checkpoint, the rest of ``batches`` from it and
+  from a fresh placement restored from it: equal bit for bit. ``setup()``
+  returns ``(local, opt_state, step)``."""
+  local, st, step = setup()
   for b in batches[:2]:
     local, st, _ = step(local, st, b)
   ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
@@ -131,13 +131,20 @@ def test_resume_mid_interval_is_bit_exact(mesh24, tmp_path):
   a, a_st = local, st
   for b in batches[2:]:
     a, a_st, _ = step(a, a_st, b)
-  fresh, fresh_st, _ = _setup(tx, mesh24)
+  fresh, fresh_st, _ = setup()
   _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
   r, r_st = restored["params"], restored["opt_state"]
   for b in batches[2:]:
     r, r_st, _ = step(r, r_st, b)
   for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_mid_interval_is_bit_exact(mesh24, tmp_path):
+  tx = _islands_tx(optax.sgd(0.1, momentum=0.9), sync_every=3,
+                   compressor="topk", ratio=0.2, fragments=2)
+  _assert_resumes_bit_exactly(lambda: _setup(tx, mesh24), _batches(mesh24, 6),
+                              tmp_path)
 
 
 def test_islands_refuse_what_would_split_an_island(mesh24):
@@ -210,7 +217,7 @@ def test_nnx_optimizer_with_islands_trains_as_the_functional_step(mesh24):
   lowcomm.make_train_step computes them for the same function."""
   from flax import nnx
   import jaxcomp.flax
-  from tests.test_lowcomm import _nnx_loss, _nnx_model
+  from tests.test_lowcomm import _nnx_loss, _nnx_model, _nnx_step_as_functional
   tx = _islands_tx(optax.sgd(0.2, momentum=0.9), sync_every=2,
                    compressor="int8_block", bits=4)
   model = _nnx_model()
@@ -226,16 +233,8 @@ def test_nnx_optimizer_with_islands_trains_as_the_functional_step(mesh24):
   ref_step = lowcomm.make_train_step(fn_loss, tx, mesh=mesh24, state_specs=specs,
                                      axis_name=AXES, copies_over="hosts")
   for i, b in enumerate(_batches(mesh24, 4)):
-    loss = step(model, opt, b)
-    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, b)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-    w_local = np.asarray(opt.local["lin"]["kernel"][...])
-    np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
-                               rtol=1e-6, atol=1e-7)
-    w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
-    np.testing.assert_allclose(
-        w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
-        rtol=1e-6, atol=1e-7)
+    ref_local, ref_st, w_local, _ = _nnx_step_as_functional(
+        step, model, opt, ref_step, ref_local, ref_st, b)
     # The islands meet at each sync and differ between syncs.
     assert np.array_equal(w_local[0], w_local[1]) == ((i + 1) % 2 == 0), i
   with pytest.raises(ValueError, match="fsdp=True does not hold"):
@@ -367,22 +366,12 @@ def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
 def test_fsdp_islands_resume_mid_interval_bit_exactly(mesh24, tmp_path):
   tx = _fsdp_islands_tx(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="topk",
                         ratio=0.2)
-  local, _, st, step = _fsdp_setup(tx, mesh24)
-  batches = _batches(mesh24, 5)
-  for b in batches[:2]:
-    local, st, _ = step(local, st, b)
-  ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
-  ckpt.save(2, {"params": local, "opt_state": st})
-  a, a_st = local, st
-  for b in batches[2:]:
-    a, a_st, _ = step(a, a_st, b)
-  fresh, _, fresh_st, _ = _fsdp_setup(tx, mesh24)
-  _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
-  r, r_st = restored["params"], restored["opt_state"]
-  for b in batches[2:]:
-    r, r_st, _ = step(r, r_st, b)
-  for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+  def setup():
+    local, _, st, step = _fsdp_setup(tx, mesh24)
+    return local, st, step
+
+  _assert_resumes_bit_exactly(setup, _batches(mesh24, 5), tmp_path)
 
 
 def test_fsdp_islands_refuse_what_cannot_work(mesh24):

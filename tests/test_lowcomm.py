@@ -555,6 +555,26 @@ def _nnx_model():
   return Net(nnx.Rngs(0))
 
 
+def _nnx_step_as_functional(step, model, opt, ref_step, ref_local, ref_st,
+                            batch):
+  """One NNX DiLoCo step and one of the functional step it adapts: the same
+  loss, each copy's parameters (``optimizer.local``) and the model on the
+  synchronized ones. Returns the functional step's ``(local, state)`` and
+  the NNX step's local and model kernels (numpy)."""
+  from flax import nnx
+  loss = step(model, opt, batch)
+  ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, batch)
+  assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+  w_local = np.asarray(opt.local["lin"]["kernel"][...])
+  np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
+                             rtol=1e-6, atol=1e-7)
+  w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
+  np.testing.assert_allclose(
+      w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
+      rtol=1e-6, atol=1e-7)
+  return ref_local, ref_st, w_local, w_model
+
+
 def _nnx_loss(model, batch):
   x, y = batch
   return jnp.mean((model(x) - y) ** 2)
@@ -581,15 +601,8 @@ def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
   batches = _batches(mesh8, 5)
   prev = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
   for i, b in enumerate(batches[:4]):
-    loss = step(model, opt, b)
-    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, b)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-    w_local = np.asarray(opt.local["lin"]["kernel"][...])
-    np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
-                               rtol=1e-6, atol=1e-7)
-    w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
-    np.testing.assert_allclose(w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
-                               rtol=1e-6, atol=1e-7)
+    ref_local, ref_st, w_local, w_model = _nnx_step_as_functional(
+        step, model, opt, ref_step, ref_local, ref_st, b)
     synced = (i + 1) % 3 == 0
     assert np.array_equal(w_model, prev) != synced, i  # moves on syncs only
     prev = w_model

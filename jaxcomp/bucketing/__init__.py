@@ -19,9 +19,10 @@ Strategies (``compressed_mean(bucketing=...)``):
   size, as PyTorch DDP's 25 MB buckets pack a whole model. Compressors that
   are bound to one tensor's shape (DCT top-k, chunked top-k) stay
   layer-wise, and so do plain psums of every leaf (identity, the casts over
-  ``"psum"``), whose all-reduces XLA's combiner merges without a copy; PowerSGD compresses each tensor of a bucket on its own and
-  exchanges the bucket's factors together (as PyTorch DDP's PowerSGD hook
-  does per bucket);
+  ``"psum"``), whose all-reduces XLA's combiner merges without a copy;
+  PowerSGD compresses each tensor of a bucket on its own and exchanges the
+  bucket's factors together (as PyTorch DDP's PowerSGD hook does per
+  bucket);
 * ``"layerwise"``: one bucket per leaf (layer-wise compression: top-k keeps
   the k largest of every layer);
 * ``"whole"``: one bucket for the whole model (global top-k);

@@ -177,8 +177,8 @@ def plan_buckets(sizes: Sequence[int], *, strategy: str = "layerwise",
     bucket_bytes: bucket size in bytes of the float32 buffer (4 bytes per
       element) for ``"fixed_bytes"``; a bucket is closed as soon as it holds
       at least that many bytes, so a single larger leaf is a bucket alone.
-      For ``"auto"``: the size below which a leaf is merged with its
-      neighbours (default :data:`DEFAULT_BUCKET_BYTES`).
+      For ``"auto"``: the size below which a leaf is packed with the other
+      small ones (default :data:`DEFAULT_BUCKET_BYTES`).
     kinds: ``"auto"`` only: per leaf, a kind (its dtype) that a merged
       bucket does not mix, so a bucket travels in its leaves' own dtype.
     plan: an explicit plan (lists of leaf indices); overrides ``strategy``.

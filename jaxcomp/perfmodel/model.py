@@ -429,8 +429,9 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
   Args:
     plan: ``"layer"`` (one bucket per tensor), ``"auto"``
       (``compressed_mean``'s default ``bucketing="auto"``: a tensor of at
-      least :data:`jaxcomp.bucketing.DEFAULT_BUCKET_BYTES` alone, runs of
-      smaller ones packed), ``"single"`` (one bucket),
+      least :data:`jaxcomp.bucketing.DEFAULT_BUCKET_BYTES` alone, the
+      smaller ones packed together, that bucket last), ``"single"`` (one
+      bucket),
       ``"mgwfbp"`` (:func:`jaxcomp.perfmodel.mgwfbp_plan` with ``comm_time`` or
       ``alpha``/``beta``), a number (fixed-size buckets of at least that many
       bytes, as in PyTorch DDP / Horovod fusion), or an explicit list of
@@ -450,11 +451,11 @@ def bucket_plan(plan, profile: ModelProfile, *, comm_time: Callable[[float], flo
     if plan == "auto":  # planned in forward (leaf) order, as the library
       limit = -(-bucketing.DEFAULT_BUCKET_BYTES // bucketing.BUFFER_ITEMSIZE)
       merged = bucketing.merge_small(range(L), list(profile.layer_sizes), limit)
-      alone = [list(b) for b in merged
-               if len(b) == 1 and profile.layer_sizes[b[0]] >= limit]
+      large = lambda b: profile.layer_sizes[b[0]] >= limit  # noqa: E731
       # The large tensors in backward order; a bucket of small ones packed
       # from across the model is ready when the backward pass ends.
-      return alone[::-1] + [sorted(b) for b in merged if list(b) not in alone]
+      return ([list(b) for b in reversed(merged) if large(b)]
+              + [list(b) for b in merged if not large(b)])
     if plan == "mgwfbp":
       return bucketing.mgwfbp_plan([4 * n for n in profile.layer_sizes], profile.backward_times,
                                  alpha, beta, comm_time=comm_time)
