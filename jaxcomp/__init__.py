@@ -30,6 +30,7 @@ from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
 from jaxcomp.steps import CompressedValueAndGrad
 from jaxcomp.steps import compressed_value_and_grad
+from jaxcomp.placement import PlacementError
 from jaxcomp.placement import init_sharded
 from jaxcomp.steps import make_train_step
 from jaxcomp.placement import per_device_grad

@@ -12,12 +12,13 @@ the state (:func:`jaxcomp.init_sharded`).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxcomp._jaxcompat import varying_axes
 
 AxisName = str | tuple[str, ...]
 
@@ -111,19 +112,6 @@ def axis_sizes(axis_name: AxisName) -> dict[str, int]:
   return {a: lax.axis_size(a) for a in axes(axis_name)}
 
 
-def varying_axes(x) -> frozenset[str]:
-  """The mesh axes over which the traced value ``x`` varies.
-
-  The one place that knows where JAX keeps this: ``jax.typeof(x).vma`` in
-  older releases, ``jax.typeof(x).mat.varying`` from 0.10.
-  """
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()) or ())
-
-
 def to_varying(tree, axis_name: AxisName):
   """Marks every leaf of ``tree`` varying over ``axis_name`` (a no-op where
   it already is), e.g. so that ``jax.grad`` returns per-device gradients."""
@@ -153,10 +141,9 @@ def cond(pred, true_fun, false_fun, operand):
   f_out = jax.make_jaxpr(false_fun, return_shape=True)(operand)[1]
   t_leaves, treedef = jax.tree.flatten(t_out)
   f_leaves = treedef.flatten_up_to(f_out)
-  axes_of = lambda s: frozenset(getattr(getattr(s, "manual_axis_type", None),
-                                        "varying", ()) or ())
-  union = [axes_of(a) | axes_of(b) for a, b in zip(t_leaves, f_leaves)]
-  if all(axes_of(a) == u == axes_of(b)
+  union = [varying_axes(a) | varying_axes(b)
+           for a, b in zip(t_leaves, f_leaves)]
+  if all(varying_axes(a) == u == varying_axes(b)
          for a, b, u in zip(t_leaves, f_leaves, union)):
     return lax.cond(pred, true_fun, false_fun, operand)
 
@@ -176,106 +163,3 @@ def varying_zeros(shape: int | Sequence[int], axis_name: AxisName,
   """Zeros of ``shape`` and ``dtype`` typed varying over ``axis_name``: a
   per-device state leaf."""
   return to_varying(jnp.zeros(shape, dtype), axis_name)
-
-
-# -- Varying types through an update, by data flow -------------------------
-#
-# JAX types a value varying over the axes of the device-dependent values it
-# was computed from, minus the axes a collective reduced. A state leaf that a
-# transform's ``update`` fills with per-device data (an accumulator of
-# per-device gradients, e.g. optax.MultiSteps') is invariant in ``init``
-# (zeros) but varying after ``update``; with check_vma on, ``lax.cond`` then
-# refuses to trace the update at all (its branches differ in type). So the
-# varying axes after an update are computed here from the update's jaxpr,
-# traced with check_vma off, by the same rules JAX applies, except that a
-# conditional's outputs take the union of its branches (what the leaf must
-# be declared as for both branches to agree).
-
-_REDUCE = ("psum", "pmax", "pmin", "psum_invariant", "all_gather_invariant")
-_SPREAD = ("all_gather", "all_to_all", "reduce_scatter", "ppermute",
-           "pbroadcast", "pvary", "pcast", "axis_index")
-
-
-def _eqn_axes(params) -> frozenset[str]:
-  name = params.get("axes", params.get("axis_name", params.get("axis", ())))
-  names = name if isinstance(name, (tuple, list)) else (name,)
-  return frozenset(a for a in names if isinstance(a, str))
-
-
-def _flow(jaxpr, in_axes: list) -> list:
-  """Varying axes of ``jaxpr``'s outputs given its inputs' (a ``Jaxpr`` or
-  ``ClosedJaxpr``; constants are invariant)."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  env = {}
-
-  def read(v):
-    return env.get(v, frozenset()) if hasattr(v, "aval") and not hasattr(
-        v, "val") else frozenset()
-
-  for v, a in zip(jaxpr.invars, in_axes):
-    env[v] = frozenset(a)
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    union = frozenset().union(*ins)
-    name, p = eqn.primitive.name, eqn.params
-    if name in _REDUCE:
-      outs = [union - _eqn_axes(p)] * len(eqn.outvars)
-    elif name in _SPREAD:
-      outs = [union | _eqn_axes(p)] * len(eqn.outvars)
-    elif name == "cond":
-      branch_outs = [_flow(b, ins[1:]) for b in p["branches"]]
-      outs = [frozenset(ins[0]).union(*col) for col in zip(*branch_outs)]
-    elif name == "while":
-      nc, nb = p["cond_nconsts"], p["body_nconsts"]
-      cconst, bconst, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
-      while True:
-        pred = _flow(p["cond_jaxpr"], cconst + carry)[0]
-        new = [c | o | pred for c, o in
-               zip(carry, _flow(p["body_jaxpr"], bconst + carry))]
-        if new == carry:
-          break
-        carry = new
-      outs = carry
-    elif name == "scan":
-      nc, ncar = p["num_consts"], p["num_carry"]
-      consts, carry, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-      while True:
-        body = _flow(p["jaxpr"], consts + carry + xs)
-        new = [c | o for c, o in zip(carry, body[:ncar])]
-        if new == carry:
-          break
-        carry = new
-      outs = carry + body[ncar:]
-    else:
-      subs = [s for s in _subjaxprs(p)
-              if len(getattr(s, "jaxpr", s).invars) == len(ins)]
-      outs = (_flow(subs[0], ins) if len(subs) == 1
-              and len(getattr(subs[0], "jaxpr", subs[0]).outvars)
-              == len(eqn.outvars) else [union] * len(eqn.outvars))
-    for v, a in zip(eqn.outvars, outs):
-      env[v] = a
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _subjaxprs(params):
-  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
-  return list(jex_core.jaxprs_in_params(params))
-
-
-def varying_after(fn, args, in_axes, mesh) -> list:
-  """Varying axes of ``fn(*args)``'s output leaves (flattened), run per
-  device on ``mesh``, when ``args``' leaves vary over ``in_axes`` (a list of
-  sets, one per flattened leaf of ``args``); conditionals take the union of
-  their branches (see above)."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  flat, tree = jax.tree.flatten(args)
-  body = jax.shard_map(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
-                       mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-  with warnings.catch_warnings():
-    # Traced without types on purpose: jaxcomp's own probe, not a user's
-    # pmap.
-    warnings.simplefilter("ignore", PerDeviceUnchecked)
-    closed = jax.make_jaxpr(body)(*flat)
-  # Flow through the outer program, so that the shard_map's inputs line up
-  # with ``args`` (constants it closes over become extra inputs of its body).
-  return _flow(closed.jaxpr, list(in_axes))

@@ -14,7 +14,6 @@ Two traps that this module closes:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -29,7 +28,6 @@ from jaxcomp._mesh import AxisName
 from jaxcomp._mesh import check_axis_name
 from jaxcomp._mesh import check_bound
 from jaxcomp._mesh import to_varying
-from jaxcomp._mesh import varying_after
 from jaxcomp._mesh import varying_axes
 
 
@@ -148,16 +146,91 @@ def _refuse_per_device_combinators(state) -> None:
           "together (or compressed_mean's own nonfinite='skip', the default)")
 
 
+class PlacementError(ValueError):
+  """jaxcomp could not derive where an optimizer state leaf lives: ``tx.update``
+  does not trace under ``jax.shard_map`` with per-device gradients and the
+  state's types. The message names JAX's own error and the fix; the train
+  step would fail the same way."""
+
+
+def _update_axes(update, args, in_axes, mesh) -> list[frozenset[str]]:
+  """Mesh axes each leaf of the new state from ``update(*args)`` varies
+  over, read from JAX's own types: ``update`` is traced (nothing runs) per
+  device under ``jax.shard_map`` with ``check_vma=True``, each leaf of
+  ``args`` (one device's shapes) typed varying over its ``in_axes``.
+
+  Raises:
+    PlacementError: ``update`` does not trace so (JAX's error chained).
+  """
+  flat, tree = jax.tree.flatten(args)
+  found = []
+
+  def probe(*xs):
+    xs = [to_varying(x, tuple(sorted(a))) if a else x
+          for x, a in zip(xs, in_axes)]
+    new_state = update(*jax.tree.unflatten(tree, xs))[1]
+    found.append([varying_axes(x) for x in jax.tree.leaves(new_state)])
+    return jnp.zeros((), jnp.float32)
+
+  try:
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(),
+                                 out_specs=P()), *flat)
+  except Exception as e:  # pylint: disable=broad-except
+    cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    raise PlacementError(
+        "jaxcomp could not place the optimizer state: tx.update(grads, state, "
+        f"params) does not trace per device under jax.shard_map ({cause}). The "
+        "train step traces the same update and would fail alike. Make the "
+        "update trace with per-device gradients (inside jax.shard_map, "
+        "check_vma=True): where the error is a lax.cond whose branches differ "
+        "in varying manual axes, a state leaf is per device in one branch and "
+        "not in the other; have tx.init make it per device "
+        "(jaxcomp.to_varying(zeros, axis_name)), or use jaxcomp.multi_steps "
+        "and jaxcomp.apply_if_finite, which do so, in place of optax's") from e
+  return found[0]
+
+
+def _known_per_device(state, grads_axes: list) -> list:
+  """Per leaf of ``state``, the axes that a known third-party state says it
+  varies over beyond what its ``init`` makes: ``optax.MultiSteps``'
+  accumulator (``acc_grads``, a running sum of the per-device gradients,
+  zeros from ``init``, replaced in one branch of its ``lax.cond`` and
+  passed on in the other) varies as the gradient does."""
+  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+  nothing = lambda tree: jax.tree.map(lambda _: frozenset(), tree)
+
+  def marks(x):  # a leaf, or a MultiStepsState node
+    if not is_multi(x):
+      return frozenset()
+    acc = jax.tree.leaves(x.acc_grads)
+    acc_axes = (grads_axes if len(acc) == len(grads_axes)
+                else [frozenset().union(*grads_axes)] * len(acc))
+    return x._replace(
+        mini_step=frozenset(), gradient_step=frozenset(),
+        inner_opt_state=jax.tree.map(marks, x.inner_opt_state, is_leaf=is_multi),
+        acc_grads=jax.tree.unflatten(jax.tree.structure(x.acc_grads), acc_axes),
+        skip_state=nothing(x.skip_state))
+
+  return jax.tree.leaves(jax.tree.map(marks, state, is_leaf=is_multi),
+                         is_leaf=lambda x: isinstance(x, frozenset))
+
+
 def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
                 grads=None, params_vary_over: AxisName = ()):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
   ``init`` makes it, and as it must be declared so that ``update`` keeps its
-  type (``init``'s axes plus those an update gives it, to a fixed point).
+  type: ``init``'s axes plus those an update gives it, to a fixed point,
+  each round read from JAX's types of one traced update
+  (:func:`_update_axes`).
 
   ``tx`` is a GradientTransformation, or an ``init`` function alone (then
   both are ``init``'s). ``params`` are placed by ``params_spec``;
   ``grads``: one device's gradient where it is not shaped like one device's
-  parameters (FSDP's whole-parameter gradient)."""
+  parameters (FSDP's whole-parameter gradient).
+
+  Raises:
+    PlacementError: the update does not trace per device.
+  """
   init_fn = getattr(tx, "init", tx)
   found = []
 
@@ -176,8 +249,7 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   is_axes = lambda x: isinstance(x, frozenset)
   cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
   # One device's view: every leaf stacked over all mesh axes, the local
-  # shape behind the leading axis (traced with types, as the step will be:
-  # bucketing="auto" keeps leaves of other varying axes apart).
+  # shape behind the leading axis.
   every = P(tuple(mesh.axis_names))
   local_state, local = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
@@ -195,23 +267,10 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   grads_axes = ([data | a for a in params_axes] if grads is None
                 else [data] * len(jax.tree.leaves(grads)))
   grads = params if grads is None else grads
+  cur = [c | k for c, k in zip(cur, _known_per_device(local_state, grads_axes))]
   for _ in range(8):  # each round can only add axes: a fixed point soon
-    try:
-      out = varying_after(
-          lambda g, s, p: update(g, s, p)[1], (grads, local_state, params),
-          grads_axes + cur + params_axes, mesh)
-    except Exception as e:  # pylint: disable=broad-except
-      # An update that cannot be traced here (it needs extra arguments, say)
-      # fails the same way in the train step, where its error is clearer;
-      # init's types stand, and the user is told why.
-      warnings.warn(
-          f"tx.update could not be traced to place the optimizer state "
-          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); each state "
-          "leaf is placed by its type after tx.init alone, so a leaf that an "
-          "update makes per device (an accumulator, an inner optimizer's "
-          "moments under DiLoCo) will make the train step fail to trace",
-          RuntimeWarning, stacklevel=3)
-      break
+    out = _update_axes(update, (grads, local_state, params),
+                       grads_axes + cur + params_axes, mesh)
     new = [c | o for c, o in zip(cur, out)]
     if new == cur:
       break

@@ -74,13 +74,39 @@ def test_non_finite_hyperparameters_are_refused_at_construction(name, kwargs):
     jaxcomp.compressed_mean(name, "data", **kwargs)
 
 
-def test_state_placement_says_when_the_update_cannot_be_traced(mesh8):
-  # An update that fails to trace (here: strict dtype promotion, which
-  # optax.adam does not follow) leaves init's types; init_sharded says so.
-  import optax
-  tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.adam(1e-3))
-  with pytest.warns(RuntimeWarning, match="could not be traced to place"):
+def _accumulator(per_device_init: bool):
+  """A transform whose state sums the per-device gradients every other step,
+  in a lax.cond that passes the state on unchanged in its other branch."""
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return (jaxcomp.to_varying(zeros, "data") if per_device_init else zeros,
+            jnp.zeros((), jnp.int32))
+
+  def update(updates, state, params=None):
+    del params
+    acc, count = state
+    acc = jax.lax.cond(count % 2 == 0, lambda: jax.tree.map(jnp.add, acc, updates),
+                       lambda: acc)
+    return updates, (acc, count + 1)
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_state_placement_names_the_cause_when_the_update_cannot_be_traced(mesh8):
+  # The accumulator is invariant from init and per device after one branch
+  # of the update's cond: JAX refuses the cond, and so would the step.
+  # init_sharded says so, with JAX's error and the fix, instead of placing
+  # the state by init's types alone.
+  tx = optax.chain(_accumulator(False), jaxcomp.compressed_mean("topk", "data"))
+  with pytest.raises(jaxcomp.PlacementError,
+                     match=r"(?s)could not place the optimizer state.*"
+                           r"TypeError.*lax\.cond.*jaxcomp\.to_varying") as e:
     jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+  assert isinstance(e.value.__cause__, TypeError)  # JAX's own, chained
+  # The fix the message names: init makes the accumulator per device.
+  tx = optax.chain(_accumulator(True), jaxcomp.compressed_mean("topk", "data"))
+  _, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+  assert specs[0][0]["w"] == P("data") and specs[0][1] == P()
 
 
 def test_optax_apply_if_finite_around_the_exchange_names_the_replacement(mesh8):

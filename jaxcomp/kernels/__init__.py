@@ -6,7 +6,8 @@ One module per op family (:mod:`~jaxcomp.kernels.quantize`,
 numbers. ``implementation=None`` picks the Pallas kernel or the XLA path per
 op and size by measurement on NVIDIA GPUs (:func:`autotune`,
 :class:`Autotuner`; XLA elsewhere). The launch framework is private
-(``_launch``). This package imports nothing else of jaxcomp.
+(``_launch``). This package imports nothing else of jaxcomp but
+``jaxcomp._jaxcompat`` (the JAX spellings that moved between releases).
 """
 
 from jaxcomp.kernels._autotune import Autotuner

@@ -24,10 +24,10 @@ take a lock (``fcntl.flock`` on ``<path>.lock``) and replace the file
 atomically, merging what other processes wrote meanwhile.
 
 Processes of one job (``jax.process_count() > 1``) agree: process 0 decides
-(from its cache or by measuring) and publishes each choice in the job's
-distributed key-value store; the other processes wait for it there and never
-read their own cache file or measure, so every process traces the same
-program.
+(from its cache or by measuring) and broadcasts each choice over the job's
+devices (``jax.experimental.multihost_utils.broadcast_one_to_all``, at trace
+time); the other processes wait for it in that broadcast and never read
+their own cache file or measure, so every process traces the same program.
 
 Environment (read at trace time, so set it before the first trace):
 
@@ -44,6 +44,7 @@ logger (``logging.INFO``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -62,6 +63,8 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 
 from . import _launch
 
@@ -77,9 +80,6 @@ ENV_KERNELS = "JAXCOMP_KERNELS"
 ENV_CACHE = "JAXCOMP_AUTOTUNE_CACHE"
 MODES = ("autotune", "xla", "pallas")
 CACHE_FORMAT = 1
-# How long a process other than 0 waits for process 0's choice of a key
-# (which may include compiling and timing both paths), milliseconds.
-AGREEMENT_TIMEOUT_MS = 10 * 60 * 1000
 
 
 def size_class(n: int) -> int:
@@ -330,19 +330,19 @@ def _default_timer(key: TuneKey, implementation: str, fn, args) -> float:
   return measure_seconds(fn, args)
 
 
-def _kv_client():
-  """The job's distributed key-value store (the coordination service that
-  ``jax.distributed.initialize`` starts), or None.
+def _process_0s_choice(implementation: str) -> str:
+  """Process 0's ``implementation`` (``"pallas"`` or ``"xla"``), on every
+  process of the job: one broadcast of its index over the job's devices
+  (``jax.experimental.multihost_utils.broadcast_one_to_all``). It runs at
+  once even while a program is being traced: in a thread of its own, whose
+  JAX trace state is fresh (JAX keeps it per thread). Every process must
+  call it at the same point: they do, tracing the same program."""
+  def broadcast():
+    return int(multihost_utils.broadcast_one_to_all(
+        np.int32(IMPLEMENTATIONS.index(implementation))))
 
-  JAX has no public accessor for it; ``jax._src.distributed.global_state``
-  is what JAX's own compilation cache and Orbax use to share values between
-  the processes of a job at trace and compile time. Isolated here.
-  """
-  try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return getattr(getattr(distributed, "global_state", None), "client", None)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return IMPLEMENTATIONS[pool.submit(broadcast).result()]
 
 
 class Autotuner:
@@ -366,15 +366,12 @@ class Autotuner:
     agree: in a job of several processes, take process 0's choices (True,
       the default); False lets each process decide alone, which can make
       them compile different programs (for tests of the agreement).
-    kv: the job's key-value store; default the one
-      ``jax.distributed.initialize`` started.
   """
 
   def __init__(self, *, timer: Timer | None = None,
                cache_path: str | None = None, device_kind: str | None = None,
                nvidia: bool | None = None, interpret: bool = False,
-               versions: Mapping[str, str] | None = None, agree: bool = True,
-               kv=None):
+               versions: Mapping[str, str] | None = None, agree: bool = True):
     self.timer = timer or _default_timer
     self._cache_path = cache_path
     self._device_kind = device_kind
@@ -382,7 +379,6 @@ class Autotuner:
     self.interpret = interpret
     self.versions = dict(versions or environment_versions())
     self.agree = agree
-    self._kv = kv
     self._decisions: dict[TuneKey, Decision] = {}
     self._files: dict[str, CacheFile] = {}
     self._lock = threading.RLock()
@@ -425,7 +421,9 @@ class Autotuner:
       return list(self._decisions.values())
 
   def clear(self) -> None:
-    """Forgets the decisions held in memory (the cache file stays)."""
+    """Forgets the decisions held in memory (the cache file stays). In a job
+    of several processes, call it on every process alike: each decision not
+    held is agreed again, by one broadcast that every process joins."""
     with self._lock:
       self._decisions.clear()
 
@@ -436,8 +434,6 @@ class Autotuner:
     Raises:
       ValueError: ``JAXCOMP_KERNELS`` is not one of :data:`MODES`, or is
         ``pallas`` off an NVIDIA GPU.
-      RuntimeError: another process of the job did not publish its choice
-        within :data:`AGREEMENT_TIMEOUT_MS`.
     """
     mode = os.environ.get(ENV_KERNELS, "autotune").strip().lower() or "autotune"
     if mode not in MODES:
@@ -481,38 +477,15 @@ class Autotuner:
 
   def _agreed(self, key: TuneKey, tunable: Tunable) -> Decision:
     """This process's decision, or in a job of several processes process
-    0's (published in the key-value store)."""
+    0's (broadcast to the others: :func:`_process_0s_choice`)."""
     if not self.agree or jax.process_count() == 1:
       return self._decide(key, tunable)
-    kv = self._kv if self._kv is not None else _kv_client()
-    if kv is None:
-      return Decision(
-          key=key, implementation="xla", device=self.device_kind,
-          source="not timed: no key-value store to agree on a choice between "
-          "the job's processes")
-    name = f"jaxcomp/autotune/{self.table_name()}/{key}"
     if jax.process_index() == 0:
-      try:  # published already (this process decided, then forgot it)
-        published = kv.key_value_try_get(name)
-      except Exception:  # pylint: disable=broad-except
-        published = None  # the store raises where it holds no such key
-      if published is not None:
-        return Decision(key=key, implementation=published,
-                        source="process 0", device=self.device_kind)
       decision = self._decide(key, tunable)
-      kv.key_value_set(name, decision.implementation)
+      _process_0s_choice(decision.implementation)
       return decision
-    try:
-      implementation = kv.blocking_key_value_get(name, AGREEMENT_TIMEOUT_MS)
-    except Exception as e:  # the store raises its own error types
-      raise RuntimeError(
-          f"process {jax.process_index()} waited {AGREEMENT_TIMEOUT_MS} ms "
-          f"for process 0's implementation choice of {key} and got none "
-          f"({e}); the processes may be tracing different programs. Start "
-          "every process with the same configuration, or set "
-          f"{ENV_KERNELS}=xla to turn autotuning off") from e
-    return Decision(key=key, implementation=implementation, source="process 0",
-                    device=self.device_kind)
+    return Decision(key=key, implementation=_process_0s_choice("xla"),
+                    source="process 0", device=self.device_kind)
 
   def _decide(self, key: TuneKey, tunable: Tunable) -> Decision:
     """From the cache file, or measured (and written to it)."""

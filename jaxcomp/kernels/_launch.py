@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxcomp._jaxcompat import manual_type
+
 ROW = 32  # float32 values per row: 128 bytes.
 
 
@@ -225,8 +227,7 @@ def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
   """Output type of a kernel that varies over the manual mesh axes that
   ``like`` varies over, so that kernels work inside ``jax.shard_map`` with
   ``check_vma=True`` (which requires ``manual_axis_type`` on outputs)."""
-  return jax.ShapeDtypeStruct(shape, dtype,
-                              manual_axis_type=jax.typeof(like).mat)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual_type(like))
 
 
 def zero_like(like: jax.Array, dtype) -> jax.Array:

@@ -25,11 +25,10 @@ __all__ = ["profile_model", "profile_flax", "forward_order"]
 
 
 def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    if isinstance(v, jax.extend.core.ClosedJaxpr):
-      yield v.jaxpr
-    elif isinstance(v, jax.extend.core.Jaxpr):
-      yield v
+  # JAX's public helper: the jaxprs an equation holds (a jit's body, a
+  # custom_vjp's function), whatever its primitive names them (JAX 0.11
+  # merged Jaxpr and ClosedJaxpr; the helper hides which is which).
+  return list(jax.extend.core.jaxprs_in_params(eqn.params))
 
 
 def forward_order(fn: Callable, *args) -> list[int]:
