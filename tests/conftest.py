@@ -74,8 +74,11 @@ def pytest_runtest_logreport(report):
   device-check`` sets it), each test's outcome and seconds are appended as
   it finishes, and a failure's traceback at once: a run stopped at its time
   limit still says what failed and where the time went (pytest prints
-  failures and durations only at the end)."""
+  failures and durations only at the end). Under pytest-xdist the
+  controller writes it, from the reports its workers send."""
   path = os.environ.get("JAXCOMP_TEST_PROGRESS")
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
   if not path or (report.when != "call" and not report.failed):
     return
   with open(path, "a", encoding="utf-8") as f:

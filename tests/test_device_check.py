@@ -37,7 +37,9 @@ def test_interpret_form_runs_every_section(tmp_path):
   for section in device_check.SECTIONS:
     assert re.search(rf"\| {section} \| (passed|done) \|", summary), summary
   assert "interpret form" in summary and "JAX " in summary
-  for name in ("tests.txt", "tests.xml", "kernels.txt", "kernels.json",
+  assert re.search(r"\| suite \| passed \| [\d.]+ \| 2 passed \(2 workers", summary), summary
+  assert "passed" in (run / "suite_progress.txt").read_text()
+  for name in ("tests.txt", "tests.xml", "suite.txt", "suite.xml", "kernels.txt", "kernels.json",
                "examples.txt", "autotune.txt", "autotune.json", "device.json"):
     assert (run / name).exists(), name
   device = json.loads((run / "device.json").read_text())

@@ -1,32 +1,37 @@
 """One command that checks a GPU end to end: ``python -m jaxcomp.bench
 device-check``.
 
-Within a wall-time budget (``--budget``, default 480 s: 8 minutes on an
+Within a wall-time budget (``--budget``, default 600 s: 10 minutes on an
 H100) it runs, in this order, each section in a process of its own:
 
 1. **tests**: the compiled (non-interpret) kernel tests
    (``tests/test_kernels.py::TestKernelsCompiled``,
    ``tests/test_backend_paths.py``, and the autotuner's own tests, its
-   measurement on this GPU included);
-2. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
+   measurement on this GPU included), with ``--workers`` pytest workers
+   (default 8, or the cores if fewer) sharing the GPU
+   (``XLA_PYTHON_CLIENT_PREALLOCATE=false``): compiling kernels dominates;
+2. **suite**: the whole CPU test suite under this machine's JAX
+   (``JAX_PLATFORMS=cpu``, one pytest worker per core): what CI runs, on the
+   JAX the GPU image ships;
+3. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
    PyTorch is importable): ``python -m jaxcomp.bench kernels
    --implementation both [--torch]`` at 1e6 and 2.5e7 float32 and bfloat16
    elements;
-3. **examples**: one compressed train step of each example
+4. **examples**: one compressed train step of each example
    (``examples/multihost``, ``examples/fashion_mnist`` on its bundled
    digits, ``examples/char_lm``) with top-k, then, as the budget allows, with
    QSGD, sign, int8 and fp8 blocks; ``implementation=None`` autotunes
    their buckets into a fresh cache file;
-4. **autotune**: the autotuner's table: every key the example steps
+5. **autotune**: the autotuner's table: every key the example steps
    measured, and each kernel compressor's encode at 2^20 and 2^24
    elements.
 
-Each section gets a share of what is left of the budget (40, 20, 25 and 15
-percent of it, what one leaves unused passing on); a section that runs out
-is stopped and reported, and what does not fit is skipped. On an H200 with
-JAX 0.11.2 (2026-11-27) the compiled tests took about 4 s each, most of it
-compiling kernels: 89 of the 107 ran in 340 s, so the whole list needs
-``--budget`` of about 1,300 s, or ``--sections tests`` alone with about 500 s
+Each section gets a share of what is left of the budget (25, 30, 20, 15 and
+10 percent of it, what one leaves unused passing on); a section that runs
+out is stopped and reported, and what does not fit is skipped. On an H200
+with JAX 0.11.2 (2026-11-27) the compiled tests took about 4 s each, most of
+it compiling kernels: 89 of the 107 ran in 340 s serially, 107 in about
+100 s with 8 workers; the whole CPU suite took 3.6 min with 15 workers
 (results in ``benchmarks/results/nvidia-h200-2026-11-27/``). Everything goes
 under ``<output-dir>/<device kind>-<date>/`` (default output dir
 ``benchmarks/results``)::
@@ -47,7 +52,8 @@ failed), 0 otherwise. Run it from a source checkout (it needs ``tests/`` and
 
 Off NVIDIA GPUs (or with ``--form interpret``) it runs a short form, which
 CI runs as a test (``tests/test_device_check.py``) so that the command
-cannot rot: one kernel test in interpret mode, the sign and int8 XLA rows of
+cannot rot: one kernel test in interpret mode, two quick tests of the suite
+on two workers, the sign and int8 XLA rows of
 the benchmark at 16,384 elements, one top-k train step of the multi-host
 example's MLP in one process, and the autotuner's table for sign and int8
 blocks on a simulated GPU (the Pallas candidates in interpret mode, timed for
@@ -75,20 +81,26 @@ import jax.numpy as jnp
 from jaxcomp import compressors
 from jaxcomp import kernels
 
-SECTIONS = ("tests", "kernels", "examples", "autotune")
-SHARES = {"tests": 0.40, "kernels": 0.20, "examples": 0.25, "autotune": 0.15}
+SECTIONS = ("tests", "suite", "kernels", "examples", "autotune")
+SHARES = {"tests": 0.25, "suite": 0.30, "kernels": 0.20, "examples": 0.15,
+          "autotune": 0.10}
 COMPILED_TESTS = ["tests/test_kernels.py::TestKernelsCompiled",
                   "tests/test_backend_paths.py", "tests/test_autotune.py"]
 INTERPRET_TESTS = [
     "tests/test_kernels.py::TestKernelsInterpret::test_int8_round_half_to_even"]
+SUITE = ["tests"]
+INTERPRET_SUITE = [
+    "tests/test_readme.py::test_readme_opens_with_two_setup_commands",
+    "tests/test_readme.py::test_ci_runs_the_readme_test_command"]
+COMPILED_WORKERS = 8  # pytest workers of the compiled tests, at most
 EXAMPLE_COMPRESSORS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
 AUTOTUNE_OPS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
 INTERPRET_AUTOTUNE_OPS = ("sign", "int8_block")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--budget", type=float, default=480.0,
-                      help="wall-time budget in seconds (default 480)")
+  parser.add_argument("--budget", type=float, default=600.0,
+                      help="wall-time budget in seconds (default 600)")
   parser.add_argument("--output-dir", default=os.path.join("benchmarks",
                                                            "results"),
                       help="results go to <output-dir>/<device>-<date>/")
@@ -99,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       default=list(SECTIONS), help="run only these")
   parser.add_argument("--tests", nargs="+", default=None,
                       help="pytest targets instead of the form's kernel tests")
+  parser.add_argument("--workers", type=int, default=None,
+                      help="pytest workers of the tests section (default "
+                      f"{COMPILED_WORKERS}, or the cores if fewer; 1 in the "
+                      "interpret form); the suite takes one per core")
   parser.add_argument("--root", default=None,
                       help="the source checkout (default: the one holding "
                       "this jaxcomp, else the current directory)")
@@ -189,30 +205,64 @@ def _pytest_counts(text: str) -> dict[str, int]:
   return counts
 
 
-def _tests(args, root, run_dir, timeout, compiled) -> Result:
-  targets = args.tests or (COMPILED_TESTS if compiled else INTERPRET_TESTS)
+def _pytest(section: str, targets: list[str], *, workers: int, root: str,
+            run_dir: str, timeout: float, env: dict[str, str]) -> Result:
+  """pytest over ``targets`` with ``workers`` workers (pytest-xdist where
+  more than one), its output in ``<section>.txt``, its JUnit report in
+  ``<section>.xml`` and each outcome as it ends in
+  ``<section>_progress.txt`` (tests/conftest.py writes it)."""
   files = {t.split("::")[0] for t in targets}
   missing = [f for f in files if not os.path.exists(os.path.join(root, f))]
   if missing:
-    return Result("tests", f"skipped: {', '.join(sorted(missing))} not found "
+    return Result(section, f"skipped: {', '.join(sorted(missing))} not found "
                   "(run from a source checkout)")
+  parallel = ["-n", str(workers)] if workers > 1 else []
   cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-         "--durations=20",
-         f"--junitxml={os.path.join(run_dir, 'tests.xml')}", *targets]
+         "--durations=20", *parallel,
+         f"--junitxml={os.path.join(run_dir, f'{section}.xml')}", *targets]
   # tests/conftest.py appends each outcome, its seconds and a failure's
   # traceback as the test ends: what a run stopped at the budget ran.
-  env = _env(root)
-  env["JAXCOMP_TEST_PROGRESS"] = os.path.join(run_dir, "tests_progress.txt")
+  env["JAXCOMP_TEST_PROGRESS"] = os.path.join(run_dir, f"{section}_progress.txt")
   code, seconds, out = _run(cmd, root=root, timeout=timeout, env=env,
-                            log=os.path.join(run_dir, "tests.txt"))
+                            log=os.path.join(run_dir, f"{section}.txt"))
   counts = _pytest_counts(out)
-  detail = ", ".join(f"{v} {k}" for k, v in counts.items()) + " (tests.txt)"
+  detail = (", ".join(f"{v} {k}" for k, v in counts.items())
+            + f" ({workers} worker{'s' * (workers > 1)}; {section}.txt)")
   if code is None:
-    return Result("tests", "stopped: out of budget", seconds, detail)
+    return Result(section, "stopped: out of budget", seconds, detail)
   ran = sum(counts.get(k, 0) for k in ("passed", "failed", "error"))
   if code == 5 or ran == 0:
-    return Result("tests", "failed: no test ran", seconds, detail)
-  return Result("tests", "passed" if code == 0 else "failed", seconds, detail)
+    return Result(section, "failed: no test ran", seconds, detail)
+  return Result(section, "passed" if code == 0 else "failed", seconds, detail)
+
+
+def _cores() -> int:
+  return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+
+
+def _tests(args, root, run_dir, timeout, compiled) -> Result:
+  """The compiled kernel tests (a few in interpret mode off GPUs), several
+  workers sharing the GPU, each allocating what it uses."""
+  targets = args.tests or (COMPILED_TESTS if compiled else INTERPRET_TESTS)
+  workers = args.workers or (min(COMPILED_WORKERS, _cores()) if compiled else 1)
+  env = _env(root)
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  return _pytest("tests", targets, workers=workers, root=root,
+                 run_dir=run_dir, timeout=timeout, env=env)
+
+
+def _suite(args, root, run_dir, timeout, compiled) -> Result:
+  """The whole CPU suite under this machine's JAX (two quick tests in the
+  interpret form, which itself runs inside the suite), one worker per
+  core."""
+  del args
+  env = _env(root)
+  env["JAX_PLATFORMS"] = "cpu"
+  env.pop("XLA_FLAGS", None)  # tests/conftest.py sets the simulated devices
+  return _pytest("suite", SUITE if compiled else INTERPRET_SUITE,
+                 workers=_cores() if compiled else 2, root=root,
+                 run_dir=run_dir, timeout=timeout, env=env)
 
 
 def _kernels(args, root, run_dir, timeout, compiled) -> Result:
@@ -378,8 +428,8 @@ def kernels_cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
     return []
 
 
-RUNNERS = {"tests": _tests, "kernels": _kernels, "examples": _examples,
-           "autotune": _autotune}
+RUNNERS = {"tests": _tests, "suite": _suite, "kernels": _kernels,
+           "examples": _examples, "autotune": _autotune}
 
 
 def _summary(info: dict, results: list[Result], command: str) -> str:
@@ -411,8 +461,8 @@ def main(args: argparse.Namespace) -> int:
   run_dir = os.path.join(os.path.abspath(args.output_dir),
                          f"{_slug(info['device_kind'])}-{info['date']}")
   os.makedirs(run_dir, exist_ok=True)
-  for name in ("tests.txt", "kernels.txt", "examples.txt", "autotune.txt",
-               "autotune_cache.json"):
+  for name in ("tests.txt", "suite.txt", "kernels.txt", "examples.txt",
+               "autotune.txt", "autotune_cache.json"):
     if os.path.exists(os.path.join(run_dir, name)):
       os.remove(os.path.join(run_dir, name))
   command = " ".join(["python -m jaxcomp.bench device-check",
