@@ -311,12 +311,14 @@ def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
   """Bytes one device sends per step in each stage (its transformation's
   statistics, :func:`exchange_stats`), for
   :func:`jaxcomp.warmup.bytes_over`; ``sharding``: ``"replicated"``,
-  ``"fsdp"`` (the stages reduce-scatter into flat shards of ``params``) or
+  ``"fsdp"`` (the stages reduce-scatter into flat shards of ``params``),
   ``"hsdp"`` (into a host's shards; the bytes are those sent across
-  hosts)."""
+  hosts) or ``"diloco"`` (each device's own copy, the bytes of one
+  sync)."""
   import jaxcomp
   init = {
       "replicated": lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0],
+      "diloco": lambda tx: jaxcomp.lowcomm.init(tx, params, mesh)[1],
       "fsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2],
       "hsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh, ("hosts", "devices"),
                                            shard_axis="devices")[2],

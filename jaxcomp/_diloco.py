@@ -33,7 +33,6 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 import optax
 
@@ -226,7 +225,9 @@ def diloco(inner: optax.GradientTransformation,
       avg = cast(list, avg)
       return exchange_state, [a.astype(x.dtype) for a, x in zip(avg, pending)]
 
-    exchange_state, pending = lax.cond(
+    # _mesh.cond: the exchange may make pending per device (FSDP inside
+    # islands: each device's shard), which init's zeros are not.
+    exchange_state, pending = _mesh.cond(
         sync, exchange, lambda args: args,
         (state.exchange_state[j], list(state.pending[j])))
     # The sync tau steps ago (never before the first one).

@@ -177,6 +177,15 @@ def value_and_grad(loss_fn: Callable, shapes, axis_name: AxisName = "data", *,
   return wrapped
 
 
+def check_transform(tx, shards, mesh, shard_axis, copies_over=None) -> None:
+  """Raises ValueError unless ``tx`` reduce-scatters over ``shard_axis`` what
+  an FSDP layout needs (see :func:`check_shard_outputs`), read from its
+  ``init`` on the flat ``shards`` (traced, nothing runs), before its state
+  is placed."""
+  state = placement.init_shapes(tx, shards, mesh, params_spec=P(shard_axis))
+  check_shard_outputs(state, shard_axis, copies_over=copies_over)
+
+
 def check_shard_outputs(opt_state, shard_axis, copies_over=None) -> None:
   if holds_diloco(opt_state) and copies_over is None:
     raise ValueError(

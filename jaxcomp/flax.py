@@ -41,7 +41,6 @@ from jaxcomp import fsdp as fsdp_lib
 from jaxcomp import placement
 from jaxcomp import steps
 from jaxcomp._diloco import holds_diloco
-from jaxcomp._diloco import per_device_copies
 from jaxcomp._diloco import synced_params
 from jaxcomp._mesh import AxisName
 from jaxcomp.placement import to_global
@@ -127,12 +126,12 @@ class Optimizer(nnx.Optimizer):
               "copies_over places DiLoCo's per-island copies: tx must hold "
               "a jaxcomp.diloco(...) over copies_over; leave it None "
               "otherwise")
+      elif holds_diloco(placement.init_shapes(tx, params, mesh)):
+        layout = steps.PerDevice()  # DiLoCo: each device's own copy
+        copies, state, specs = layout.place(tx, params, mesh, axis_name)
       else:
+        layout = steps.DataParallel()
         state, specs = placement.init_sharded(tx, params, mesh, axis_name)
-        layout = (steps.PerDevice() if holds_diloco(state)
-                  else steps.DataParallel())
-        if holds_diloco(state):
-          copies = per_device_copies(params, mesh, axis_name)
     # nnx.Optimizer.__init__ with the state placed per device (its own
     # tx.init would run outside shard_map, where no device axis is bound).
     super().__init__(model, optax.GradientTransformation(

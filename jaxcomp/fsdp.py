@@ -61,7 +61,7 @@ from collections.abc import Callable
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import steps
-from jaxcomp._fsdp import check_shard_outputs
+from jaxcomp._fsdp import check_transform
 from jaxcomp._fsdp import gather_params
 from jaxcomp._fsdp import shapes_of
 from jaxcomp._fsdp import shard_params
@@ -137,9 +137,9 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
             copies_over, steps.FSDP(shapes, shard_axis)))
     return copies, shapes, state, specs
   shards, shapes = shard_params(params, mesh, shard_axis)
+  check_transform(tx, shards, mesh, shard_axis)
   state, specs = init_sharded(tx, shards, mesh, axis_name,
                               params_spec=P(shard_axis), grads=shapes)
-  check_shard_outputs(state, shard_axis)
   return shards, shapes, state, specs
 
 

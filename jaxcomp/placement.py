@@ -161,6 +161,8 @@ def _update_axes(update, args, in_axes, mesh) -> list[frozenset[str]]:
 
   Raises:
     PlacementError: ``update`` does not trace so (JAX's error chained).
+    ValueError, NameError: what ``update`` itself raises so (a jaxcomp
+      transform's refusal of its configuration), unchanged.
   """
   flat, tree = jax.tree.flatten(args)
   found = []
@@ -173,8 +175,14 @@ def _update_axes(update, args, in_axes, mesh) -> list[frozenset[str]]:
     return jnp.zeros((), jnp.float32)
 
   try:
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(),
-                                 out_specs=P()), *flat)
+    # Types only: the promotion rules the step runs under (a user's strict
+    # ones, or optax's need of standard ones) change dtypes, not the axes.
+    with jax.numpy_dtype_promotion("standard"), \
+        jax.numpy_rank_promotion("allow"):
+      jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=P(),
+                                   out_specs=P()), *flat)
+  except (ValueError, NameError):
+    raise  # what the update refuses, in its own words (jaxcomp's are these)
   except Exception as e:  # pylint: disable=broad-except
     cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
     raise PlacementError(
@@ -215,6 +223,41 @@ def _known_per_device(state, grads_axes: list) -> list:
                          is_leaf=lambda x: isinstance(x, frozenset))
 
 
+def _init_probe(tx, params, mesh, params_spec):
+  """``(state, params, axes)`` as one device sees them inside
+  ``jax.shard_map`` when ``tx.init`` runs there (traced, nothing runs):
+  ``jax.ShapeDtypeStruct`` s of the state and the parameters (local
+  shapes), and per state leaf the axes it varies over."""
+  init_fn = getattr(tx, "init", tx)
+  found = []
+  shapes = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+  def probe(p):
+    st = init_fn(p)
+    _refuse_per_device_combinators(st)
+    found.append((shapes(st), shapes(p), jax.tree.map(varying_axes, st)))
+    return jnp.zeros((), jnp.float32)
+
+  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(params_spec,),
+                               out_specs=P()), params)
+  return found[0]
+
+
+def init_shapes(tx, params, mesh, *, params_spec=P()):
+  """``tx.init``'s state as one device holds it under ``jax.shard_map``
+  (``jax.ShapeDtypeStruct`` leaves, local shapes; traced, nothing runs): to
+  check a transform's configuration before placing its state.
+
+  Args:
+    tx: a GradientTransformation (or an ``init`` function).
+    params: the parameters, placed by ``params_spec`` on ``mesh``.
+    mesh: the mesh.
+    params_spec: the parameters' partition spec(s).
+  """
+  return _init_probe(tx, params, mesh, params_spec)[0]
+
+
 def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
                 grads=None, params_vary_over: AxisName = ()):
   """``(init_axes, axes)``: per state leaf, the mesh axes it varies over as
@@ -231,32 +274,12 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   Raises:
     PlacementError: the update does not trace per device.
   """
-  init_fn = getattr(tx, "init", tx)
-  found = []
-
-  def probe(p):
-    st = init_fn(p)
-    _refuse_per_device_combinators(st)
-    found.append(jax.tree.map(varying_axes, st))
-    return jnp.zeros((), jnp.float32)
-
-  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(params_spec,),
-                               out_specs=P()), params)
-  init_axes = found[0]
+  local_state, params, init_axes = _init_probe(tx, params, mesh, params_spec)
   update = getattr(tx, "update", None)
   if update is None:
     return init_axes, init_axes
   is_axes = lambda x: isinstance(x, frozenset)
   cur, treedef = jax.tree.flatten(init_axes, is_leaf=is_axes)
-  # One device's view: every leaf stacked over all mesh axes, the local
-  # shape behind the leading axis.
-  every = P(tuple(mesh.axis_names))
-  local_state, local = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-      jax.eval_shape(jax.shard_map(
-          lambda p: jax.tree.map(lambda x: x[None], (init_fn(p), p)),
-          mesh=mesh, in_specs=(params_spec,), out_specs=every), params))
-  params = local
   params_axes = [_spec_axes(s) for s in _leaf_specs(params_spec, params)]
   data = frozenset(check_axis_name(axis_name))
   if params_vary_over:  # DiLoCo's copies: the update sees them vary

@@ -164,9 +164,9 @@ class FSDP(Layout):
   def place(self, tx, params, mesh, axis_name):
     shard_axis = self._axis(axis_name)
     shards, shapes = _fsdp.shard_params(params, mesh, shard_axis)
+    _fsdp.check_transform(tx, shards, mesh, shard_axis)
     state, specs = init_sharded(tx, shards, mesh, axis_name,
                                 params_spec=P(shard_axis), grads=shapes)
-    _fsdp.check_shard_outputs(state, shard_axis)
     return shards, state, specs
 
   def gather(self, shards, axis_name):
@@ -252,10 +252,10 @@ class PerDevice(Layout):
             f"axis_name={axis_name!r} and apart from the islands' axes "
             f"{over!r}")
       shards, shapes = _fsdp.shard_params(params, mesh, shard_axis)
+      _fsdp.check_transform(tx, shards, mesh, shard_axis, copies_over=over)
       state, specs = init_sharded(tx, shards, mesh, axis_name,
                                   params_spec=P(shard_axis), grads=shapes,
                                   params_vary_over=over)
-      _fsdp.check_shard_outputs(state, shard_axis, copies_over=over)
       return (_fsdp.shard_copies(params, mesh, over, shard_axis), state,
               specs)
     state, specs = init_sharded(tx, params, mesh, axis_name,
@@ -584,12 +584,12 @@ class CompressedValueAndGrad:
     placement.check_array_leaves(params)
     if self.gspmd:
       self.params_spec = _leaf_specs_of(params, self.mesh, self._data)
+    if self.shapes is not None:
+      _fsdp.check_transform(self.transform, params, self.mesh, self.shard_axis)
     state, self.specs = init_sharded(self.transform, params, self.mesh,
                                      self.axis_name,
                                      params_spec=self.params_spec,
                                      grads=self.shapes)
-    if self.shapes is not None:
-      _fsdp.check_shard_outputs(state, self.shard_axis)
     return state
 
   def __call__(self, params, state, batch):

@@ -120,7 +120,11 @@ def test_identity_is_the_plain_gspmd_step(shape, names, data):
   plain = _plain.lower(params, batch).compile()
   comp = step.lower(params, state, batch).compile()
   (pf, pa), (cf, ca) = _cost(plain), _cost(comp)
-  assert cf <= 1.01 * pf, (cf, pf)
+  # At most one elementwise op per element of the local gradient (the
+  # mean's 1/n, which XLA 0.12 counts apart from the all-reduce; 0.10.2
+  # counts none): ~1.2% of this small model's step, nothing model-sized.
+  local = sum(x.addressable_shards[0].data.size for x in params.values())
+  assert cf <= pf + local + 16, (cf, pf, local)
   assert ca - pa <= 256, (ca, pa)  # the transform's count, key, statistics
   # The same collectives: the model axis's activation all-reduce and the
   # data axis's gradient all-reduce, nothing gathered.

@@ -495,17 +495,15 @@ def test_traffic_counts_each_fragments_syncs(mesh8):
 
 
 def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
+  # Placing the state traces DiLoCo's update with the parameters as given
+  # (replicated), so the refusal comes at init_sharded, before any step.
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2)
-  st, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
-  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
-  params = jax.device_put(_params(), NamedSharding(mesh8, P()))
   with pytest.raises(ValueError, match="lowcomm.init and step with"):
-    step(params, st, _batches(mesh8, 1)[0])
+    jaxcomp.init_sharded(tx, _params(), mesh8, "data")
   # The jit helper averages gradients: DiLoCo there is refused, naming its own.
   grad_fn = jaxcomp.compressed_value_and_grad(_loss, tx, mesh8)
-  comp_state = grad_fn.init(_params())
   with pytest.raises(ValueError, match=r"lowcomm\.local_step inside your own jax\.jit"):
-    grad_fn(params, comp_state, _batches(mesh8, 1)[0])
+    grad_fn.init(_params())
 
 
 # -- DiLoCo in the user's idioms: a jit step, NNX, Orbax --------------------

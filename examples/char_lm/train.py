@@ -124,7 +124,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.diloco_every and (fsdp or hsdp or config.ratio_warmup_steps):
     raise ValueError("diloco_every runs with sharding='replicated' and no "
                      "ratio warm-up")
-  stage_bytes = common.stage_bytes(stages, params, mesh, config.sharding)
+  stage_bytes = common.stage_bytes(
+      stages, params, mesh, "diloco" if config.diloco_every else config.sharding)
   if config.diloco_every:
     # Per-device parameters between syncs; evaluated at the synchronized
     # ones. An exchange happens every diloco_every steps.
