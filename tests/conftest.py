@@ -69,6 +69,16 @@ def pytest_runtest_call(item):
     yield
 
 
+_XDIST_WORKER = False  # set in pytest_configure: a pytest-xdist worker
+
+
+def pytest_configure(config):
+  # Read from the config, not PYTEST_XDIST_WORKER: a test that starts pytest
+  # in a subprocess (the device check) passes that variable on.
+  global _XDIST_WORKER
+  _XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
   """With ``JAXCOMP_TEST_PROGRESS`` set to a file (``python -m jaxcomp.bench
   device-check`` sets it), each test's outcome and seconds are appended as
@@ -77,7 +87,7 @@ def pytest_runtest_logreport(report):
   failures and durations only at the end). Under pytest-xdist the
   controller writes it, from the reports its workers send."""
   path = os.environ.get("JAXCOMP_TEST_PROGRESS")
-  if os.environ.get("PYTEST_XDIST_WORKER"):
+  if _XDIST_WORKER:
     return
   if not path or (report.when != "call" and not report.failed):
     return
