@@ -725,7 +725,7 @@ def _word_shift(col, bits: int):
 
 
 def _store_words(codes, k: int, words_ref, *, col, shift, bits: int,
-                 word_major: bool) -> None:
+                 word_major: bool, block: _launch.Block) -> None:
   """Packs the uint32 codes of slice ``k`` into its ``bits`` words per row
   (disjoint bit ranges: the sum is the bitwise or)."""
   shifted = codes << shift
@@ -737,7 +737,7 @@ def _store_words(codes, k: int, words_ref, *, col, shift, bits: int,
     if word_major:
       words_ref[k * bits + w] = word
     else:
-      words_ref[:, k * bits + w] = word
+      block.store(words_ref.at[:, k * bits + w], word)
 
 
 def _block_multiplier(xs, plan, block, scales_ref, mult_ref, top: float):
@@ -764,7 +764,7 @@ def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _Plan,
   shift = _word_shift(col, 1)
   for k, x in enumerate(xs):
     _store_words((x < 0).astype(jnp.uint32), k, words_ref, col=col,
-                 shift=shift, bits=1, word_major=word_major)
+                 shift=shift, bits=1, word_major=word_major, block=block)
 
 
 def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
@@ -785,7 +785,7 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
     ms = []
     for k, v in enumerate(xs):
       norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
-      norms_ref[:, k] = norm
+      block.store(norms_ref.at[:, k], norm)
       ms.append(_per_row(_qsgd_multiplier(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   # QSGD always rounds stochastically: u_ref or seed_ref is given.
@@ -798,7 +798,7 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
     level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
     codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
@@ -819,7 +819,7 @@ def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
     q = jnp.round(y).astype(jnp.int32) if u is None else _floor_to_int(y + u)
     codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
@@ -842,7 +842,7 @@ def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
     if u is not None:
       codes = _fp8_stochastic(y, codes, u, fmt)
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 # op -> (kernel, bits of a code, name of its per-group statistic's ref).
