@@ -496,7 +496,9 @@ def fp8_block_quantize_reference(
   and converted by XLA (``astype(float8)``, nearest even), or rounded
   stochastically to one of its two fp8 neighbours with ``stochastic_uniform``
   (``n`` floats in [0, 1)) or ``seed`` (uint32 ``(2,)``, element ``i``
-  drawing ``dither.to_unit(dither.hash_bits(seed, i))``).
+  drawing ``dither.to_unit(dither.hash_bits(seed, i))``): from XLA's nearest
+  code, with the kernel's arithmetic (the codes' values taken from their
+  bits), so that the codes are the kernel's bit for bit on every backend.
 
   Raises:
     ValueError: unknown ``format``; both ``stochastic_uniform`` and
@@ -513,17 +515,13 @@ def fp8_block_quantize_reference(
   u = _dither_source(n, stochastic_uniform, seed, required=False)
   if u is None:
     return near, scales
-  # XLA's own conversions for the values; the neighbour and probability as
-  # the kernel takes them.
-  near32 = near.astype(jnp.uint32)
-  near_f = jax.lax.bitcast_convert_type(near, dtype).astype(jnp.float32)
-  away = jnp.abs(near_f) < jnp.abs(y)
-  mag = jnp.clip((near32 & 0x7F).astype(jnp.int32) + jnp.where(away, 1, -1), 0, 0x7F)
-  other = (mag.astype(jnp.uint32) | jnp.where(y < 0, jnp.uint32(0x80), jnp.uint32(0)))
-  other_f = jax.lax.bitcast_convert_type(other.astype(jnp.uint8), dtype).astype(jnp.float32)
-  gap = jnp.abs(other_f - near_f)
-  p_other = jnp.where(gap > 0, jnp.abs(y - near_f) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  return jnp.where(u < p_other, other, near32).astype(jnp.uint8), scales
+  # From XLA's nearest code, the kernel's own arithmetic: the codes' values
+  # from their bits, not by converting ``near`` back to float32. XLA on a
+  # GPU removes a float32 -> fp8 -> float32 round trip as excess precision
+  # (SimplifyFPConversions, with xla_allow_excess_precision on by
+  # default), which made ``near``'s value ``y`` itself, the probability 0
+  # and the codes nearest rather than stochastic there.
+  return _fp8_stochastic(y, near.astype(jnp.uint32), u, format).astype(jnp.uint8), scales
 
 
 # ----------------------------------------------------------------------------
