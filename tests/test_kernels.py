@@ -342,6 +342,31 @@ def test_fp8_reference_holds_no_float_round_trip(fmt):
   assert len(_float_convert_chains(hlo)) == 1, hlo
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_dequantize_takes_values_from_bits(fmt):
+  """The fp8 decoder equals XLA's conversion of every finite code times the
+  block's scale, and a program that encodes and decodes holds no float
+  round trip (which XLA on a GPU would fold to the unrounded value)."""
+  _, _, _, _, dt = quantize.FP8_FORMATS[fmt]
+  codes = jnp.arange(256, dtype=jnp.uint32).astype(jnp.uint8)
+  scales = jnp.array([0.5, 3.0], jnp.float32)
+  got = quantize.fp8_block_dequantize_reference(codes, scales, block_size=128,
+                                                n=256, format=fmt)
+  want = (jax.lax.bitcast_convert_type(codes, dt).astype(jnp.float32)
+          * jnp.repeat(scales, 128))
+  finite = np.isfinite(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
+
+  def roundtrip(x, s):
+    codes, scales = quantize.fp8_block_quantize_reference(
+        x, block_size=128, format=fmt, seed=s)
+    return quantize.fp8_block_dequantize_reference(
+        codes, scales, block_size=128, n=x.size, format=fmt)
+
+  hlo = jax.jit(roundtrip).lower(jax.ShapeDtypeStruct((4096,), jnp.float32),
+                                 jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  assert _float_convert_chains(hlo) == []
+
 class TestKernelsCompiled:
   """The Pallas kernels against their references, compiled (Mosaic GPU):
   skipped off an NVIDIA GPU, where :class:`TestKernelsInterpret` runs the

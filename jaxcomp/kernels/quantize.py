@@ -524,6 +524,33 @@ def fp8_block_quantize_reference(
   return _fp8_stochastic(y, near.astype(jnp.uint32), u, format).astype(jnp.uint8), scales
 
 
+def fp8_block_dequantize_reference(codes: jax.Array, scales: jax.Array, *,
+                                   block_size: int, n: int,
+                                   format: str = "e4m3") -> jax.Array:  # pylint: disable=redefined-builtin
+  """Inverse of :func:`fp8_block_quantize_reference`: float32 ``(n,)``, each
+  code's value times its block's scale.
+
+  The values are taken from the codes' bits (exact for every finite code;
+  NaN codes decode to unspecified values), not by XLA's fp8 -> float32
+  conversion: in a program that also encodes (a local decode of one's own
+  payload), XLA on a GPU would fold that conversion with the encoder's
+  float32 -> fp8 one and decode the unrounded value (excess precision).
+
+  Args:
+    codes: uint8 ``(m,)`` fp8 codes, ``m >= n``.
+    scales: float32 ``(ceil(n / block_size),)`` (or more).
+    block_size: elements per scale.
+    n: elements to decode.
+    format: ``"e4m3"`` or ``"e5m2"``.
+
+  Raises:
+    ValueError: unknown ``format``.
+  """
+  _fp8_format(format)
+  v = _fp8_value(codes.reshape(-1)[:n].astype(jnp.uint32), format)
+  return v * per_element(scales.astype(jnp.float32), block_size, n)
+
+
 # ----------------------------------------------------------------------------
 # Pallas (Mosaic GPU) kernel.
 # ----------------------------------------------------------------------------
