@@ -234,6 +234,21 @@ def test_many_blocks_run_on_a_persistent_pipelined_grid(name, dtype):
   assert launch.grid[0] < _launch.DEFAULT_SM_COUNT and launch.loops == 0, launch
 
 
+def test_kernel_launches_reads_every_kernel_of_a_module():
+  """Every Mosaic GPU kernel of a module is read, those inside a loop or a
+  conditional's branch too: top-k's mask kernel and its fallback's radix
+  count kernels (the walk keeps the parsed module alive while it reads the
+  calls' operations)."""
+  from jaxcomp.kernels import topk
+  launches = structure.kernel_launches(lambda v: topk.topk(v, 1000),
+                                       S((1 << 20,), jnp.float32))
+  assert len(launches) >= 2, launches
+  for launch in launches:
+    assert launch.threads == (128, 1, 1), launch
+    assert launch.grid[0] >= 1 and launch.grid[1:] == (1, 1), launch
+    assert launch.shared_bytes is not None and 0 < launch.shared_bytes <= 227 * 1024, launch
+
+
 def test_pipeline_stages_fit_shared_memory():
   assert _launch.pipeline_stages(36 * 1024, 100) == 3
   assert _launch.pipeline_stages(84 * 1024, 100) == 2  # 3 would need 252 KiB

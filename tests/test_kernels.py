@@ -8,6 +8,7 @@ block (64 rows x 32 = 2048 elements here) so the padded tail is exercised.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -251,6 +252,121 @@ def test_fp8_integer_rounding_is_xlas_conversion(fmt):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _fp8_boundary_case(fmt: str, block: int):
+  """Inputs on which fp8 rounding differences would show, with the uniform
+  numbers that decide their stochastic rounding: ``(x float32 (n,), u
+  float32 (n,))``, ``n`` a whole number of ``block``-element blocks.
+
+  Each block starts with ``F`` (the format's largest value, ``F / 2**3`` in
+  the scaled half), so that its scale is a power of two and ``y = x / scale``
+  is exact: the values ``y`` of a block are then exactly every fp8 value,
+  every midpoint between neighbours (ties to even) and the floats either
+  side of it, a quarter and three quarters of the way between neighbours,
+  and the subnormal ones, either sign, and ``-0.0``. ``u`` is 1/4, 1/2 or
+  3/4 (where it equals the probability of the far neighbour: ``u < p``
+  decides), or a float32 ulp either side of one of them.
+  """
+  _, _, fmax, _, dt = quantize.FP8_FORMATS[fmt]
+  vals = np.asarray(jax.lax.bitcast_convert_type(
+      jnp.arange(256, dtype=jnp.uint32).astype(jnp.uint8), dt).astype(jnp.float32))
+  grid = np.unique(vals[np.isfinite(vals) & (vals >= 0) & (vals <= fmax)])
+  lo, gap = grid[:-1], np.diff(grid)
+  mids = lo + gap / 2
+  y = np.concatenate([grid, mids, np.nextafter(mids, np.inf),
+                      np.nextafter(mids, -np.inf), lo + gap / 4,
+                      lo + 3 * gap / 4]).astype(np.float32)
+  y = np.concatenate([y, -y, [-0.0]]).astype(np.float32)
+  quarters = np.array([0.25, 0.5, 0.75], np.float32)
+  us = np.concatenate([quarters, np.nextafter(quarters, np.float32(0)),
+                       np.nextafter(quarters, np.float32(1))])
+  y = np.repeat(y, us.size)
+  u = np.tile(us, y.size // us.size)
+  per_block = block - 1
+  pad = -y.size % per_block
+  y = np.pad(y, (0, pad)).reshape(-1, per_block)
+  u = np.pad(u, (0, pad)).reshape(-1, per_block)
+  first = np.full((y.shape[0], 1), fmax, np.float32)
+  x = np.concatenate([first, y], axis=1)  # scale 1: y = x
+  scaled = x * np.float32(2.0 ** -3)  # scale 2**-3: y = 8 x, exact
+  u = np.concatenate([np.full_like(first, 0.5), u], axis=1)
+  return (jnp.asarray(np.concatenate([x, scaled]).reshape(-1)),
+          jnp.asarray(np.concatenate([u, u]).reshape(-1)))
+
+
+_HLO_OP_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[[^\]]*\]\S*\s+([\w\-]+)\(%?([\w.\-]*)")
+
+
+def _float_convert_chains(hlo: str) -> list[str]:
+  """Lines of an optimized HLO module that convert to a float type a value
+  converted to a float type (``f32 -> f8 -> f32``): the chains that XLA's
+  GPU pipeline removes as excess precision (SimplifyFPConversions), which
+  changes what the program computes."""
+  found, ops = [], {}
+  for line in hlo.splitlines():
+    if line.rstrip().endswith("{"):
+      ops = {}  # a new computation
+    m = _HLO_OP_RE.match(line)
+    if not m:
+      continue
+    name, dtype, opcode, operand = m.groups()
+    ops[name] = (dtype, opcode)
+    inner = ops.get(operand)
+    if (opcode == "convert" and _FLOAT_HLO_TYPE.match(dtype) and inner
+        and inner[1] == "convert" and _FLOAT_HLO_TYPE.match(inner[0])):
+      found.append(line.strip())
+  return found
+
+
+_FLOAT_HLO_TYPE = re.compile(r"^(f8\w*|bf16|f16|f32|f64)$")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_reference_holds_no_float_round_trip(fmt):
+  """The fp8 reference's stochastic rounding takes the nearest code's value
+  from its bits: it converts no float32 -> fp8 -> float32. XLA on a GPU
+  removes such a round trip (excess precision), which made the reference's
+  value of the nearest code ``y`` itself there, every probability 0 and its
+  codes nearest, not stochastic: a quarter of them one off the kernel's on
+  an H200. This CPU checks the optimized program for the chain."""
+  f = lambda x, s: quantize.fp8_block_quantize_reference(
+      x, block_size=128, format=fmt, seed=s)
+  hlo = jax.jit(f).lower(jax.ShapeDtypeStruct((4096,), jnp.float32),
+                         jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  assert "convert" in hlo
+  assert _float_convert_chains(hlo) == []
+  # The check sees the chain where there is one.
+  chain = lambda y: jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(
+      y.astype(jnp.float8_e4m3fn), jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+  hlo = jax.jit(chain).lower(jax.ShapeDtypeStruct((64,), jnp.float32)).compile().as_text()
+  assert len(_float_convert_chains(hlo)) == 1, hlo
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_dequantize_takes_values_from_bits(fmt):
+  """The fp8 decoder equals XLA's conversion of every finite code times the
+  block's scale, and a program that encodes and decodes holds no float
+  round trip (which XLA on a GPU would fold to the unrounded value)."""
+  _, _, _, _, dt = quantize.FP8_FORMATS[fmt]
+  codes = jnp.arange(256, dtype=jnp.uint32).astype(jnp.uint8)
+  scales = jnp.array([0.5, 3.0], jnp.float32)
+  got = quantize.fp8_block_dequantize_reference(codes, scales, block_size=128,
+                                                n=256, format=fmt)
+  want = (jax.lax.bitcast_convert_type(codes, dt).astype(jnp.float32)
+          * jnp.repeat(scales, 128))
+  finite = np.isfinite(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
+
+  def roundtrip(x, s):
+    codes, scales = quantize.fp8_block_quantize_reference(
+        x, block_size=128, format=fmt, seed=s)
+    return quantize.fp8_block_dequantize_reference(
+        codes, scales, block_size=128, n=x.size, format=fmt)
+
+  hlo = jax.jit(roundtrip).lower(jax.ShapeDtypeStruct((4096,), jnp.float32),
+                                 jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  assert _float_convert_chains(hlo) == []
+
 class TestKernelsCompiled:
   """The Pallas kernels against their references, compiled (Mosaic GPU):
   skipped off an NVIDIA GPU, where :class:`TestKernelsInterpret` runs the
@@ -432,6 +548,33 @@ class TestKernelsCompiled:
     assert not np.isfinite(float(got_scales[0])) and not np.isfinite(float(want_scales[0]))
     np.testing.assert_array_equal(got[block:], want[block:])
     np.testing.assert_array_equal(got_scales[1:], want_scales[1:])
+
+  @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+  @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+  def test_fp8_codes_equal_the_reference_at_rounding_boundaries(self, fmt, rounding):
+    """Bit for bit on the values where a different rounding would show
+    (:func:`_fp8_boundary_case`: every fp8 value, the midpoints and the
+    floats either side of them, -0.0, subnormals; stochastically, numbers
+    equal to each probability and an ulp either side): the kernel's codes
+    and scales are the XLA reference's, and stochastic codes are the
+    nearest code or its neighbour towards ``y``."""
+    block = 128
+    x, u = _fp8_boundary_case(fmt, block)
+    u = u if rounding == "stochastic" else None
+    codes, scales = quantize.fp8_block_quantize(
+        x, block_size=block, format=fmt, stochastic_uniform=u, config=QCFG,
+        interpret=self.INTERPRET)
+    want, want_scales = quantize.fp8_block_quantize_reference(
+        x, block_size=block, format=fmt, stochastic_uniform=u)
+    np.testing.assert_array_equal(scales, want_scales)
+    assert set(np.unique(np.asarray(scales))) == {1.0, 2.0 ** -3}
+    np.testing.assert_array_equal(codes, want)
+    near, _ = quantize.fp8_block_quantize_reference(x, block_size=block, format=fmt)
+    step = np.abs(np.asarray(codes, np.int32) - np.asarray(near, np.int32))
+    if rounding == "nearest":
+      assert not step.any()
+    else:  # both neighbours are taken, and nothing further
+      assert set(np.unique(step)) == {0, 1}
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
   def test_16_bit_inputs_read_in_place_equal_their_float32_values(self, dtype):

@@ -343,6 +343,35 @@ def kernel_ops(fn, *args) -> list[KernelOps]:
   return out
 
 
+# An enum attribute's text in the pre-0.11 form, ``#gpu<dim x>``, and the
+# same bytes in the form JAX 0.11's MLIR parses, ``#gpu.dim<x>``.
+_OLD_ENUM_ATTR_RE = re.compile(rb"#(gpu|nvvm)<(\w+) (\w+)>")
+_NEW_ENUM_ATTR = rb"#\1.\2<\3>"
+
+
+def _parse_kernel_module(bytecode: bytes) -> ir.Module:
+  """The Mosaic GPU kernel module serialized in a custom call's
+  ``backend_config`` (MLIR bytecode), parsed in the current context.
+
+  JAX 0.11 writes the gpu / nvvm enum attributes that its bytecode holds as
+  text (``#gpu<dim x>``: the thread and block ids' dimension) in the form
+  older MLIR printed, which its own MLIR no longer parses (``expected
+  '<'``); JAX 0.10 and 0.12 parse as written. Where parsing fails, the
+  module is parsed again with those attributes respelled ``#gpu.dim<x>``,
+  the same number of bytes, so that nothing else in the bytecode moves.
+
+  Raises:
+    jax.extend.mlir.ir.MLIRError: the bytecode does not parse either way.
+  """
+  try:
+    return ir.Module.parse(bytecode)
+  except ir.MLIRError:
+    respelled = _OLD_ENUM_ATTR_RE.sub(_NEW_ENUM_ATTR, bytecode)
+    if respelled == bytecode:
+      raise
+    return ir.Module.parse(respelled)
+
+
 _CONSTANT_RE = re.compile(
     r'\s*(%\d+) = "?[\w.]*arith\.constant"?\(?\)?\s*\{value = (-?\d+) : \w+\}')
 
@@ -386,9 +415,11 @@ def kernel_launches(fn, *args) -> list[KernelLaunch]:
               calls.append(o)
             walk(o.operation)
 
-    walk(ir.Module.parse(text).operation)
+    # The module must outlive the operations collected from it.
+    module = ir.Module.parse(text)
+    walk(module.operation)
     for call in calls:
-      body = str(ir.Module.parse(
+      body = str(_parse_kernel_module(
           call.attributes["mhlo.backend_config"]["module"].value_bytes))
       lines = body.splitlines()
       launch = next(l for l in lines if "gpu.launch" in l)

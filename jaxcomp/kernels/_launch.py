@@ -84,10 +84,16 @@ def tiled_spec(block_shape: tuple[int, int], index_map,
   ``(rows, 32)`` register tiles: TMA copies it in (8, 32) tiles with the
   swizzle of one tile row (128 bytes for float32, 64 for 16-bit types).
   :func:`blocked_call` drops the transforms in interpret mode."""
+  # JAX 0.12 derives the transforms from the typing.Protocol
+  # ``plgpu.Transform``, whose unimplemented ``transform_array`` pyright
+  # takes for abstract; both classes are concrete (and TMA needs no
+  # transform_array).
   return plgpu.BlockSpec(
       block_shape, index_map,
-      transforms=(plgpu.TilingTransform((8, ROW)),
-                  plgpu.SwizzleTransform(ROW * jnp.dtype(dtype).itemsize)))
+      transforms=(
+          plgpu.TilingTransform((8, ROW)),  # pyright: ignore[reportAbstractUsage]
+          plgpu.SwizzleTransform(  # pyright: ignore[reportAbstractUsage]
+              ROW * jnp.dtype(dtype).itemsize)))
 
 
 def rows_spec(block_rows: int) -> plgpu.BlockSpec:
@@ -123,6 +129,17 @@ class Block:
     """Casts a ``(rows, 32)`` value to the WGMMA register layout."""
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if self.compiled else x
 
+  def store(self, ref, value: jax.Array) -> None:
+    """Writes ``value`` to ``ref``, a kernel ref or a view of one such as
+    ``ref.at[:, k]`` (a column of a 2-D output block: a strided store of a
+    per-row value), as ``ref[...] = value`` does in interpret mode; on
+    Mosaic GPU without asking for a bank-conflict-free transfer plan
+    (:func:`_store_unplanned`)."""
+    if self.compiled:
+      _store_unplanned(ref, value)
+    else:
+      ref[...] = value
+
   def row(self, x: jax.Array) -> jax.Array:
     """Casts a ``(rows,)`` value to the layout of a WGMMA row reduction."""
     if self.compiled:
@@ -136,6 +153,28 @@ class Block:
   def row_iota(self, rows: int) -> jax.Array:
     """uint32 row index ``0..rows-1`` of each element of a row block."""
     return self.tile(jax.lax.broadcasted_iota(jnp.uint32, (rows, ROW), 0))
+
+
+# JAX 0.12's public store with a choice of transfer plan (None before).
+_PLGPU_STORE = getattr(plgpu, "store", None)
+
+
+def _store_unplanned(ref, value: jax.Array) -> None:
+  """``ref[...] = value`` on Mosaic GPU as JAX 0.10 and 0.11 lower it for a
+  ref without TMA transforms: one vector transfer per register, no
+  transfer plan. JAX 0.12 lowers ``ref[...] =`` as an optimized transfer
+  (and reads the old value first), which must prove that no vector crosses
+  a 16-byte swizzle tile and that no bank conflicts occur; a per-row value
+  stored into a column of a ``(rows, width)`` block, rows ``width`` words
+  apart, has no such proof unless ``width`` divides 4
+  (``TransferPlanDerivationError: Failed to prove that vector transfers
+  don't cross swizzle tile boundaries``). ``plgpu.store(...,
+  optimized=False)``, new in 0.12, is the old lowering. The one place that
+  spells the difference."""
+  if _PLGPU_STORE is None:
+    ref[...] = value
+  else:
+    _PLGPU_STORE(ref, value, optimized=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -496,7 +496,9 @@ def fp8_block_quantize_reference(
   and converted by XLA (``astype(float8)``, nearest even), or rounded
   stochastically to one of its two fp8 neighbours with ``stochastic_uniform``
   (``n`` floats in [0, 1)) or ``seed`` (uint32 ``(2,)``, element ``i``
-  drawing ``dither.to_unit(dither.hash_bits(seed, i))``).
+  drawing ``dither.to_unit(dither.hash_bits(seed, i))``): from XLA's nearest
+  code, with the kernel's arithmetic (the codes' values taken from their
+  bits), so that the codes are the kernel's bit for bit on every backend.
 
   Raises:
     ValueError: unknown ``format``; both ``stochastic_uniform`` and
@@ -513,17 +515,40 @@ def fp8_block_quantize_reference(
   u = _dither_source(n, stochastic_uniform, seed, required=False)
   if u is None:
     return near, scales
-  # XLA's own conversions for the values; the neighbour and probability as
-  # the kernel takes them.
-  near32 = near.astype(jnp.uint32)
-  near_f = jax.lax.bitcast_convert_type(near, dtype).astype(jnp.float32)
-  away = jnp.abs(near_f) < jnp.abs(y)
-  mag = jnp.clip((near32 & 0x7F).astype(jnp.int32) + jnp.where(away, 1, -1), 0, 0x7F)
-  other = (mag.astype(jnp.uint32) | jnp.where(y < 0, jnp.uint32(0x80), jnp.uint32(0)))
-  other_f = jax.lax.bitcast_convert_type(other.astype(jnp.uint8), dtype).astype(jnp.float32)
-  gap = jnp.abs(other_f - near_f)
-  p_other = jnp.where(gap > 0, jnp.abs(y - near_f) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  return jnp.where(u < p_other, other, near32).astype(jnp.uint8), scales
+  # From XLA's nearest code, the kernel's own arithmetic: the codes' values
+  # from their bits, not by converting ``near`` back to float32. XLA on a
+  # GPU removes a float32 -> fp8 -> float32 round trip as excess precision
+  # (SimplifyFPConversions, with xla_allow_excess_precision on by
+  # default), which made ``near``'s value ``y`` itself, the probability 0
+  # and the codes nearest rather than stochastic there.
+  return _fp8_stochastic(y, near.astype(jnp.uint32), u, format).astype(jnp.uint8), scales
+
+
+def fp8_block_dequantize_reference(codes: jax.Array, scales: jax.Array, *,
+                                   block_size: int, n: int,
+                                   format: str = "e4m3") -> jax.Array:  # pylint: disable=redefined-builtin
+  """Inverse of :func:`fp8_block_quantize_reference`: float32 ``(n,)``, each
+  code's value times its block's scale.
+
+  The values are taken from the codes' bits (exact for every finite code;
+  NaN codes decode to unspecified values), not by XLA's fp8 -> float32
+  conversion: in a program that also encodes (a local decode of one's own
+  payload), XLA on a GPU would fold that conversion with the encoder's
+  float32 -> fp8 one and decode the unrounded value (excess precision).
+
+  Args:
+    codes: uint8 ``(m,)`` fp8 codes, ``m >= n``.
+    scales: float32 ``(ceil(n / block_size),)`` (or more).
+    block_size: elements per scale.
+    n: elements to decode.
+    format: ``"e4m3"`` or ``"e5m2"``.
+
+  Raises:
+    ValueError: unknown ``format``.
+  """
+  _fp8_format(format)
+  v = _fp8_value(codes.reshape(-1)[:n].astype(jnp.uint32), format)
+  return v * per_element(scales.astype(jnp.float32), block_size, n)
 
 
 # ----------------------------------------------------------------------------
@@ -725,7 +750,7 @@ def _word_shift(col, bits: int):
 
 
 def _store_words(codes, k: int, words_ref, *, col, shift, bits: int,
-                 word_major: bool) -> None:
+                 word_major: bool, block: _launch.Block) -> None:
   """Packs the uint32 codes of slice ``k`` into its ``bits`` words per row
   (disjoint bit ranges: the sum is the bitwise or)."""
   shifted = codes << shift
@@ -737,7 +762,7 @@ def _store_words(codes, k: int, words_ref, *, col, shift, bits: int,
     if word_major:
       words_ref[k * bits + w] = word
     else:
-      words_ref[:, k * bits + w] = word
+      block.store(words_ref.at[:, k * bits + w], word)
 
 
 def _block_multiplier(xs, plan, block, scales_ref, mult_ref, top: float):
@@ -764,7 +789,7 @@ def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _Plan,
   shift = _word_shift(col, 1)
   for k, x in enumerate(xs):
     _store_words((x < 0).astype(jnp.uint32), k, words_ref, col=col,
-                 shift=shift, bits=1, word_major=word_major)
+                 shift=shift, bits=1, word_major=word_major, block=block)
 
 
 def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
@@ -785,7 +810,7 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
     ms = []
     for k, v in enumerate(xs):
       norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
-      norms_ref[:, k] = norm
+      block.store(norms_ref.at[:, k], norm)
       ms.append(_per_row(_qsgd_multiplier(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   # QSGD always rounds stochastically: u_ref or seed_ref is given.
@@ -798,7 +823,7 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
     level = jnp.minimum(_floor_to_int(r + u), levels).astype(jnp.uint32)
     codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
@@ -819,7 +844,7 @@ def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
     q = jnp.round(y).astype(jnp.int32) if u is None else _floor_to_int(y + u)
     codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
@@ -842,7 +867,7 @@ def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
     if u is not None:
       codes = _fp8_stochastic(y, codes, u, fmt)
     _store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                 word_major=word_major)
+                 word_major=word_major, block=block)
 
 
 # op -> (kernel, bits of a code, name of its per-group statistic's ref).
