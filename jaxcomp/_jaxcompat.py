@@ -5,12 +5,15 @@ Read here: the mesh axes a value varies over inside ``jax.shard_map``
 (``manual_axis_type.varying`` of ``jax.typeof(x)``: ``.vma`` before JAX
 0.10, ``.mat`` as an alias from 0.10; ``manual_axis_type`` is the name that
 JAX 0.10.2, 0.11.2 and 0.12.0.1 all have, and that ``jax.ShapeDtypeStruct``
-takes). Nothing here imports ``jax._src`` or reads a jaxpr's equations.
+takes); and a Mosaic GPU store without a transfer plan (``ref[...] = v``
+before JAX 0.12, ``plgpu.store(..., optimized=False)`` from it). Nothing
+here imports ``jax._src`` or reads a jaxpr's equations.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def varying_axes(x) -> frozenset[str]:
@@ -31,3 +34,25 @@ def manual_type(x):
   say) the same type: ``jax.ShapeDtypeStruct(shape, dtype,
   manual_axis_type=manual_type(x))``."""
   return jax.typeof(x).manual_axis_type
+
+
+# JAX 0.12's public store with a choice of transfer plan (None before).
+_PLGPU_STORE = getattr(plgpu, "store", None)
+
+
+def store_unplanned(ref, value: jax.Array) -> None:
+  """``ref[...] = value`` on Mosaic GPU as JAX 0.10 and 0.11 lower it for a
+  ref without TMA transforms: one vector transfer per register, no
+  transfer plan. JAX 0.12 lowers ``ref[...] =`` as an optimized transfer
+  (and reads the old value first), which must prove that no vector crosses
+  a 16-byte swizzle tile and that no bank conflicts occur; a per-row value
+  stored into a column of a ``(rows, width)`` block, rows ``width`` words
+  apart, has no such proof unless ``width`` divides 4
+  (``TransferPlanDerivationError: Failed to prove that vector transfers
+  don't cross swizzle tile boundaries``). ``plgpu.store(...,
+  optimized=False)``, new in 0.12, is the old lowering. The one place that
+  spells the difference."""
+  if _PLGPU_STORE is None:
+    ref[...] = value
+  else:
+    _PLGPU_STORE(ref, value, optimized=False)

@@ -251,10 +251,14 @@ class FP8Block(_Rounded):
     return {"values": bits, "scales": scales}
 
   def decode(self, payload, n, key):
+    # From the codes' bits, not XLA's fp8 -> float32 conversion: a device
+    # decoding its own payload (error feedback's local decode) holds the
+    # encoder's float32 -> fp8 conversion in the same program, and XLA on a
+    # GPU folds that round trip into the unrounded value.
     del key
-    dtype, _ = FP8_FORMATS[self.format]
-    v = lax.bitcast_convert_type(payload["values"], dtype).astype(jnp.float32)
-    return v * quantize.per_element(payload["scales"], self.block_size, n)
+    return quantize.fp8_block_dequantize_reference(
+        payload["values"], payload["scales"], block_size=self.block_size,
+        n=n, format=self.format)
 
   def payload_bytes(self, n: int) -> int:
     return n + 4 * (-(-n // self.block_size))

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcomp._jaxcompat import manual_type
+from jaxcomp._jaxcompat import store_unplanned
 
 ROW = 32  # float32 values per row: 128 bytes.
 
@@ -134,9 +135,9 @@ class Block:
     ``ref.at[:, k]`` (a column of a 2-D output block: a strided store of a
     per-row value), as ``ref[...] = value`` does in interpret mode; on
     Mosaic GPU without asking for a bank-conflict-free transfer plan
-    (:func:`_store_unplanned`)."""
+    (:func:`jaxcomp._jaxcompat.store_unplanned`)."""
     if self.compiled:
-      _store_unplanned(ref, value)
+      store_unplanned(ref, value)
     else:
       ref[...] = value
 
@@ -153,28 +154,6 @@ class Block:
   def row_iota(self, rows: int) -> jax.Array:
     """uint32 row index ``0..rows-1`` of each element of a row block."""
     return self.tile(jax.lax.broadcasted_iota(jnp.uint32, (rows, ROW), 0))
-
-
-# JAX 0.12's public store with a choice of transfer plan (None before).
-_PLGPU_STORE = getattr(plgpu, "store", None)
-
-
-def _store_unplanned(ref, value: jax.Array) -> None:
-  """``ref[...] = value`` on Mosaic GPU as JAX 0.10 and 0.11 lower it for a
-  ref without TMA transforms: one vector transfer per register, no
-  transfer plan. JAX 0.12 lowers ``ref[...] =`` as an optimized transfer
-  (and reads the old value first), which must prove that no vector crosses
-  a 16-byte swizzle tile and that no bank conflicts occur; a per-row value
-  stored into a column of a ``(rows, width)`` block, rows ``width`` words
-  apart, has no such proof unless ``width`` divides 4
-  (``TransferPlanDerivationError: Failed to prove that vector transfers
-  don't cross swizzle tile boundaries``). ``plgpu.store(...,
-  optimized=False)``, new in 0.12, is the old lowering. The one place that
-  spells the difference."""
-  if _PLGPU_STORE is None:
-    ref[...] = value
-  else:
-    _PLGPU_STORE(ref, value, optimized=False)
 
 
 @dataclasses.dataclass(frozen=True)
