@@ -31,7 +31,6 @@ speedup over dense (uncompressed float32 all-reduce with the same buckets).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -598,10 +597,7 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
   Returns:
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
   """
-  if not isinstance(network, costs.Network):
-    raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
-  if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-    raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+  _check_network_and_sync(network, sync_every)
   if output in ("islands", "islands_fsdp"):
     return _islands(profile, compressor, network, codec=codec, buckets=buckets,
                     overlap=overlap, collective=collective,
@@ -609,180 +605,296 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
                     messages_per_bucket=messages_per_bucket,
                     sharded=output == "islands_fsdp", sync_every=sync_every)
   if sync_every > 1:
-    if output != "mean":
-      raise ValueError("sync_every > 1 (DiLoCo) runs with output='mean', "
-                       "'islands' or 'islands_fsdp'")
-    one = predict(profile, compressor, network, codec=codec, buckets=buckets,
-                  overlap="serial", collective=collective,
-                  error_feedback=error_feedback,
-                  messages_per_bucket=messages_per_bucket)
-    extra = (one.step_time - profile.compute_time) / sync_every
-    t = profile.compute_time + extra
-    return dataclasses.replace(
-        one, step_time=t, comm_time=one.comm_time / sync_every,
-        exposed_comm=one.comm_time / sync_every,
-        compute_time=profile.compute_time + one.codec_time / sync_every,
-        codec_time=one.codec_time / sync_every,
-        scaling_factor=profile.compute_time / t if t > 0 else 1.0,
-        bytes_per_worker=one.bytes_per_worker / sync_every)
-  codec = codec or CodecCost()
+    return _diloco(profile, compressor, network, codec=codec, buckets=buckets,
+                   collective=collective, error_feedback=error_feedback,
+                   messages_per_bucket=messages_per_bucket, output=output,
+                   sync_every=sync_every)
   mode = _overlap_mode(overlap)
   kind = _comm_kind(compressor, collective)
-  p = network.workers
-  sizes = profile.layer_sizes
+  pricing = _pricing(compressor, network, kind, codec=codec or CodecCost(),
+                     output=output, error_feedback=error_feedback,
+                     messages_per_bucket=messages_per_bucket)
+  plan = bucket_plan(buckets, profile,
+                     comm_time=lambda nbytes: _bucket_comm(pricing, int(nbytes) // 4))
+  line = _forward(pricing, profile)
+  _backward(pricing, profile, plan, mode, line)
+  _decode_arrivals(line, mode)
+  line.t += profile.update_time
+  return _prediction(profile, line, num_buckets=len(plan), collective=kind)
 
+
+def _check_network_and_sync(network, sync_every) -> None:
+  """Raises unless ``network`` is a Network and ``sync_every`` an integer >= 1."""
+  if not isinstance(network, costs.Network):
+    raise TypeError(f"network must be a jaxcomp.perfmodel.Network, got {type(network).__name__}")
+  if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+    raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+
+
+def _diloco(profile: ModelProfile, compressor, network: costs.Network, *,
+            output: str, sync_every: int, **kw) -> Prediction:
+  """:func:`predict` for ``sync_every > 1``: the step plus ``1 / H`` of a serial exchange."""
+  if output != "mean":
+    raise ValueError("sync_every > 1 (DiLoCo) runs with output='mean', "
+                     "'islands' or 'islands_fsdp'")
+  one = predict(profile, compressor, network, overlap="serial", **kw)
+  extra = (one.step_time - profile.compute_time) / sync_every
+  t = profile.compute_time + extra
+  return dataclasses.replace(
+      one, step_time=t, comm_time=one.comm_time / sync_every,
+      exposed_comm=one.comm_time / sync_every,
+      compute_time=profile.compute_time + one.codec_time / sync_every,
+      codec_time=one.codec_time / sync_every,
+      scaling_factor=profile.compute_time / t if t > 0 else 1.0,
+      bytes_per_worker=one.bytes_per_worker / sync_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pricing:
+  """What prices one bucket's exchange in :func:`predict` (output ``"mean"``,
+  ``"shard"`` or ``"hsdp"``).
+
+  Attributes:
+    compressor: as passed to :func:`predict`.
+    payload: the compressor as the collectives read it (:func:`_payload_view`).
+    library: the library collective for the bucket's kind.
+    network: the whole network (``p = network.workers``).
+    output: ``"mean"``, ``"shard"`` or ``"hsdp"``.
+    group: the axis sizes the collectives are asked for.
+    nets: HSDP's networks by axis name (``"devices"``, ``"hosts"``); empty
+      otherwise (every transfer runs on ``network``).
+    codec: encode/decode cost.
+    error_feedback: whether each worker also decodes its own payloads.
+    cache: each bucket size's transfers, read for its time, codec and bytes.
+  """
+
+  compressor: Any
+  payload: _compressors.Compressor
+  library: Any
+  network: costs.Network
+  output: str
+  group: dict[str, int]
+  nets: dict[AxisName, costs.Network]
+  codec: CodecCost
+  error_feedback: bool
+  cache: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
+def _pricing(compressor, network: costs.Network, kind: str, *, codec: CodecCost,
+             output: str, error_feedback: bool | None,
+             messages_per_bucket: int | None) -> _Pricing:
+  """Checks ``output`` against the compressor and network and builds its :class:`_Pricing`."""
   payload = _payload_view(compressor, messages_per_bucket)
   library = _library_collective(compressor, kind)
-  group = {"data": p}
-
-  def resolved(n: int):
-    """The collective that carries an ``n``-element bucket."""
-    if isinstance(library, collectives.Auto):
-      return library.pick(payload, n, wire.devices(group))
-    return library
-
-  shard = output == "shard"
-  hsdp = output == "hsdp"
+  group = {"data": network.workers}
   if output not in OUTPUTS:
     raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-  if shard and not library.reduce_scatter:
+  if output == "shard" and not library.reduce_scatter:
     raise ValueError(f"output='shard' cannot use {compressor.name!r}: it runs its "
                      "own exchange of whole tensors")
   nets: dict[AxisName, costs.Network] = {}
-  if hsdp:
-    if network.algorithm != "hierarchical":
-      raise ValueError(
-          "output='hsdp' shards inside a node and replicates across nodes: pass "
-          "Network(workers, link, algorithm='hierarchical', workers_per_node=g, "
-          "intra=Link(...))")
-    g = network.workers_per_node
-    hosts = p // g
-    assert network.intra is not None  # Network checks it for "hierarchical"
-    # The g devices of a node exchange their shards across nodes at once,
-    # through the node's one link: each sees 1/g of its bandwidth.
-    nets = {"devices": costs.Network(g, network.intra),
-            "hosts": costs.Network(hosts, costs.Link(network.link.alpha,
-                                                     network.link.beta * g))}
-    group = {"hosts": hosts}  # what resolved() picks for
-
-  def shard_of(n: int) -> int:
-    """HSDP: elements of a device's shard of an ``n``-element bucket."""
-    return collectives.chunk_size(n, nets["devices"].workers)
-
-  # Each bucket's transfers are read for its time, its codec and its bytes.
-  @functools.cache
-  def transfers(n: int):
-    if shard:
-      n = p * collectives.chunk_size(n, p)
-      return library.reduce_scatter_transfers(payload, n, group)
-    if hsdp:
-      # The exact float32 reduce-scatter inside the node, then the shard's
-      # compressed mean across nodes.
-      g, c = nets["devices"].workers, shard_of(n)
-      inside = wire.transfers("reduce-scatter", [4 * g * c], "devices",
-                              {"devices": g}) if g > 1 else ()
-      # The shards are 1-D: a library compressor that treats shapes apart
-      # (PowerSGD without view="flat") is priced on a 1-D bucket.
-      across = (resolved(c).transfers(payload, ((c,),), group)
-                if _is_library(compressor)
-                else resolved(c).buffer_transfers(payload, c, group))
-      return inside + tuple(across)
-    return resolved(n).buffer_transfers(payload, n, group)
-
-  def bucket_comm(n: int) -> float:
-    return sum(costs.transfer_time(t, nets.get(t.axis_name, network))
-               for t in transfers(n))
-
-  def bucket_codec(n: int) -> tuple[float, float]:
-    """(encode before the exchange, decode work after it), seconds."""
-    if hsdp:
-      # The shard's compressed mean across the nodes (the exact
-      # reduce-scatter inside the node has no codec).
-      return mean_codec(shard_of(n), nets["hosts"].workers,
-                        [t for t in transfers(n) if t.axis_name == "hosts"])
-    if shard:
-      c = collectives.chunk_size(n, p)
-      summed = all(t.kind == "reduce-scatter" for t in transfers(n))
-      # p chunk encodes; the owner decodes its chunk's p payloads (one sum
-      # for a reduce-scatter), and error feedback the p own chunk payloads.
-      dec = (1 if summed else p) + (p if error_feedback else 0)
-      return p * codec.encode(c), dec * codec.decode(c)
-    return mean_codec(n, p, transfers(n))
-
-  def mean_codec(n: int, workers: int, ts) -> tuple[float, float]:
-    """The codec of an ``n``-element bucket's mean over ``workers`` by its
-    collective, whose transfers are ``ts``."""
-    if isinstance(resolved(n), collectives.TwoPhase):
-      c = collectives.chunk_size(n, workers)
-      # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
-      # the gathered chunks, and (error feedback) the p own chunk payloads.
-      dec = ((2 * workers + (workers if error_feedback else 0)) * codec.decode(c)
-             + codec.encode(c))
-      return workers * codec.encode(c), dec
-    summed = all(t.kind == "all-reduce" for t in ts)
-    decodes = (1 if summed else workers) + (1 if error_feedback else 0)
-    return codec.encode(n), decodes * codec.decode(n)
-
-  plan = bucket_plan(buckets, profile,
-                     comm_time=lambda nbytes: bucket_comm(int(nbytes) // 4))
-
+  if output == "hsdp":
+    nets = _hsdp_networks(network)
+    group = {"hosts": nets["hosts"].workers}  # what _resolved() picks for
   if error_feedback is None:
     error_feedback = bool(getattr(compressor, "biased", False))
-  comm_total = codec_total = sent = 0.0
-  t = 0.0
+  return _Pricing(compressor, payload, library, network, output, group, nets,
+                  codec, error_feedback)
+
+
+def _hsdp_networks(network: costs.Network) -> dict[AxisName, costs.Network]:
+  """HSDP's networks: ``"devices"`` inside a node, ``"hosts"`` across nodes."""
+  if network.algorithm != "hierarchical":
+    raise ValueError(
+        "output='hsdp' shards inside a node and replicates across nodes: pass "
+        "Network(workers, link, algorithm='hierarchical', workers_per_node=g, "
+        "intra=Link(...))")
+  g = network.workers_per_node
+  hosts = network.workers // g
+  assert network.intra is not None  # Network checks it for "hierarchical"
+  # The g devices of a node exchange their shards across nodes at once,
+  # through the node's one link: each sees 1/g of its bandwidth.
+  return {"devices": costs.Network(g, network.intra),
+          "hosts": costs.Network(hosts, costs.Link(network.link.alpha,
+                                                   network.link.beta * g))}
+
+
+def _resolved(pricing: _Pricing, n: int):
+  """The collective that carries an ``n``-element bucket."""
+  if isinstance(pricing.library, collectives.Auto):
+    return pricing.library.pick(pricing.payload, n, wire.devices(pricing.group))
+  return pricing.library
+
+
+def _shard_of(pricing: _Pricing, n: int) -> int:
+  """HSDP: elements of a device's shard of an ``n``-element bucket."""
+  return collectives.chunk_size(n, pricing.nets["devices"].workers)
+
+
+def _transfers(pricing: _Pricing, n: int) -> tuple:
+  """The transfers of an ``n``-element bucket's exchange (cached per size)."""
+  if n not in pricing.cache:
+    pricing.cache[n] = _exchange_transfers(pricing, n)
+  return pricing.cache[n]
+
+
+def _exchange_transfers(pricing: _Pricing, n: int) -> tuple:
+  """The transfers of an ``n``-element bucket's exchange, by ``pricing.output``."""
+  payload, group = pricing.payload, pricing.group
+  if pricing.output == "shard":
+    p = pricing.network.workers
+    n = p * collectives.chunk_size(n, p)
+    return pricing.library.reduce_scatter_transfers(payload, n, group)
+  if pricing.output == "hsdp":
+    # The exact float32 reduce-scatter inside the node, then the shard's
+    # compressed mean across nodes.
+    g, c = pricing.nets["devices"].workers, _shard_of(pricing, n)
+    inside = wire.transfers("reduce-scatter", [4 * g * c], "devices",
+                            {"devices": g}) if g > 1 else ()
+    # The shards are 1-D: a library compressor that treats shapes apart
+    # (PowerSGD without view="flat") is priced on a 1-D bucket.
+    across = (_resolved(pricing, c).transfers(payload, ((c,),), group)
+              if _is_library(pricing.compressor)
+              else _resolved(pricing, c).buffer_transfers(payload, c, group))
+    return inside + tuple(across)
+  return _resolved(pricing, n).buffer_transfers(payload, n, group)
+
+
+def _bucket_comm(pricing: _Pricing, n: int) -> float:
+  """Seconds of an ``n``-element bucket's collectives."""
+  return sum(costs.transfer_time(t, pricing.nets.get(t.axis_name, pricing.network))
+             for t in _transfers(pricing, n))
+
+
+def _bucket_codec(pricing: _Pricing, n: int) -> tuple[float, float]:
+  """(encode before the exchange, decode work after it), seconds."""
+  if pricing.output == "hsdp":
+    # The shard's compressed mean across the nodes (the exact
+    # reduce-scatter inside the node has no codec).
+    return _mean_codec(pricing, _shard_of(pricing, n), pricing.nets["hosts"].workers,
+                       [t for t in _transfers(pricing, n) if t.axis_name == "hosts"])
+  p, codec = pricing.network.workers, pricing.codec
+  if pricing.output == "shard":
+    c = collectives.chunk_size(n, p)
+    summed = all(t.kind == "reduce-scatter" for t in _transfers(pricing, n))
+    # p chunk encodes; the owner decodes its chunk's p payloads (one sum
+    # for a reduce-scatter), and error feedback the p own chunk payloads.
+    dec = (1 if summed else p) + (p if pricing.error_feedback else 0)
+    return p * codec.encode(c), dec * codec.decode(c)
+  return _mean_codec(pricing, n, p, _transfers(pricing, n))
+
+
+def _mean_codec(pricing: _Pricing, n: int, workers: int, ts) -> tuple[float, float]:
+  """The codec of an ``n``-element bucket's mean over ``workers`` by its
+  collective, whose transfers are ``ts``."""
+  codec, error_feedback = pricing.codec, pricing.error_feedback
+  if isinstance(_resolved(pricing, n), collectives.TwoPhase):
+    c = collectives.chunk_size(n, workers)
+    # p chunk encodes; then p chunk decodes, one re-encode, p decodes of
+    # the gathered chunks, and (error feedback) the p own chunk payloads.
+    dec = ((2 * workers + (workers if error_feedback else 0)) * codec.decode(c)
+           + codec.encode(c))
+    return workers * codec.encode(c), dec
+  summed = all(t.kind == "all-reduce" for t in ts)
+  decodes = (1 if summed else workers) + (1 if error_feedback else 0)
+  return codec.encode(n), decodes * codec.decode(n)
+
+
+@dataclasses.dataclass
+class _Timeline:
+  """One step's clock and running totals, seconds (``sent``: bytes), as
+  :func:`predict`'s steps advance them.
+
+  Attributes:
+    t: the compute stream's clock.
+    comm: collectives' time so far.
+    codec: encode and decode time so far.
+    sent: payload bytes each worker has sent.
+    net_free: when the network is next free.
+    arrivals: per exchanged bucket still to decode: (collective done, its
+      comm, its decode), seconds.
+  """
+
+  t: float = 0.0
+  comm: float = 0.0
+  codec: float = 0.0
+  sent: float = 0.0
+  net_free: float = 0.0
+  arrivals: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
+
+
+def _forward(pricing: _Pricing, profile: ModelProfile) -> _Timeline:
+  """The parameters' all-gathers (FSDP, HSDP) and the forward pass."""
+  line = _Timeline()
   # The forward pass waits for the parameters' all-gathers (float32): over
   # every worker (FSDP), or inside the node only (HSDP).
-  axis, gather_net = ("devices", nets["devices"]) if hsdp else ("data", network)
-  if (shard or hsdp) and gather_net.workers > 1:
+  hsdp = pricing.output == "hsdp"
+  axis, gather_net = ("devices", pricing.nets["devices"]) if hsdp else ("data", pricing.network)
+  if pricing.output in ("shard", "hsdp") and gather_net.workers > 1:
     w = gather_net.workers
-    gathers = [a for n in sizes if n > 0 for a in wire.transfers(
+    gathers = [a for n in profile.layer_sizes if n > 0 for a in wire.transfers(
         "all-gather", [4 * collectives.chunk_size(n, w)], axis, {axis: w})]
-    t = comm_total = sum(costs.transfer_time(a, gather_net) for a in gathers)
-  t += profile.forward_time
-  net_free = t
-  arrivals = []  # per exchanged bucket: (collective done, its comm, its decode), s
+    line.t = line.comm = sum(costs.transfer_time(a, gather_net) for a in gathers)
+  line.t += profile.forward_time
+  line.net_free = line.t
+  return line
+
+
+def _backward(pricing: _Pricing, profile: ModelProfile, plan, mode: str,
+              line: _Timeline) -> None:
+  """The backward pass bucket by bucket: each bucket's encode, then its collective."""
+  sizes = profile.layer_sizes
   for b in plan:
     n = sum(sizes[i] for i in b)
-    t += sum(profile.backward_times[i] for i in b)
-    if p > 1 and n > 0:
-      enc, dec = bucket_codec(n)
-      t += enc
-      codec_total += enc
-      c = bucket_comm(n)
-      sent += wire.operand_bytes(transfers(n))
-      comm_total += c
-      start = max(t if mode == "wfbp" else -1.0, net_free)
-      net_free = start + c
-      arrivals.append((net_free, c, dec))
+    line.t += sum(profile.backward_times[i] for i in b)
+    if pricing.network.workers > 1 and n > 0:
+      enc, dec = _bucket_codec(pricing, n)
+      line.t += enc
+      line.codec += enc
+      c = _bucket_comm(pricing, n)
+      line.sent += wire.operand_bytes(_transfers(pricing, n))
+      line.comm += c
+      start = max(line.t if mode == "wfbp" else -1.0, line.net_free)
+      line.net_free = start + c
+      line.arrivals.append((line.net_free, c, dec))
+
+
+def _decode_arrivals(line: _Timeline, mode: str) -> None:
+  """Each bucket's decode once its collective has arrived, as ``mode`` orders them."""
+  arrivals = line.arrivals
   if mode == "serial":
     # One thing at a time: each collective, then its decode.
     for _, c, dec in arrivals:
-      t += c + dec
-      codec_total += dec
+      line.t += c + dec
+      line.codec += dec
     arrivals = []
   elif mode == "after_backward":
     # No collective starts before the backward pass (and its encodes) ends.
-    net_free, shifted = t, []
+    net_free, shifted = line.t, []
     for _, c, dec in arrivals:
       net_free += c
       shifted.append((net_free, c, dec))
     arrivals = shifted
   for arrive, _, dec in arrivals:
-    t = max(t, arrive) + dec
-    codec_total += dec
-  t += profile.update_time
-  busy = profile.compute_time + codec_total
+    line.t = max(line.t, arrive) + dec
+    line.codec += dec
+
+
+def _prediction(profile: ModelProfile, line: _Timeline, *, num_buckets: int,
+                collective: str) -> Prediction:
+  """The :class:`Prediction` of a finished step's timeline."""
+  t = line.t
+  busy = profile.compute_time + line.codec
   return Prediction(
       step_time=t,
-      comm_time=comm_total,
+      comm_time=line.comm,
       exposed_comm=max(0.0, t - busy),
       compute_time=busy,
-      codec_time=codec_total,
+      codec_time=line.codec,
       scaling_factor=profile.compute_time / t if t > 0 else 1.0,
-      bytes_per_worker=sent,
-      num_buckets=len(plan),
-      collective=kind)
-
+      bytes_per_worker=line.sent,
+      num_buckets=num_buckets,
+      collective=collective)
 
 def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: costs.Network,
             *, codecs: Mapping[str, CodecCost] | None = None, buckets="layer",
