@@ -195,6 +195,35 @@ def launch(command: Sequence[str], num_processes: int, *,
     FileNotFoundError: ``command[0]`` is not an executable file (on the
       ``PATH`` the processes get); raised before any process starts.
   """
+  _check_launch_args(command, num_processes,
+                     devices_per_process=devices_per_process, port=port,
+                     grace=grace, timeout=timeout,
+                     heartbeat_timeout=heartbeat_timeout)
+  out = stdout or sys.stdout
+  base = _job_environment(env, port or free_port(), num_processes,
+                          heartbeat_timeout=heartbeat_timeout,
+                          devices_per_process=devices_per_process)
+  if grace is None:  # the survivors' watchers stop them within a heartbeat
+    grace = _default_grace(base)
+  argv, executable = _child_command(command, base)
+  job = _start(argv, executable, base, num_processes, out)
+  interrupted: list[int] = []
+  old_handlers = _catch_signals(interrupted)
+  try:
+    _watch(job, grace=grace, timeout=timeout,
+           preemption_grace=preemption_grace, interrupted=interrupted)
+  finally:
+    for sig, h in old_handlers.items():
+      signal.signal(sig, h)
+    _reap(job)
+  return _result(job, num_processes)
+
+
+def _check_launch_args(command: Sequence[str], num_processes: int, *,
+                       devices_per_process: int | None, port: int | None,
+                       grace: float | None, timeout: float | None,
+                       heartbeat_timeout: int | None) -> None:
+  """Raises ValueError for an empty command, a bad count or time, or a busy port."""
   if not command:
     raise ValueError("command is empty; put it after '--', e.g. "
                      "python -m jaxcomp.launch -n 2 -- python train.py")
@@ -212,21 +241,18 @@ def launch(command: Sequence[str], num_processes: int, *,
                      f"{timeout=}")
   if port is not None:
     check_port(port)
-  out = stdout or sys.stdout
-  port = port or free_port()
+
+
+def _job_environment(env: dict[str, str] | None, port: int, num_processes: int,
+                     *, heartbeat_timeout: int | None,
+                     devices_per_process: int | None) -> dict[str, str]:
+  """The environment every process shares (all but its process id)."""
   base = dict(os.environ)
   base.update(env or {})
   base[distributed.ENV_COORDINATOR] = f"127.0.0.1:{port}"
   base[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   if heartbeat_timeout is not None:
     base[distributed.ENV_HEARTBEAT] = str(int(heartbeat_timeout))
-  if grace is None:  # the survivors' watchers stop them within a heartbeat
-    try:
-      heartbeat = int(base.get(distributed.ENV_HEARTBEAT) or
-                      distributed.DEFAULT_HEARTBEAT_TIMEOUT)
-    except ValueError:
-      heartbeat = distributed.DEFAULT_HEARTBEAT_TIMEOUT
-    grace = float(heartbeat + _KILL_AFTER_S)
   if devices_per_process is not None:
     base["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in base.get("XLA_FLAGS", "").split()
@@ -234,15 +260,63 @@ def launch(command: Sequence[str], num_processes: int, *,
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     base["XLA_FLAGS"] = " ".join(flags)
   base["PYTHONUNBUFFERED"] = "1"
+  return base
 
+
+def _default_grace(base: dict[str, str]) -> float:
+  """The processes' heartbeat timeout (from ``base``) plus the kill delay, seconds."""
+  try:
+    heartbeat = int(base.get(distributed.ENV_HEARTBEAT) or
+                    distributed.DEFAULT_HEARTBEAT_TIMEOUT)
+  except ValueError:
+    heartbeat = distributed.DEFAULT_HEARTBEAT_TIMEOUT
+  return float(heartbeat + _KILL_AFTER_S)
+
+
+def _child_command(command: Sequence[str],
+                   base: dict[str, str]) -> tuple[list[str], str]:
+  """(argv, executable) that runs ``command`` under :data:`DIE_WITH_PARENT`."""
   program = _resolve(command[0], base.get("PATH"))
   if sys.executable:
     argv = [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT,
             str(os.getpid()), program, *command]
-    executable = sys.executable
-  else:  # an embedded interpreter has no python to run the stub with
-    argv, executable = list(command), program
+    return argv, sys.executable
+  # An embedded interpreter has no python to run the stub with.
+  return list(command), program
 
+
+@dataclasses.dataclass
+class _Job:
+  """A running job, as the launcher's polling loop updates it.
+
+  Attributes:
+    procs: the processes, by process id.
+    pumps: the threads that copy their output.
+    t0: when the first process started (``time.monotonic``).
+    failed: index of the first process that failed, or None.
+    status: the job's exit status so far.
+    deadline_kill: when to start terminating the processes still running.
+    terminated_at: when the launcher sent them SIGTERM.
+    message: the one-line summary so far.
+    exit_times: seconds from ``t0`` to each process's exit (None: running).
+    terminated: indices of the processes the launcher terminated.
+  """
+
+  procs: list[subprocess.Popen]
+  pumps: list[threading.Thread]
+  t0: float
+  failed: int | None = None
+  status: int = 0
+  deadline_kill: float | None = None
+  terminated_at: float | None = None
+  message: str = ""
+  exit_times: list[float | None] = dataclasses.field(default_factory=list)
+  terminated: list[int] = dataclasses.field(default_factory=list)
+
+
+def _start(argv: list[str], executable: str, base: dict[str, str],
+           num_processes: int, out) -> _Job:
+  """Starts the processes, each with its process id, and their output threads."""
   t0 = time.monotonic()
   procs, pumps = [], []
   for i in range(num_processes):
@@ -256,105 +330,132 @@ def launch(command: Sequence[str], num_processes: int, *,
                          daemon=True)
     t.start()
     pumps.append(t)
+  return _Job(procs, pumps, t0, exit_times=[None] * num_processes)
 
-  def say(msg):
-    print(f"jaxcomp.launch: {msg}", file=sys.stderr, flush=True)
 
-  def signal_all(sig, which):
-    for p in which:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, sig)
-        except ProcessLookupError:
-          pass
+def _say(msg: str) -> None:
+  """Prints a line of the launcher's own on stderr."""
+  print(f"jaxcomp.launch: {msg}", file=sys.stderr, flush=True)
 
-  interrupted = []
+
+def _signal_all(sig: int, which) -> None:
+  """Sends ``sig`` to the process group of each of ``which`` still running."""
+  for p in which:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, sig)
+      except ProcessLookupError:
+        pass
+
+
+def _catch_signals(interrupted: list[int]) -> dict:
+  """Appends SIGINT and SIGTERM to ``interrupted`` (main thread only); returns the old handlers."""
   old_handlers = {}
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
       old_handlers[sig] = signal.signal(
           sig, lambda s, f: interrupted.append(s))
+  return old_handlers
 
-  failed = None
-  status = 0
-  deadline_kill = None  # when to start terminating the rest
-  terminated_at = None
-  message = ""
-  exit_times: list[float | None] = [None] * num_processes
-  terminated: list[int] = []
-  try:
-    while True:
-      codes = [p.poll() for p in procs]
-      now = time.monotonic()
-      for i, c in enumerate(codes):
-        if c is not None and exit_times[i] is None:
-          exit_times[i] = now - t0
-      if failed is None and deadline_kill is None:
-        for i, c in enumerate(codes):
-          if c not in (None, 0):
-            failed, status = i, _exit_status(c)
-            alive = sum(c2 is None for c2 in codes)
-            message = (f"process {i} (pid {procs[i].pid}) failed with "
-                       f"{_describe_code(c)}")
-            say(f"{message}; stopping the other {alive} process(es)"
-                + (f" (after up to {grace:g} s)" if grace and alive else ""))
-            deadline_kill = now + grace
-            break
-      if all(c is not None for c in codes):
-        break
-      if interrupted and deadline_kill is None:
-        if interrupted[0] == signal.SIGTERM:
-          say(f"SIGTERM: forwarding it (preemption); the processes have "
-              f"{preemption_grace:g} s to checkpoint and exit")
-          signal_all(signal.SIGTERM, procs)
-          status, message = 128 + interrupted[0], "preempted"
-          deadline_kill = now + preemption_grace
-        else:
-          say(f"interrupted by {signal.Signals(interrupted[0]).name}; "
-              "stopping the job")
-          status, message = 128 + interrupted[0], "interrupted"
-          deadline_kill = now
-      if timeout is not None and now - t0 > timeout and deadline_kill is None:
-        say(f"the job ran past --timeout {timeout:g} s; stopping it")
-        status, message = 124, f"timed out after {timeout:g} s"
-        deadline_kill = now
-      if deadline_kill is not None and now >= deadline_kill:
-        if terminated_at is None:
-          terminated.extend(i for i, p in enumerate(procs) if p.poll() is None)
-          signal_all(signal.SIGTERM, procs)
-          terminated_at = now
-        elif now - terminated_at > _KILL_AFTER_S:
-          signal_all(signal.SIGKILL, procs)
-      time.sleep(0.05)
-  finally:
-    for sig, h in old_handlers.items():
-      signal.signal(sig, h)
-    signal_all(signal.SIGKILL, [p for p in procs if p.poll() is None])
-    for p in procs:
-      p.wait()
-    for t in pumps:
-      t.join(timeout=5)
-  seconds = time.monotonic() - t0
-  codes = [p.returncode for p in procs]
-  ends = [seconds if t is None else t for t in exit_times]
+
+def _watch(job: _Job, *, grace: float, timeout: float | None,
+           preemption_grace: float, interrupted: list[int]) -> None:
+  """Polls the processes every 50 ms until all have exited, stopping the job
+  when one fails, on a signal or past ``timeout``."""
+  while True:
+    codes = [p.poll() for p in job.procs]
+    now = time.monotonic()
+    for i, c in enumerate(codes):
+      if c is not None and job.exit_times[i] is None:
+        job.exit_times[i] = now - job.t0
+    if job.failed is None and job.deadline_kill is None:
+      _note_failure(job, codes, now, grace)
+    if all(c is not None for c in codes):
+      break
+    if interrupted and job.deadline_kill is None:
+      _note_signal(job, interrupted[0], now, preemption_grace)
+    if (timeout is not None and now - job.t0 > timeout
+        and job.deadline_kill is None):
+      _say(f"the job ran past --timeout {timeout:g} s; stopping it")
+      job.status, job.message = 124, f"timed out after {timeout:g} s"
+      job.deadline_kill = now
+    _stop_when_due(job, now)
+    time.sleep(0.05)
+
+
+def _note_failure(job: _Job, codes: list[int | None], now: float,
+                  grace: float) -> None:
+  """Records the first process that exited non-zero, giving the others ``grace`` s."""
+  for i, c in enumerate(codes):
+    if c not in (None, 0):
+      job.failed, job.status = i, _exit_status(c)
+      alive = sum(c2 is None for c2 in codes)
+      job.message = (f"process {i} (pid {job.procs[i].pid}) failed with "
+                     f"{_describe_code(c)}")
+      _say(f"{job.message}; stopping the other {alive} process(es)"
+           + (f" (after up to {grace:g} s)" if grace and alive else ""))
+      job.deadline_kill = now + grace
+      return
+
+
+def _note_signal(job: _Job, sig: int, now: float,
+                 preemption_grace: float) -> None:
+  """SIGTERM: forwards it, giving ``preemption_grace`` s; SIGINT: stops the job now."""
+  if sig == signal.SIGTERM:
+    _say(f"SIGTERM: forwarding it (preemption); the processes have "
+         f"{preemption_grace:g} s to checkpoint and exit")
+    _signal_all(signal.SIGTERM, job.procs)
+    job.status, job.message = 128 + sig, "preempted"
+    job.deadline_kill = now + preemption_grace
+  else:
+    _say(f"interrupted by {signal.Signals(sig).name}; stopping the job")
+    job.status, job.message = 128 + sig, "interrupted"
+    job.deadline_kill = now
+
+
+def _stop_when_due(job: _Job, now: float) -> None:
+  """Past the deadline, SIGTERM to the processes still running, SIGKILL 5 s later."""
+  if job.deadline_kill is not None and now >= job.deadline_kill:
+    if job.terminated_at is None:
+      job.terminated.extend(i for i, p in enumerate(job.procs) if p.poll() is None)
+      _signal_all(signal.SIGTERM, job.procs)
+      job.terminated_at = now
+    elif now - job.terminated_at > _KILL_AFTER_S:
+      _signal_all(signal.SIGKILL, job.procs)
+
+
+def _reap(job: _Job) -> None:
+  """Kills what still runs, waits for every process and joins the output threads."""
+  _signal_all(signal.SIGKILL, [p for p in job.procs if p.poll() is None])
+  for p in job.procs:
+    p.wait()
+  for t in job.pumps:
+    t.join(timeout=5)
+
+
+def _result(job: _Job, num_processes: int) -> JobResult:
+  """The :class:`JobResult` of a finished job, its summary said on stderr."""
+  seconds = time.monotonic() - job.t0
+  codes = [p.returncode for p in job.procs]
+  ends = [seconds if t is None else t for t in job.exit_times]
+  status, message, failed = job.status, job.message, job.failed
   if failed is not None:
     others = ", ".join(
         f"process {i}: {_describe_code(c)}"
-        + (" (terminated by the launcher)" if i in terminated else "")
+        + (" (terminated by the launcher)" if i in job.terminated else "")
         + f" at {ends[i] - ends[failed]:+.1f} s"
         for i, c in enumerate(codes) if i != failed)
     message += f"; {others}" if others else ""
-    say(f"job failed in {seconds:.1f} s: {message}")
+    _say(f"job failed in {seconds:.1f} s: {message}")
   elif message == "preempted" and all(c == 0 for c in codes):
     status = 0
     message = (f"preempted: all {num_processes} processes exited 0 in "
                f"{seconds:.1f} s")
-    say(message)
+    _say(message)
   elif status == 0:
     message = f"all {num_processes} processes exited 0 in {seconds:.1f} s"
-  return JobResult(status, codes, failed, ends, terminated, seconds,
+  return JobResult(status, codes, failed, ends, job.terminated, seconds,
                    message)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
