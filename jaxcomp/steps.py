@@ -322,37 +322,77 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
       out_specs=(params_spec, state_specs, out_aux_spec))
 
 
+def _model_state_mean(state, axis_name: AxisName):
+  """The model state a forward pass changed (BatchNorm statistics), its
+  floating leaves averaged over ``axis_name``, the others as they are."""
+  return jax.tree.map(
+      lambda x: lax.pmean(x, axis_name)
+      if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, state)
+
+
 def per_device_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     layout: Layout = DataParallel(),
                     axis_name: AxisName = "data", batch_spec: Any = None,
                     has_aux: bool = False, per_device_loss: bool = False,
-                    value_and_grad: Callable | None = None) -> Callable:
+                    value_and_grad: Callable | None = None,
+                    has_state: bool = False,
+                    apply_updates: bool = True) -> Callable:
   """The step of every layout on global arrays (``shard_map``'d, not
-  jitted): see the module docstring. :func:`make_train_step` jits it;
-  :func:`jaxcomp.lowcomm.local_step` calls it inside a user's own jit.
+  jitted): the one step body of jaxcomp (see the module docstring).
+  :func:`make_train_step` jits it; :func:`jaxcomp.lowcomm.local_step` calls
+  it inside a user's own jit; :func:`jaxcomp.flax.train_step` runs an NNX
+  model through it and :class:`CompressedValueAndGrad` takes its averaged
+  gradient.
 
-  ``value_and_grad(loss_fn, axis_name, has_aux=...)``, where given,
-  replaces the layout's per-device gradient.
+  Args:
+    loss_fn, tx, mesh, state_specs, layout, axis_name, batch_spec, has_aux,
+      per_device_loss: as :func:`make_train_step`.
+    value_and_grad: ``value_and_grad(loss_fn, axis_name, has_aux=...)``,
+      where given, replaces the layout's per-device gradient.
+    has_state: ``loss_fn(params, batch)`` returns ``(out, model_state)``:
+      ``out`` the loss (or ``(loss, aux)`` with ``has_aux``), and
+      ``model_state`` what the forward pass changed besides the parameters
+      (BatchNorm statistics, an NNX model's other variables), whose
+      floating leaves the step averages over ``axis_name`` and returns
+      replicated: the aux output is then ``(out, model_state)``.
+    apply_updates: False: the step returns ``tx``'s updates (the averaged
+      gradient, placed like the parameters) where it would return the new
+      parameters.
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, out)``.
   """
   check_mesh_axes(mesh, axis_name)
-  grad_fn = (value_and_grad(loss_fn, axis_name, has_aux=has_aux)
-             if value_and_grad is not None else
-             layout.value_and_grad(loss_fn, axis_name, has_aux=has_aux))
+  make_grad = value_and_grad or layout.value_and_grad
+  if has_state:
+    def loss_and_state(params, batch):
+      out, model_state = loss_fn(params, batch)
+      return (out[0] if has_aux else out), (out, model_state)
+    grad_fn = make_grad(loss_and_state, axis_name, has_aux=True)
+  else:
+    grad_fn = make_grad(loss_fn, axis_name, has_aux=has_aux)
 
   def step_fn(params, opt_state, batch):
     params = layout.enter(params)
     out, grads = grad_fn(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = layout.after_update(optax.apply_updates(params, updates),
-                                 opt_state)
-    return (layout.leave(params), opt_state,
-            step_loss(out, axis_name, per_device_loss))
+    if apply_updates:
+      params = layout.leave(layout.after_update(
+          optax.apply_updates(params, updates), opt_state))
+    else:
+      params = updates
+    if has_state:
+      (_, (out, model_state)) = out
+      return params, opt_state, (step_loss(out, axis_name, per_device_loss),
+                                 _model_state_mean(model_state, axis_name))
+    return params, opt_state, step_loss(out, axis_name, per_device_loss)
 
+  loss_spec = P(axis_name) if per_device_loss else P()
   return shard_train_step(
       step_fn, mesh=mesh, state_specs=state_specs,
       batch_spec=P(axis_name) if batch_spec is None else batch_spec,
       params_spec=layout.params_spec(axis_name),
-      out_aux_spec=P(axis_name) if per_device_loss else P())
+      out_aux_spec=(loss_spec, P()) if has_state else loss_spec)
 
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
@@ -557,17 +597,18 @@ class CompressedValueAndGrad:
     self.shapes = shapes
     self.shard_axis = axis_name if shard_axis is None else shard_axis
     self._data = _mesh.axes(axis_name)
-    if shapes is not None:
-      self.layout: Layout = FSDP(shapes, self.shard_axis)
-    else:
-      self.layout = DataParallel()
+    self.layout: Layout = (DataParallel() if shapes is None
+                           else FSDP(shapes, self.shard_axis))
     # GSPMD: the mesh has axes the transform does not average over.
     self.gspmd = shapes is None and any(
         a not in self._data and mesh.shape[a] > 1 for a in mesh.axis_names)
-    self._grad = self.layout.value_and_grad(loss_fn, axis_name,
-                                            has_aux=has_aux)
-    self.params_spec = self.layout.params_spec(axis_name)
     self.specs = None
+
+  @property
+  def params_spec(self):
+    """The parameters' partition spec(s) under ``shard_map`` (the layout's;
+    GSPMD: each leaf's, read by :meth:`init`)."""
+    return self.layout.params_spec(self.axis_name)
 
   def init(self, params):
     """The transform's state for ``params``, placed on the mesh (per-device
@@ -582,8 +623,8 @@ class CompressedValueAndGrad:
         a parameter the GSPMD route cannot keep (see the class).
     """
     placement.check_array_leaves(params)
-    if self.gspmd:
-      self.params_spec = _leaf_specs_of(params, self.mesh, self._data)
+    if self.gspmd:  # the layout of the leaves GSPMD shards over model axes
+      self.layout = DataParallel(_leaf_specs_of(params, self.mesh, self._data))
     if self.shapes is not None:
       _fsdp.check_transform(self.transform, params, self.mesh, self.shard_axis)
     state, self.specs = init_sharded(self.transform, params, self.mesh,
@@ -601,27 +642,26 @@ class CompressedValueAndGrad:
                        "state on the mesh and derives its partition specs")
     if self.gspmd:
       return self._gspmd_call(params, state, batch)
-
-    def body(params, state, batch):
-      out, grads = self._grad(params, batch)
-      mean, state = self.transform.update(grads, to_local(state, self.specs),
-                                          params)
-      out = jax.tree.map(lambda v: lax.pmean(v, self.axis_name), out)
-      return (out, mean), to_global(state, self.specs)
-
-    return jax.shard_map(
-        body, mesh=self.mesh,
-        in_specs=(self.params_spec, self.specs, self.batch_spec),
-        out_specs=((P(), self.params_spec), self.specs))(params, state, batch)
+    mean, state, out = per_device_step(
+        self.loss_fn, self.transform, mesh=self.mesh, state_specs=self.specs,
+        layout=self.layout, axis_name=self.axis_name,
+        batch_spec=self.batch_spec, has_aux=self.has_aux,
+        apply_updates=False)(params, state, batch)
+    return (out, mean), state
 
   def _gspmd_call(self, params, state, batch):
+    """The loss for global arrays under ``shard_map`` manual over the data
+    axes (GSPMD partitions it over the model axes), then the transform on
+    each device's local shards of the per-device gradients."""
     data = self._data
     data_spec = data[0] if len(data) == 1 else data
+    grad_fn = self.layout.value_and_grad(self.loss_fn, self.axis_name,
+                                         has_aux=self.has_aux)
 
     def per_device(params, batch):
-      out, grads = self._grad(params, batch)
-      out = jax.tree.map(lambda v: lax.pmean(v, self.axis_name), out)
-      return out, jax.tree.map(lambda g: g[None], grads)
+      out, grads = grad_fn(params, batch)
+      return (step_loss(out, self.axis_name, False),
+              jax.tree.map(lambda g: g[None], grads))
 
     try:
       out, grads = jax.shard_map(
@@ -638,19 +678,16 @@ class CompressedValueAndGrad:
             "P(None, 'model')) for P('data', 'model')") from e
       raise
 
+    def compress(params, state, grads):
+      grads = jax.tree.map(lambda g: g[0], grads)
+      mean, state = self.transform.update(grads, state, params)
+      return mean, state, ()
+
     stacked = jax.tree.map(lambda s: P(data_spec, *s), self.params_spec,
                            is_leaf=lambda x: isinstance(x, P))
-
-    def compress(grads, state, params):
-      grads = jax.tree.map(lambda g: g[0], grads)
-      mean, state = self.transform.update(grads, to_local(state, self.specs),
-                                          params)
-      return mean, to_global(state, self.specs)
-
-    mean, state = jax.shard_map(
-        compress, mesh=self.mesh,
-        in_specs=(stacked, self.specs, self.params_spec),
-        out_specs=(self.params_spec, self.specs))(grads, state, params)
+    mean, state, _ = shard_train_step(
+        compress, mesh=self.mesh, state_specs=self.specs, batch_spec=stacked,
+        params_spec=self.params_spec, out_aux_spec=())(params, state, grads)
     return (out, mean), state
 
 
