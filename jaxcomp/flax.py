@@ -40,8 +40,10 @@ from jaxcomp import _mesh
 from jaxcomp import fsdp as fsdp_lib
 from jaxcomp import placement
 from jaxcomp import steps
-from jaxcomp._diloco import holds_diloco
-from jaxcomp._diloco import synced_params
+from jaxcomp.fsdp._layout import FSDP
+from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import synced_params
+from jaxcomp.lowcomm._layout import PerDevice
 from jaxcomp._mesh import AxisName
 
 
@@ -110,14 +112,14 @@ class Optimizer(nnx.Optimizer):
     if fsdp:
       shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
                                                    shard_axis=shard_axis)
-      layout = steps.FSDP(shapes, shard_axis, param_compressor)
+      layout = FSDP(shapes, shard_axis, param_compressor)
       nnx.update(model, shards)
     else:
       if param_compressor is not None:
         raise ValueError("param_compressor compresses FSDP's parameter "
                          "all-gather: pass fsdp=True with it")
       if copies_over is not None:  # DiLoCo islands
-        layout = steps.PerDevice(copies_over)
+        layout = PerDevice(copies_over)
         copies, state, specs = layout.place(tx, params, mesh, axis_name)
         if not holds_diloco(state):
           raise ValueError(
@@ -125,7 +127,7 @@ class Optimizer(nnx.Optimizer):
               "a jaxcomp.diloco(...) over copies_over; leave it None "
               "otherwise")
       elif holds_diloco(placement.init_shapes(tx, params, mesh)):
-        layout = steps.PerDevice()  # DiLoCo: each device's own copy
+        layout = PerDevice()  # DiLoCo: each device's own copy
         copies, state, specs = layout.place(tx, params, mesh, axis_name)
       else:
         layout = steps.DataParallel()
@@ -161,7 +163,7 @@ class Optimizer(nnx.Optimizer):
     """The parameters' ``PartitionSpec``: ``P()`` replicated, FSDP's
     shard spec otherwise."""
     return (self.layout.params_spec(self.axis_name)
-            if isinstance(self.layout, steps.FSDP) else P())
+            if isinstance(self.layout, FSDP) else P())
 
   def update(self, model, grads, **kwargs):
     """``nnx.Optimizer.update`` inside a ``shard_map`` over the mesh with

@@ -8,11 +8,12 @@ itself (``jaxcomp.init_sharded``, ``jaxcomp.make_train_step``, ...).
 import warnings
 
 from jaxcomp import _mesh
+from jaxcomp import jit
 from jaxcomp import placement
 from jaxcomp import steps
 
 _HOMES = {
-    "CompressedValueAndGrad": steps, "compressed_value_and_grad": steps,
+    "CompressedValueAndGrad": jit, "compressed_value_and_grad": jit,
     "make_train_step": steps, "shard_train_step": steps, "step_loss": steps,
     "init_sharded": placement, "per_device_grad": placement,
     "per_device_value_and_grad": placement,
