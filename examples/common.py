@@ -297,7 +297,7 @@ def stages(config, learning_rate, muon_dimensions=None):
     raise ValueError("ratio_warmup_steps must be >= 0, got "
                      f"{config.ratio_warmup_steps}")
   if not config.ratio_warmup_steps:
-    return [jaxcomp.warmup.WarmupStage(0, kwargs.get("ratio"),
+    return [jaxcomp.compressors.WarmupStage(0, kwargs.get("ratio"),
                                             make_tx())]
   if "ratio" not in kwargs:
     raise ValueError(f"ratio_warmup_steps needs a compressor that takes a "
@@ -310,7 +310,7 @@ def stages(config, learning_rate, muon_dimensions=None):
 def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
   """Bytes one device sends per step in each stage (its transformation's
   statistics, :func:`exchange_stats`), for
-  :func:`jaxcomp.warmup.bytes_over`; ``sharding``: ``"replicated"``,
+  :func:`jaxcomp.compressors.bytes_over`; ``sharding``: ``"replicated"``,
   ``"fsdp"`` (the stages reduce-scatter into flat shards of ``params``),
   ``"hsdp"`` (into a host's shards; the bytes are those sent across
   hosts) or ``"diloco"`` (each device's own copy, the bytes of one

@@ -2,8 +2,16 @@
 
 The public API: :func:`compressed_mean` (an Optax transform), the helpers
 that run it under ``jax.shard_map`` (:func:`per_device_grad`,
-:func:`init_sharded`, :func:`shard_train_step`), and :func:`collective_traffic`
-to read what a compiled step sends.
+:func:`init_sharded`, :func:`make_train_step`), the ``jax.jit`` idiom
+(:func:`compressed_value_and_grad`), low-communication training
+(:func:`diloco`, :func:`demo`), and :func:`collective_traffic` to read what
+a compiled step sends. The subpackages hold the rest, by task:
+:mod:`jaxcomp.compressors`, :mod:`jaxcomp.collectives`,
+:mod:`jaxcomp.feedback`, :mod:`jaxcomp.bucketing` (the parts of a
+compressed exchange), :mod:`jaxcomp.steps` (the step and its layouts),
+:mod:`jaxcomp.fsdp`, :mod:`jaxcomp.lowcomm`, :mod:`jaxcomp.flax`,
+:mod:`jaxcomp.checkpoint` and :mod:`jaxcomp.distributed` (multi-host),
+:mod:`jaxcomp.perfmodel` and :mod:`jaxcomp.kernels`.
 """
 
 from jaxcomp import bucketing
@@ -14,37 +22,67 @@ from jaxcomp import compressors
 from jaxcomp import distributed
 from jaxcomp import feedback
 from jaxcomp import fsdp
+from jaxcomp import jit
 from jaxcomp import lowcomm
 from jaxcomp import placement
 from jaxcomp import sharding
 from jaxcomp import steps
 from jaxcomp import wire
-from jaxcomp.combinators import apply_if_finite
-from jaxcomp.combinators import multi_steps
-from jaxcomp import warmup
-from jaxcomp.warmup import sparsity_warmup
-from jaxcomp.inspect.traffic import CollectiveOp
-from jaxcomp.inspect.traffic import Traffic
-from jaxcomp.inspect.traffic import collective_traffic
-from jaxcomp.lowcomm import demo
-from jaxcomp.lowcomm import diloco
-from jaxcomp.steps import CompressedValueAndGrad
-from jaxcomp.steps import compressed_value_and_grad
-from jaxcomp.placement import PlacementError
-from jaxcomp.placement import init_sharded
-from jaxcomp.steps import make_train_step
-from jaxcomp.placement import per_device_grad
-from jaxcomp.placement import per_device_value_and_grad
-from jaxcomp.steps import shard_train_step
-from jaxcomp.placement import state_partition_specs
-from jaxcomp.placement import to_global
-from jaxcomp.placement import to_local
-from jaxcomp._mesh import to_varying
-from jaxcomp._mesh import varying_axes
+
+# The transform and its state.
 from jaxcomp.transform import CompressedMeanState
 from jaxcomp.transform import CompressionStats
 from jaxcomp.transform import compressed_mean
 from jaxcomp.transform import get_stats
 from jaxcomp.transform import transform_configs
 
+# Combinators around it.
+from jaxcomp.combinators import apply_if_finite
+from jaxcomp.combinators import multi_steps
+from jaxcomp.compressors import sparsity_warmup
+
+# Placement and the train step.
+from jaxcomp.placement import PlacementError
+from jaxcomp.placement import init_sharded
+from jaxcomp.placement import per_device_grad
+from jaxcomp.placement import per_device_value_and_grad
+from jaxcomp.placement import state_partition_specs
+from jaxcomp.placement import to_global
+from jaxcomp.placement import to_local
+from jaxcomp._mesh import to_varying
+from jaxcomp._mesh import varying_axes
+from jaxcomp.steps import make_train_step
+from jaxcomp.steps import shard_train_step
+
+# The jax.jit idiom.
+from jaxcomp.jit import CompressedValueAndGrad
+from jaxcomp.jit import compressed_value_and_grad
+
+# Low-communication training.
+from jaxcomp.lowcomm import demo
+from jaxcomp.lowcomm import diloco
+
+# Reading a compiled step.
+from jaxcomp.inspect.traffic import CollectiveOp
+from jaxcomp.inspect.traffic import Traffic
+from jaxcomp.inspect.traffic import collective_traffic
+
 __version__ = "0.1.0"
+
+__all__ = [
+    # The transform and its state.
+    "compressed_mean", "CompressedMeanState", "CompressionStats", "get_stats",
+    "transform_configs",
+    # Combinators around it.
+    "apply_if_finite", "multi_steps", "sparsity_warmup",
+    # Placement and the train step.
+    "init_sharded", "make_train_step", "shard_train_step", "per_device_grad",
+    "per_device_value_and_grad", "state_partition_specs", "to_global",
+    "to_local", "to_varying", "varying_axes", "PlacementError",
+    # The jax.jit idiom.
+    "compressed_value_and_grad", "CompressedValueAndGrad",
+    # Low-communication training.
+    "diloco", "demo",
+    # Reading a compiled step.
+    "collective_traffic", "Traffic", "CollectiveOp",
+]

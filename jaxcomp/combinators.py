@@ -15,7 +15,8 @@ update, its collectives included, inside the branch that runs:
   optimizer moment or count moves) on a step where any device's gradient
   has a NaN or an Inf.
 
-(DGC's sparsity warm-up, which lived here, is :mod:`jaxcomp.warmup`.)
+(DGC's sparsity warm-up, which lived here, is in
+:mod:`jaxcomp.compressors.dgc`.)
 
 Both run inside ``jax.shard_map`` / ``jax.pmap`` over ``axis_name`` and are
 placed by :func:`jaxcomp.init_sharded` (the accumulator is per device).
@@ -36,7 +37,7 @@ from jaxcomp import _mesh
 from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
-from jaxcomp import warmup
+from jaxcomp.compressors import dgc
 
 
 def _zeros_like_typed(tree):
@@ -307,10 +308,11 @@ _MOVED = ("WarmupStage", "sparsity_warmup", "stage_at", "bytes_over")
 
 
 def __getattr__(name):
-  # DGC's sparsity warm-up moved to jaxcomp.warmup; its names stay here for
-  # one release.
+  # DGC's sparsity warm-up moved to jaxcomp.compressors.dgc; its names stay
+  # here for one release.
   if name in _MOVED:
-    warnings.warn(f"jaxcomp.combinators.{name} moved to jaxcomp.warmup.{name}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(warmup, name)
+    warnings.warn(f"jaxcomp.combinators.{name} moved to "
+                  f"jaxcomp.compressors.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(dgc, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,11 +40,11 @@ from jaxcomp import _mesh
 from jaxcomp import fsdp as fsdp_lib
 from jaxcomp import placement
 from jaxcomp import steps
-from jaxcomp._diloco import holds_diloco
-from jaxcomp._diloco import synced_params
+from jaxcomp.fsdp._layout import FSDP
+from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import synced_params
+from jaxcomp.lowcomm._layout import PerDevice
 from jaxcomp._mesh import AxisName
-from jaxcomp.placement import to_global
-from jaxcomp.placement import to_local
 
 
 class Optimizer(nnx.Optimizer):
@@ -112,14 +112,14 @@ class Optimizer(nnx.Optimizer):
     if fsdp:
       shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
                                                    shard_axis=shard_axis)
-      layout = steps.FSDP(shapes, shard_axis, param_compressor)
+      layout = FSDP(shapes, shard_axis, param_compressor)
       nnx.update(model, shards)
     else:
       if param_compressor is not None:
         raise ValueError("param_compressor compresses FSDP's parameter "
                          "all-gather: pass fsdp=True with it")
       if copies_over is not None:  # DiLoCo islands
-        layout = steps.PerDevice(copies_over)
+        layout = PerDevice(copies_over)
         copies, state, specs = layout.place(tx, params, mesh, axis_name)
         if not holds_diloco(state):
           raise ValueError(
@@ -127,7 +127,7 @@ class Optimizer(nnx.Optimizer):
               "a jaxcomp.diloco(...) over copies_over; leave it None "
               "otherwise")
       elif holds_diloco(placement.init_shapes(tx, params, mesh)):
-        layout = steps.PerDevice()  # DiLoCo: each device's own copy
+        layout = PerDevice()  # DiLoCo: each device's own copy
         copies, state, specs = layout.place(tx, params, mesh, axis_name)
       else:
         layout = steps.DataParallel()
@@ -163,7 +163,7 @@ class Optimizer(nnx.Optimizer):
     """The parameters' ``PartitionSpec``: ``P()`` replicated, FSDP's
     shard spec otherwise."""
     return (self.layout.params_spec(self.axis_name)
-            if isinstance(self.layout, steps.FSDP) else P())
+            if isinstance(self.layout, FSDP) else P())
 
   def update(self, model, grads, **kwargs):
     """``nnx.Optimizer.update`` inside a ``shard_map`` over the mesh with
@@ -204,6 +204,26 @@ class _Static:
 
   def __init__(self, tree):
     self.tree = tree
+
+
+def _nnx_loss(loss_fn: Callable, graphdef, wrt, axis_name: AxisName):
+  """``loss_fn(model, batch)`` as the step family's ``loss(params, inputs)``
+  with model state (:func:`jaxcomp.steps.per_device_step`'s
+  ``has_state``): ``inputs`` is ``(keys, rest, batch)``, the model is
+  merged from ``params`` (the ``wrt`` variables), the random keys folded
+  with the device index (dropout draws differently on each device) and
+  ``rest``; it returns ``loss_fn``'s output and the model's other
+  variables after the forward pass."""
+  def loss(params, inputs):
+    keys, rest, batch = inputs
+    index = lax.axis_index(axis_name)
+    keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+    model = nnx.merge(graphdef, params, keys, rest)
+    out = loss_fn(model, batch)
+    *_, new_rest = nnx.split(model, wrt, nnx.RngKey, ...)
+    return out, nnx.as_pure(new_rest)
+
+  return loss
 
 
 def train_step(loss_fn: Callable, *, has_aux: bool = False,
@@ -249,49 +269,6 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   Raises:
     TypeError: ``optimizer`` is a plain ``nnx.Optimizer``.
   """
-  def exchange(graphdef, optimizer):
-    """The step's body under ``jax.shard_map`` over the optimizer's mesh."""
-    mesh, axis = optimizer.mesh, optimizer.axis_name
-    specs, tx, wrt = optimizer.specs.tree, optimizer.tx, optimizer.wrt
-    layout = optimizer.layout
-    bspec = P(axis) if batch_spec is None else batch_spec
-    pspec = optimizer.params_spec
-    diloco = isinstance(layout, steps.PerDevice)
-
-    def body(params, local, keys, rest, opt_state, count, batch):
-      index = lax.axis_index(axis)
-      step_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
-      if diloco:  # this device's own parameters
-        params = layout.enter(local)
-
-      def loss_of(p):
-        model = nnx.merge(graphdef, p, step_keys, rest)
-        out = loss_fn(model, batch)
-        *_, new_rest = nnx.split(model, wrt, nnx.RngKey, ...)
-        return out[0] if has_aux else out, (out, nnx.as_pure(new_rest))
-
-      # The layout's per-device gradient (FSDP's of the gathered parameters).
-      (_, (out, new_rest)), grads = layout.value_and_grad(
-          loss_of, axis, has_aux=True)(params)
-      new_rest = jax.tree.map(
-          lambda x: lax.pmean(x, axis)
-          if jnp.issubdtype(x.dtype, jnp.floating) else x, new_rest)
-      updates, opt_state = tx.update(grads, to_local(opt_state, specs), params)
-      out = steps.step_loss(out, axis, per_device_loss)
-      params = layout.after_update(optax.apply_updates(params, updates),
-                                   opt_state)
-      if diloco:
-        local = layout.leave(params)
-        params = synced_params(opt_state)
-      return (params, local, new_rest, to_global(opt_state, specs), count + 1,
-              out)
-
-    lspec = P(layout.copies_axis(axis)) if diloco else P()
-    ospec = P(axis) if per_device_loss else P()
-    return jax.shard_map(body, mesh=mesh,
-                         in_specs=(pspec, lspec, P(), P(), specs, P(), bspec),
-                         out_specs=(pspec, lspec, P(), specs, P(), ospec))
-
   # nnx.jit carries the model and the optimizer in and out of the compiled
   # step (their Python walk is nnx.jit's own, so the step costs what a plain
   # nnx.jit step does); it compiles again when their structure changes,
@@ -300,15 +277,25 @@ def train_step(loss_fn: Callable, *, has_aux: bool = False,
   def compiled(model, optimizer, batch):
     graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey,
                                              ...)
-    params, local, rest, opt_state, count, out = exchange(graphdef, optimizer)(
-        nnx.as_pure(params), nnx.as_pure(optimizer.local), nnx.as_pure(keys),
-        nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state),
-        optimizer.step[...], batch)
-    nnx.update(model, params, rest)
+    axis, local = optimizer.axis_name, optimizer.local
+    step = steps.per_device_step(
+        _nnx_loss(loss_fn, graphdef, optimizer.wrt, axis), optimizer.tx,
+        mesh=optimizer.mesh, state_specs=optimizer.specs.tree,
+        layout=optimizer.layout, axis_name=axis,
+        batch_spec=(P(), P(), P(axis) if batch_spec is None else batch_spec),
+        has_aux=has_aux, per_device_loss=per_device_loss, has_state=True)
+    # DiLoCo: the step runs on each device's own parameters; the model
+    # holds the synchronized ones.
+    params, opt_state, (out, rest) = step(
+        nnx.as_pure(params if local is None else local),
+        nnx.as_pure(optimizer.opt_state),
+        (nnx.as_pure(keys), nnx.as_pure(rest), batch))
     if local is not None:
-      nnx.update(optimizer.local, nnx.state(local))
+      nnx.update(optimizer.local, nnx.state(params))
+      params = synced_params(opt_state)
+    nnx.update(model, params, rest)
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
-    optimizer.step.set_value(count)
+    optimizer.step.set_value(optimizer.step[...] + 1)
     return out
 
   def check(optimizer):
@@ -430,20 +417,18 @@ def train_state_step(step_fn: Callable, *, mesh, opt_specs,
   """
   bspec = P(axis_name) if batch_spec is None else batch_spec
 
-  def specs_of(state):
-    return jax.tree.map(lambda _: P(), state.replace(opt_state=None)).replace(
-        opt_state=opt_specs)
-
-  def body(state, batch):
-    state = state.replace(opt_state=to_local(state.opt_state,
-                                                      opt_specs))
-    state, aux = step_fn(state, batch)
-    return state.replace(opt_state=to_global(state.opt_state,
-                                                      opt_specs)), aux
+  def body(rest, opt_state, batch):
+    # The step family's body signature: the train state without its
+    # optimizer state (replicated), the optimizer state (local view).
+    state, aux = step_fn(rest.replace(opt_state=opt_state), batch)
+    return state.replace(opt_state=None), state.opt_state, aux
 
   def run(state, batch):
-    specs = specs_of(state)
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, bspec),
-                         out_specs=(specs, P()))(state, batch)
+    rest = state.replace(opt_state=None)
+    rest, opt_state, aux = steps.shard_train_step(
+        body, mesh=mesh, state_specs=opt_specs, batch_spec=bspec,
+        params_spec=jax.tree.map(lambda _: P(), rest))(
+            rest, state.opt_state, batch)
+    return rest.replace(opt_state=opt_state), aux
 
   return jax.jit(run, donate_argnums=(0,) if donate else ())

@@ -1,26 +1,34 @@
-"""The names this module held before the step builders became one family
-(:mod:`jaxcomp.steps`) and state placement its own module
-(:mod:`jaxcomp.placement`), re-exported so that imports of
-``jaxcomp.sharding`` keep working.
+"""Deprecated: the names this module held before the step builders became
+one family (:mod:`jaxcomp.steps`) and state placement its own module
+(:mod:`jaxcomp.placement`). Each still resolves, with a
+``DeprecationWarning`` that names its home; import them from ``jaxcomp``
+itself (``jaxcomp.init_sharded``, ``jaxcomp.make_train_step``, ...).
 """
 
-from jaxcomp._mesh import to_varying
-from jaxcomp._mesh import varying_axes
-from jaxcomp.placement import init_sharded
-from jaxcomp.placement import per_device_grad
-from jaxcomp.placement import per_device_value_and_grad
-from jaxcomp.placement import state_partition_specs
-from jaxcomp.placement import to_global
-from jaxcomp.placement import to_local
-from jaxcomp.steps import CompressedValueAndGrad
-from jaxcomp.steps import compressed_value_and_grad
-from jaxcomp.steps import make_train_step
-from jaxcomp.steps import shard_train_step
-from jaxcomp.steps import step_loss
+import warnings
 
-__all__ = [
-    "CompressedValueAndGrad", "compressed_value_and_grad", "init_sharded",
-    "make_train_step", "per_device_grad", "per_device_value_and_grad",
-    "shard_train_step", "state_partition_specs", "step_loss", "to_global",
-    "to_local", "to_varying", "varying_axes",
-]
+from jaxcomp import _mesh
+from jaxcomp import jit
+from jaxcomp import placement
+from jaxcomp import steps
+
+_HOMES = {
+    "CompressedValueAndGrad": jit, "compressed_value_and_grad": jit,
+    "make_train_step": steps, "shard_train_step": steps, "step_loss": steps,
+    "init_sharded": placement, "per_device_grad": placement,
+    "per_device_value_and_grad": placement,
+    "state_partition_specs": placement, "to_global": placement,
+    "to_local": placement, "to_varying": _mesh, "varying_axes": _mesh,
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+  home = _HOMES.get(name)
+  if home is None:
+    raise AttributeError(f"module 'jaxcomp.sharding' has no attribute {name!r}")
+  warnings.warn(
+      f"jaxcomp.sharding is deprecated: use jaxcomp.{name} (defined in "
+      f"{home.__name__})", DeprecationWarning, stacklevel=2)
+  return getattr(home, name)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomp import collectives
-from jaxcomp.sharding import to_varying
+from jaxcomp import to_varying
 
 
 def exchange_fn(mesh, comp, n, steps=1, axis="data", shape=None):

@@ -99,7 +99,8 @@ def test_site_builds_with_warnings_as_errors_and_documents_every_name(tmp_path):
 # their own, and why. A new module must be added to docs/conf.py's
 # jaxcomp_api_modules or here.
 NOT_IN_REFERENCE = {
-    "sharding": "its public names are jaxcomp's (the step builders)",
+    "sharding": "deprecated: its names warn and name their homes",
+    "warmup": "deprecated: DGC's warm-up lives in jaxcomp.compressors",
     "placement": "its public names are jaxcomp's (init_sharded, the "
                  "per-device gradient, the shard_map step)",
     "cli": "the `jaxcomp` command; `jaxcomp whatif --help` documents it",

@@ -122,3 +122,14 @@ def test_optax_apply_if_finite_around_the_exchange_names_the_replacement(mesh8):
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
                    optax.apply_if_finite(optax.sgd(0.1), 3))
   jaxcomp.init_sharded(tx, params, mesh8, "data")
+
+
+def test_the_sharding_module_is_deprecated_and_names_each_home():
+  import jaxcomp.sharding
+  with pytest.warns(DeprecationWarning, match=r"use jaxcomp\.init_sharded \(defined in jaxcomp\.placement\)"):
+    assert jaxcomp.sharding.init_sharded is jaxcomp.init_sharded
+  with pytest.warns(DeprecationWarning, match=r"jaxcomp\.make_train_step \(defined in jaxcomp\.steps\)"):
+    from jaxcomp.sharding import make_train_step
+  assert make_train_step is jaxcomp.make_train_step
+  with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+    jaxcomp.sharding.nothing  # noqa: B018

@@ -187,7 +187,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     for _ in it:
       if config.max_steps is not None and done >= config.max_steps:
         break
-      i = jaxcomp.warmup.stage_at(stages, done)
+      i = jaxcomp.compressors.stage_at(stages, done)
       params, opt_state, loss = steps[i](params, opt_state, next_batch())
       # Wait for each step: with many steps in flight, simulated CPU devices
       # (threads sharing one pool) were seen to deadlock in a collective.
@@ -213,7 +213,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "steps": done,
       "num_params": num_params,
       "bytes_per_step": float(stats.bytes_sent) / per_sync,
-      "total_bytes": jaxcomp.warmup.bytes_over(stages, stage_bytes, done),
+      "total_bytes": jaxcomp.compressors.bytes_over(stages, stage_bytes, done),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "compression": float(stats.compression_factor) * per_sync,
       "wire_bytes_per_step": float(stats.wire_bytes) / per_sync,

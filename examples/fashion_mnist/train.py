@@ -124,7 +124,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         break
       idx = perm[s * bs:(s + 1) * bs]
       batch = jax.device_put((train_x[idx], train_y[idx]), batch_sharding)
-      optimizer.tx = stages[jaxcomp.warmup.stage_at(stages, done)].tx
+      optimizer.tx = stages[jaxcomp.compressors.stage_at(stages, done)].tx
       # Wait for each step (float): simulated CPU devices share one thread
       # pool, and steps dispatched ahead can deadlock in a collective.
       losses.append(float(train_step(model, optimizer, batch)))
@@ -141,7 +141,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "epochs": history,
       "steps": done,
       "bytes_per_step": float(stats.bytes_sent),
-      "total_bytes": jaxcomp.warmup.bytes_over(stages, stage_bytes, done),
+      "total_bytes": jaxcomp.compressors.bytes_over(stages, stage_bytes, done),
       "dense_bytes_per_step": float(stats.dense_bytes),
       "compression": float(stats.compression_factor),
       "wire_bytes_per_step": float(stats.wire_bytes),

@@ -17,9 +17,13 @@ from jaxcomp.compressors.block_quant import IntBlock
 from jaxcomp.compressors.chunked_topk import ChunkedTopK
 from jaxcomp.compressors.dct import DCTTopK
 from jaxcomp.compressors.dgc import DGC
+from jaxcomp.compressors.dgc import WarmupStage
+from jaxcomp.compressors.dgc import bytes_over
 from jaxcomp.compressors.dgc import dgc_warmup_schedule
 from jaxcomp.compressors.dgc import dgc_warmup_stages
 from jaxcomp.compressors.dgc import dgc_warmup_steps
+from jaxcomp.compressors.dgc import sparsity_warmup
+from jaxcomp.compressors.dgc import stage_at
 from jaxcomp.compressors.powersgd import PowerSGD
 from jaxcomp.compressors.powersgd import PowerSGDState
 from jaxcomp.compressors.random_k import RandomK

@@ -1,6 +1,6 @@
 """DiLoCo's train steps: per-device parameters placed on the mesh, the
 compiled step, and the step for a user's own ``jax.jit`` step; each the
-:class:`jaxcomp.steps.PerDevice` layout of the one step family."""
+:class:`PerDevice` layout of the one step family."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from jaxcomp import steps
 from jaxcomp._mesh import AxisName
-from jaxcomp._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm._layout import PerDevice
 
 
 def init(tx, params, mesh, axis_name: AxisName = "data", *,
@@ -43,7 +44,7 @@ def init(tx, params, mesh, axis_name: AxisName = "data", *,
       averaged inside the island first).
   """
   return steps.init(tx, params, mesh, axis_name,
-                    layout=steps.PerDevice(copies_over))
+                    layout=PerDevice(copies_over))
 
 
 def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
@@ -69,7 +70,7 @@ def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
   return steps.make_train_step(
       loss_fn, tx, mesh=mesh, state_specs=state_specs, axis_name=axis_name,
       batch_spec=batch_spec, has_aux=has_aux, donate=donate,
-      per_device_loss=per_device_loss, layout=steps.PerDevice(copies_over))
+      per_device_loss=per_device_loss, layout=PerDevice(copies_over))
 
 
 class LocalStep:
@@ -117,7 +118,7 @@ class LocalStep:
                copies_over: AxisName | None = None):
     steps.check_mesh_axes(mesh, axis_name)
     self.tx, self.mesh, self.axis_name = tx, mesh, axis_name
-    self.layout = steps.PerDevice(copies_over)
+    self.layout = PerDevice(copies_over)
     self._kwargs = dict(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
                         batch_spec=batch_spec, has_aux=has_aux,
                         per_device_loss=per_device_loss)

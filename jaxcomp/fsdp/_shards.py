@@ -23,7 +23,7 @@ from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
 from jaxcomp.collectives.base import chunk_size
-from jaxcomp._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import holds_diloco
 
 
 def shard_params(params, mesh, axis_name: AxisName = "data"):
