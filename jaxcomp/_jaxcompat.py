@@ -7,7 +7,7 @@ Read here: the mesh axes a value varies over inside ``jax.shard_map``
 JAX 0.10.2, 0.11.2 and 0.12.0.1 all have, and that ``jax.ShapeDtypeStruct``
 takes); and a Mosaic GPU store without a transfer plan (``ref[...] = v``
 before JAX 0.12, ``plgpu.store(..., optimized=False)`` from it). Nothing
-here imports ``jax._src`` or reads a jaxpr's equations.
+here imports JAX's private modules or reads a jaxpr's equations.
 """
 
 from __future__ import annotations
