@@ -251,3 +251,30 @@ _WRAPPED_SIGNATURES = {
     "PricedCompressor": "jaxcomp.perfmodel's Protocol (typing gives a "
                         "Protocol no constructor); it is not instantiated",
 }
+
+
+def test_the_reference_reads_docstrings_as_they_are_written():
+  """docs/_ext/jaxcomp_api.py's fixes of the project's docstring habits
+  that reStructuredText reads otherwise (unit checks; the build checks
+  the pages)."""
+  ext = _extension()
+  # A citation: the title is the link (after "et al.," or the last author).
+  assert ext.link_references(
+      "Lin et al., Deep Gradient Compression <https://arxiv.org/abs/1712.01887>"
+      ", 2018") == ("Lin et al., `Deep Gradient Compression "
+                    "<https://arxiv.org/abs/1712.01887>`__, 2018")
+  assert ext.link_references(
+      "(Peng, Quesnelle & Kingma, DeMo: Decoupled\n  Momentum Optimization "
+      "<https://arxiv.org/abs/2411.19870>, 2024)") == (
+      "(Peng, Quesnelle & Kingma, `DeMo: Decoupled\n  Momentum Optimization "
+      "<https://arxiv.org/abs/2411.19870>`__, 2024)")
+  done = "see `the paper <https://example.org>`_"  # already a link
+  assert ext.link_references(done) == done
+  # A literal with a suffix: ``jax.Array``s.
+  assert ext.literal_plurals("``jax.Array``s and ``x``, ``y``") == (
+      "``jax.Array``\\ s and ``x``, ``y``")
+  # A Raises entry without a type.
+  lines = ["Raises:", "  Whatever ``fn`` raises.", "  ValueError: a bad x."]
+  ext._name_raised_types(lines)
+  assert lines[1:] == ["  Exception: Whatever ``fn`` raises.",
+                       "  ValueError: a bad x."]

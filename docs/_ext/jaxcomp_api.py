@@ -155,7 +155,25 @@ def _summary(obj) -> str:
   first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
   if first.endswith("::"):  # an example follows in the docstring
     first = first[:-1]
-  return link_references(first)
+  return link_references(literal_plurals(first))
+
+
+def literal_plurals(text: str) -> str:
+  """````jax.Array``s`` (a literal with a suffix, which reStructuredText
+  does not end there) as ````jax.Array``\\ s``: the literal, then the
+  suffix joined to it. Literals pair up from the left, as they do in
+  reStructuredText, within a paragraph (one with an odd count is left as
+  it is)."""
+  paragraphs = re.split(r"(\n\s*\n)", text)
+  for p, paragraph in enumerate(paragraphs):
+    parts = paragraph.split("``")
+    if len(parts) % 2 == 0:
+      continue
+    for i in range(2, len(parts), 2):  # the text after a closing ``
+      if parts[i][:1].isalpha():
+        parts[i] = "\\ " + parts[i]
+    paragraphs[p] = "``".join(parts)
+  return "".join(paragraphs)
 
 
 # ``<https://...>`` not already the target of a link (`` `Title <url>`_ ``).
@@ -450,8 +468,9 @@ def process_docstring(app, what, name, obj, options, lines):
     lines[:] = []
   _name_raised_types(lines)
   text = "\n".join(lines)
-  if "<http" in text:
-    lines[:] = link_references(text).split("\n")
+  fixed = link_references(literal_plurals(text))
+  if fixed != text:
+    lines[:] = fixed.split("\n")
 
 
 _RAISES_ENTRY_RE = re.compile(r"^\s*[\w.]+(\s*\([^)]*\))?(\s*,\s*[\w.]+)*\s*:")
