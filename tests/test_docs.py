@@ -200,7 +200,7 @@ def test_no_code_or_output_block_of_the_docs_is_wider_than_the_page():
   wide = []
   for path in sorted((ROOT / "docs").glob("*.md")):
     allowed = [re.compile(r) for r, _ in WIDER.get(path.name, ())]
-    for n, info, line in fenced_lines(path.read_text()):
+    for n, _, line in fenced_lines(path.read_text()):
       if len(line) > WIDTH and not any(r.match(line) for r in allowed):
         wide.append(f"{path.name}:{n} ({len(line)} columns): {line[:60]}")
   assert not wide, "\n".join(wide)
