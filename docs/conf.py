@@ -75,30 +75,74 @@ napoleon_use_rtype = False
 napoleon_use_ivar = False
 napoleon_custom_sections = [("Class attributes", "params_style")]
 
-# The API reference: one page per module, each listing the module's public
-# names (its __all__, else what it defines or, for a package, re-exports
-# from jaxcomp without a leading underscore). docs/_ext/jaxcomp_api.py
-# writes the pages into docs/api/generated/ at every build.
-jaxcomp_api_modules = [
-    "jaxcomp",
-    "jaxcomp.steps",
-    "jaxcomp.jit",
-    "jaxcomp.compressors",
-    "jaxcomp.collectives",
-    "jaxcomp.feedback",
-    "jaxcomp.bucketing",
-    "jaxcomp.fsdp",
-    "jaxcomp.combinators",
-    "jaxcomp.transform",
-    "jaxcomp.lowcomm",
-    "jaxcomp.flax",
-    "jaxcomp.perfmodel",
-    "jaxcomp.checkpoint",
-    "jaxcomp.distributed",
-    "jaxcomp.launch",
-    "jaxcomp.wire",
-    "jaxcomp.inspect.traffic",
-    "jaxcomp.kernels.*",
+# The API reference, grouped by task as Optax's is: one page per module,
+# each listing the module's public names (its __all__, else what it defines
+# or, for a package, re-exports from jaxcomp without a leading underscore).
+# docs/_ext/jaxcomp_api.py writes the pages into docs/api/generated/ at
+# every build, and docs/api/index.md's sections from these groups: a
+# group's title, what it is for, its modules (``pkg.*``: the public
+# submodules of pkg) and the sections of jaxcomp's __all__ (the comments
+# in jaxcomp/__init__.py) whose names it lists. An object is documented in
+# full on the page of the first module, in this order, that exports it.
+jaxcomp_api_groups = [
+    {"title": "The jaxcomp namespace",
+     "about": "What ``import jaxcomp`` gives: the names most training code "
+              "uses, on one page, in the order of ``jaxcomp.__all__``.",
+     "modules": ["jaxcomp"]},
+    {"title": "Transforms",
+     "about": "The compressed mean, an Optax gradient transformation, its "
+              "state and statistics, and the combinators around it.",
+     "sections": ["The transform and its state", "Combinators around it"],
+     "modules": ["jaxcomp.transform", "jaxcomp.combinators"]},
+    {"title": "Compressors",
+     "about": "The four parts of a compressed exchange: what is sent "
+              "(compressors), how it travels (collectives), what happens "
+              "to what was not sent (feedback) and which tensors go "
+              "together (bucketing).",
+     "modules": ["jaxcomp.compressors", "jaxcomp.collectives",
+                 "jaxcomp.feedback", "jaxcomp.bucketing"]},
+    {"title": "Steps and layouts",
+     "about": "The train step under ``jax.shard_map``: the optimizer "
+              "state placed per device, the per-device gradient, the "
+              "layouts of the parameters, and the ``jax.jit`` idiom.",
+     "sections": ["Placement and the train step", "The jax.jit idiom"],
+     "modules": ["jaxcomp.steps", "jaxcomp.placement", "jaxcomp.jit"]},
+    {"title": "Low-communication training",
+     "about": "DiLoCo (with Streaming DiLoCo's fragments and compressed "
+              "pseudo-gradients) and DeMo.",
+     "sections": ["Low-communication training"],
+     "modules": ["jaxcomp.lowcomm"]},
+    {"title": "FSDP",
+     "about": "Parameters in flat shards over the data axis (ZeRO-3, HSDP), "
+              "with a compressed reduce-scatter of the gradient and an "
+              "optionally quantized all-gather of the parameters.",
+     "modules": ["jaxcomp.fsdp"]},
+    {"title": "Flax",
+     "about": "Flax NNX's ``Optimizer`` and train step, and Linen's "
+              "``TrainState``, with the optimizer state placed per device.",
+     "modules": ["jaxcomp.flax"]},
+    {"title": "Checkpoints and multi-host",
+     "about": "Orbax checkpoints of the placed state, multi-process jobs "
+              "(start-up, agreement, peer watching) and a local launcher.",
+     "modules": ["jaxcomp.checkpoint", "jaxcomp.distributed",
+                 "jaxcomp.launch"]},
+    {"title": "The performance model and traffic",
+     "about": "Whether compression pays for a model and a network "
+              "(``jaxcomp whatif``), the bytes each collective sends, and "
+              "what a compiled step really sends.",
+     "sections": ["Reading a compiled step"],
+     "modules": ["jaxcomp.perfmodel", "jaxcomp.wire",
+                 "jaxcomp.inspect.traffic"]},
+    {"title": "Kernels and autotuning",
+     "about": "Pallas (Mosaic GPU) kernels of the compressors, their XLA "
+              "references, and the autotuner that picks one per op and "
+              "size on NVIDIA GPUs.",
+     "modules": ["jaxcomp.kernels", "jaxcomp.kernels.*"]},
+    {"title": "Deprecated",
+     "about": "Modules kept so that old imports still work; each name warns "
+              "(``DeprecationWarning``) and is the object documented at "
+              "its new home.",
+     "modules": ["jaxcomp.sharding", "jaxcomp.warmup"]},
 ]
 
 html_theme = "furo"

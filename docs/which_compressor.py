@@ -2,8 +2,9 @@
 
     python docs/which_compressor.py
 
-Each setup is one ``jaxcomp whatif`` command (printed above its table) and
-one more with ``--diloco-every 50`` for DiLoCo; the table is their rows
+Each setup is one ``jaxcomp whatif`` command (printed above its table, in
+lines of at most 100 columns) and one more with ``--diloco-every 50`` for
+DiLoCo; the table is their rows
 sorted by predicted step time. ``tests/test_docs.py`` checks that the page
 shows what this prints. The model's inputs are the built-in profiles
 (compute from FLOP counts at an assumed 15 TFLOP/s, not measured) and
@@ -81,6 +82,29 @@ def ranking(setup_args: str) -> tuple[list[str], list[list[str]]]:
   return commands, table
 
 
+WIDTH = 100  # the page's code blocks fit 100 columns
+
+
+def wrapped(command: str, width: int = WIDTH) -> str:
+  """``$ command``, broken into shell continuation lines (`` \\``) of at
+  most ``width`` columns, never between an option and its first value."""
+  words = shlex.split(command)
+  units = []  # an option with its first value, or one word
+  for w in words:
+    if units and units[-1].startswith("-") and " " not in units[-1] \
+        and not w.startswith("-"):
+      units[-1] += f" {w}"
+    else:
+      units.append(w)
+  lines, line = [], "$"
+  for u in units:
+    if len(line) + 1 + len(u) + 2 > width:  # room for " \\"
+      lines.append(line + " \\")
+      line = "   "
+    line += f" {u}"
+  return "\n".join(lines + [line])
+
+
 def main() -> None:
   header = ["rank", "exchange", "collective", "MB/worker", "step ms",
             "speedup", "codec budget ms"]
@@ -88,7 +112,7 @@ def main() -> None:
     commands, table = ranking(args)
     print(title)
     for c in commands:
-      print(f"$ {c}")
+      print(wrapped(c))
     widths = [max(len(row[i]) for row in [header] + table) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths]] + table:
       print("  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w)

@@ -8,10 +8,13 @@ that run it under ``jax.shard_map`` (:func:`per_device_grad`,
 a compiled step sends. The subpackages hold the rest, by task:
 :mod:`jaxcomp.compressors`, :mod:`jaxcomp.collectives`,
 :mod:`jaxcomp.feedback`, :mod:`jaxcomp.bucketing` (the parts of a
-compressed exchange), :mod:`jaxcomp.steps` (the step and its layouts),
+compressed exchange), :mod:`jaxcomp.steps`, :mod:`jaxcomp.placement` and
+:mod:`jaxcomp.jit` (the step, its layouts and the state's placement),
 :mod:`jaxcomp.fsdp`, :mod:`jaxcomp.lowcomm`, :mod:`jaxcomp.flax`,
 :mod:`jaxcomp.checkpoint` and :mod:`jaxcomp.distributed` (multi-host),
-:mod:`jaxcomp.perfmodel` and :mod:`jaxcomp.kernels`.
+:mod:`jaxcomp.perfmodel` and :mod:`jaxcomp.kernels` (the Pallas kernels
+and their autotuner). ``jaxcomp.__all__`` lists this module's names by
+task, in the order the API reference documents them.
 """
 
 from jaxcomp import bucketing

@@ -22,6 +22,21 @@ def varying_axes(x) -> frozenset[str]:
   carries a manual axis type (``jax.make_jaxpr(..., return_shape=True)``'s).
   A value without one (outside ``shard_map``, under ``pmap`` or
   ``check_vma=False``) varies over nothing.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> x = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("data")))
+    >>> def f(x):  # this device's block, then the sum over the devices
+    ...   print(jaxcomp.varying_axes(x),
+    ...         jaxcomp.varying_axes(jax.lax.psum(x, "data")))
+    ...   return x
+    >>> _ = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+    ...                           out_specs=P("data")))(x)
+    frozenset({'data'}) frozenset()
+    >>> jaxcomp.varying_axes(jnp.zeros(3))  # outside shard_map
+    frozenset()
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)

@@ -114,7 +114,24 @@ def axis_sizes(axis_name: AxisName) -> dict[str, int]:
 
 def to_varying(tree, axis_name: AxisName):
   """Marks every leaf of ``tree`` varying over ``axis_name`` (a no-op where
-  it already is), e.g. so that ``jax.grad`` returns per-device gradients."""
+  it already is), e.g. so that ``jax.grad`` returns per-device gradients.
+
+  Inside ``jax.shard_map`` (``check_vma=True``, the default), where
+  ``axis_name`` is bound; the values are unchanged, only their type
+  (``lax.pcast(x, axes, to="varying")``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> def f(x):  # x replicated: the same on every device
+    ...   print(jaxcomp.varying_axes(x),
+    ...         jaxcomp.varying_axes(jaxcomp.to_varying(x, "data")))
+    ...   return x
+    >>> _ = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(),
+    ...                           out_specs=P()))(jnp.zeros(()))
+    frozenset() frozenset({'data'})
+  """
   names = axes(axis_name)
 
   def cast(x):

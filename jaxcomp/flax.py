@@ -23,6 +23,7 @@ instead and run the step per device under ``jax.shard_map``:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 from collections.abc import Callable
 
@@ -183,6 +184,13 @@ class Optimizer(nnx.Optimizer):
           "exchange under shard_map (gradients from nnx.grad of the whole "
           "batch are already averaged, and compressing them saves nothing)")
     return super().update(model, grads, **kwargs)
+
+
+# The signature help(), IDEs and the API reference show: the constructor's,
+# not the (*args, **kwargs) of nnx's object metaclass, which calls it.
+_INIT_SIGNATURE = inspect.signature(Optimizer.__init__, eval_str=True)
+Optimizer.__signature__ = _INIT_SIGNATURE.replace(
+    parameters=list(_INIT_SIGNATURE.parameters.values())[1:])
 
 
 def unsharded(model, optimizer: Optimizer):

@@ -133,6 +133,27 @@ class CompressedValueAndGrad:
       or placed on another mesh, naming it; in the call, a sharding
       constraint in ``loss_fn`` that names a data axis, saying what to
       write instead.
+
+  Example:
+    Called outside ``jax.jit`` too (each call then compiles); in a step,
+    as :func:`compressed_value_and_grad` shows:
+
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch @ params["w"]) ** 2)
+    >>> grad_fn = jaxcomp.CompressedValueAndGrad(
+    ...     loss_fn, jaxcomp.compressed_mean("bf16", "data"), mesh)
+    >>> params = {"w": jnp.ones((4,))}
+    >>> comp_state = grad_fn.init(params)
+    >>> batch = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> (loss, grads), comp_state = grad_fn(params, comp_state, batch)
+    >>> float(loss), grads["w"]
+    (16.0, Array([8., 8., 8., 8.], dtype=float32))
+    >>> float(jaxcomp.get_stats(comp_state).compression_factor)  # bfloat16
+    2.0
   """
 
   def __init__(self, loss_fn: Callable, transform, mesh, *,

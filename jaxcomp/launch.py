@@ -1,4 +1,4 @@
-"""Starts an N-process JAX job on this machine, for trying multi-host code.
+"""Starts an N-process JAX job on one machine, for trying multi-host code::
 
   python -m jaxcomp.launch -n 2 --devices-per-process 2 -- \\
       python examples/multihost/train_mlp.py --steps 20

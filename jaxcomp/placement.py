@@ -47,6 +47,34 @@ def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
 
   Returns:
     ``f(params, *args) -> (value, grads)``; the value is per device too.
+
+  Raises:
+    NameError: ``f`` is called where ``axis_name`` is not bound (outside
+      ``shard_map``/``pmap``), saying where to call it.
+
+  Example:
+    Each device's gradient of ``sum((x * w) ** 2)``, ``2 * x**2 * w`` for
+    its own ``x``, where plain ``jax.grad`` gives every device their sum:
+
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    >>> def loss_fn(w, x):  # x: this device's share of the batch
+    ...   return jnp.sum((x * w) ** 2)
+    >>> def per_device(w, x):
+    ...   loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(w, x)
+    ...   return loss[None], g[None]
+    >>> losses, grads = jax.jit(jax.shard_map(
+    ...     per_device, mesh=mesh, in_specs=(P(), P("data")),
+    ...     out_specs=P("data")))(jnp.float32(1.0), x)
+    >>> grads  # one per device
+    Array([ 0.,  2.,  8., 18., 32., 50., 72., 98.], dtype=float32)
+    >>> jax.jit(jax.shard_map(
+    ...     lambda w, x: jax.grad(loss_fn)(w, x)[None], mesh=mesh,
+    ...     in_specs=(P(), P("data")), out_specs=P("data")))(
+    ...         jnp.float32(1.0), x)  # already summed: nothing to compress
+    Array([280., 280., 280., 280., 280., 280., 280., 280.], dtype=float32)
   """
   vg = jax.value_and_grad(fun, has_aux=has_aux)
 
@@ -60,7 +88,20 @@ def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
 def per_device_grad(fun: Callable, axis_name: AxisName, *,
                     has_aux: bool = False) -> Callable:
   """Like :func:`per_device_value_and_grad`, returning only the gradient
-  (and aux with ``has_aux``)."""
+  (and aux with ``has_aux``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    >>> grad_fn = jaxcomp.per_device_grad(lambda w, x: jnp.sum(x * w), "data")
+    >>> jax.jit(jax.shard_map(
+    ...     lambda w, x: grad_fn(w, x)[None], mesh=mesh,
+    ...     in_specs=(P(), P("data")), out_specs=P("data")))(
+    ...         jnp.float32(1.0), x)  # each device's own x
+    Array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
+  """
   vg = per_device_value_and_grad(fun, axis_name, has_aux=has_aux)
 
   def wrapped(params, *args, **kwargs):
@@ -149,8 +190,36 @@ def _refuse_per_device_combinators(state) -> None:
 class PlacementError(ValueError):
   """jaxcomp could not derive where an optimizer state leaf lives: ``tx.update``
   does not trace under ``jax.shard_map`` with per-device gradients and the
-  state's types. The message names JAX's own error and the fix; the train
-  step would fail the same way."""
+  state's types. The message names JAX's own error (chained as
+  ``__cause__``) and the fix; the train step would fail the same way.
+
+  Raised by :func:`jaxcomp.init_sharded`, :func:`state_partition_specs` and
+  everything that places a state (:func:`jaxcomp.fsdp.init`,
+  :class:`jaxcomp.flax.Optimizer`, ...).
+
+  Example:
+    A running sum of the gradient, replicated by ``init``, that one branch
+    of a ``lax.cond`` makes per device:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> def init(params):
+    ...   return jnp.zeros((), jnp.float32)
+    >>> def update(grads, total, params=None):
+    ...   total = jax.lax.cond(total >= 0,
+    ...                        lambda: total + jnp.sum(grads["w"]),
+    ...                        lambda: total)
+    ...   return grads, total
+    >>> tx = optax.chain(optax.GradientTransformation(init, update),
+    ...                  jaxcomp.compressed_mean("topk", "data"))
+    >>> jaxcomp.init_sharded(tx, {"w": jnp.zeros((4,))}, mesh, "data")
+    Traceback (most recent call last):
+    ...
+    jaxcomp.placement.PlacementError: jaxcomp could not place the optimizer state: ...
+
+    The fix the message names: ``init`` returns
+    ``jaxcomp.to_varying(jnp.zeros(()), "data")``, a sum per device.
+  """
 
 
 def _update_axes(update, args, in_axes, mesh) -> list[frozenset[str]]:
@@ -322,6 +391,21 @@ def state_partition_specs(tx, params, mesh, axis_name: AxisName):
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of the state.
+
+  Raises:
+    PlacementError: ``tx.update`` does not trace per device.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
+    ...                  optax.adam(1e-3))
+    >>> specs = jaxcomp.state_partition_specs(tx, {"w": jnp.zeros((64,))},
+    ...                                       mesh, "data")
+    >>> specs[0].feedback  # the residual of top-k: one per device
+    ((P('data',),),)
+    >>> specs[1][0].mu  # Adam's moments of the averaged gradient: replicated
+    {'w': P()}
   """
   _, axes = _state_axes(tx, params, mesh, axis_name)
   return jax.tree.map(lambda a: _spec_for(a, mesh), axes,
@@ -329,13 +413,42 @@ def state_partition_specs(tx, params, mesh, axis_name: AxisName):
 
 
 def to_local(tree, specs):
-  """Drops the leading device axis of the varying leaves (inside shard_map)."""
+  """Drops the leading device axis of the varying leaves (inside shard_map).
+
+  A per-device state leaf is held outside ``shard_map`` with a leading
+  device axis, sharded ``P(axes)`` (:func:`jaxcomp.init_sharded`); inside,
+  each device sees a block of one and works on the leaf without it.
+
+  Args:
+    tree: the state as one device sees it inside ``shard_map``.
+    specs: its partition specs (a ``PartitionSpec`` per leaf, or a prefix).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> specs = {"residual": P("data"), "count": P()}
+    >>> one_device = {"residual": jnp.zeros((1, 64)),
+    ...               "count": jnp.zeros((), jnp.int32)}
+    >>> jax.tree.map(jnp.shape, jaxcomp.to_local(one_device, specs))
+    {'count': (), 'residual': (64,)}
+  """
   return jax.tree.map(lambda s, x: x if s == P() else x[0], specs, tree,
                       is_leaf=_is_spec)
 
 
 def to_global(tree, specs):
-  """Adds the leading device axis back to the varying leaves."""
+  """Adds the leading device axis back to the varying leaves: the inverse
+  of :func:`to_local`, before a state leaves ``shard_map``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> specs = {"residual": P("data"), "count": P()}
+    >>> local = {"residual": jnp.zeros((64,)),
+    ...          "count": jnp.zeros((), jnp.int32)}
+    >>> jax.tree.map(jnp.shape, jaxcomp.to_global(local, specs))
+    {'count': (), 'residual': (1, 64)}
+  """
   return jax.tree.map(lambda s, x: x if s == P() else x[None], specs, tree,
                       is_leaf=_is_spec)
 

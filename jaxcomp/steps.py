@@ -168,6 +168,36 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, aux)`` on global
     arrays; wrap it in ``jax.jit`` (with ``donate_argnums=(0, 1)``).
+
+  Example:
+    A step written per device, as :func:`make_train_step` writes it:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
+    ...                  optax.sgd(0.1))
+    >>> params = {"w": jnp.zeros((4,))}
+    >>> opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    >>> def step_fn(params, opt_state, batch):  # one device's view
+    ...   x, y = batch
+    ...   loss_fn = lambda p: jnp.mean((x @ p["w"] - y) ** 2)
+    ...   loss, grads = jaxcomp.per_device_value_and_grad(loss_fn, "data")(
+    ...       params)
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   params = optax.apply_updates(params, updates)
+    ...   return params, opt_state, jax.lax.pmean(loss, "data")
+    >>> step = jax.jit(jaxcomp.shard_train_step(
+    ...     step_fn, mesh=mesh, state_specs=specs, batch_spec=P("data")))
+    >>> n = 4 * jax.device_count()
+    >>> batch = jax.device_put((jnp.ones((n, 4)), jnp.ones((n,))),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
+    >>> params, opt_state, loss = step(params, opt_state, batch)
+    >>> float(loss)
+    1.0
+    >>> params["w"]  # top-k sent half of the gradient, the rest is residual
+    Array([0.2, 0.2, 0. , 0. ], dtype=float32)
   """
 
   def body(params, opt_state, batch):

@@ -154,3 +154,73 @@ def test_every_python_block_of_the_docs_is_run_or_marked_norun():
       if lang == "python" and info != "norun" and path.name not in GUIDES:
         unrun.append(f"{path.name}: ```python {info}")
   assert not unrun, unrun
+
+
+# ------------------------------------------------------- read in a browser ---
+
+WIDTH = 100  # columns a code or output block shows without a scroll bar
+# Lines of fenced blocks that are wider, by page: (a regex the line
+# matches, why it cannot be wrapped).
+WIDER = {
+    "perfmodel.md": [
+        (r"^(compressor|dense|bf16|topk:ratio=0\.01|random_block:ratio=0\.01"
+         r"|qsgd:levels=16)\s{2,}",
+         "`jaxcomp whatif --simulate`'s table (104 columns) as the command "
+         "prints it, which has no width option; its rows cannot wrap"),
+    ],
+}
+
+_OPEN = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
+
+
+def fenced_lines(text):
+  """``(line number, info string, line)`` of every line inside a fenced
+  block (backticks or tildes, indented or not) of a Markdown page; MyST
+  directives (``{toctree}``, ...) are not code and are left out."""
+  out, fence, info = [], None, ""
+  for n, line in enumerate(text.splitlines(), 1):
+    if fence is None:
+      m = _OPEN.match(line)
+      if m:
+        fence, info = m.group(2), m.group(3).strip()
+      continue
+    stripped = line.strip()
+    if stripped.startswith(fence[0] * len(fence)) and not stripped.strip(fence[0]):
+      fence = None
+      continue
+    if not info.startswith("{"):
+      out.append((n, info, line))
+  return out
+
+
+def test_no_code_or_output_block_of_the_docs_is_wider_than_the_page():
+  """Every fenced block of docs/*.md fits 100 columns (the site shows
+  about that much of a block before it scrolls), but for the lines WIDER
+  names with the reason."""
+  wide = []
+  for path in sorted((ROOT / "docs").glob("*.md")):
+    allowed = [re.compile(r) for r, _ in WIDER.get(path.name, ())]
+    for n, _, line in fenced_lines(path.read_text()):
+      if len(line) > WIDTH and not any(r.match(line) for r in allowed):
+        wide.append(f"{path.name}:{n} ({len(line)} columns): {line[:60]}")
+  assert not wide, "\n".join(wide)
+  # Each exception still matches a line: a page that wraps it drops it.
+  for page, rules in WIDER.items():
+    lines = [line for _, _, line in fenced_lines((ROOT / "docs" / page).read_text())]
+    for regex, _ in rules:
+      assert any(re.match(regex, l) and len(l) > WIDTH for l in lines), (page, regex)
+
+
+# Pages that still say "this machine", until they name it.
+_UNNAMED_MACHINE = {"kernels.md": "the kernel structure paragraph's 'this CPU machine'"}
+
+
+def test_the_docs_name_the_machine_a_figure_comes_from():
+  """A reader does not know which machine "this machine" is: the pages say
+  which (a 2-core x86_64 machine without a GPU, an NVIDIA H200, ...)."""
+  found = {path.name for path in sorted((ROOT / "docs").glob("*.md"))
+           for line in path.read_text().splitlines()
+           if re.search(r"\bthis (shared )?(2-core )?(CPU )?machine\b", line, re.I)}
+  assert found <= set(_UNNAMED_MACHINE), sorted(found - set(_UNNAMED_MACHINE))
+  assert set(_UNNAMED_MACHINE) <= found, (  # named now: drop the exception
+      sorted(set(_UNNAMED_MACHINE) - found))

@@ -58,3 +58,26 @@ def test_readme_train_step_runs_as_written():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and "snippet ok" in out.stdout, out.stderr[-4000:]
+
+
+def _anchor(heading: str) -> str:
+  """A Markdown heading's anchor as GitHub and MyST write it: lower case,
+  punctuation dropped, spaces as hyphens."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def test_readme_links_lead_to_pages_and_headings_that_exist():
+  """Every link of the README into docs/ names a page that exists and,
+  with ``#anchor``, a heading of that page (one click to the recipe)."""
+  text = (ROOT / "README.md").read_text()
+  links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", text)
+  assert links
+  for path, anchor in links:
+    page = ROOT / path
+    assert page.is_file(), path
+    if anchor:
+      headings = re.findall(r"^#{1,6} (.+)$", page.read_text(), re.M)
+      assert anchor in {_anchor(h) for h in headings}, (path, anchor)
+  gspmd = re.search(r"^\| a `jax.jit` step.*GSPMD.*$", text, re.M).group(0)
+  assert "docs/sharded.md#gspmd-" in gspmd  # the GSPMD recipe itself

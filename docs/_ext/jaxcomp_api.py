@@ -18,6 +18,17 @@ At every build this extension writes one page per module named in
   (``jaxcomp.compressors.base.Compressor``, as type hints produce) resolves
   to the page documenting that object.
 
+* the modules come in groups, by task (``conf.py``'s ``jaxcomp_api_groups``),
+  which ``docs/api/index.md`` lists where it says
+  ``<!-- jaxcomp-api-groups -->``: each group's modules and the names of
+  ``jaxcomp`` it covers (the sections of ``jaxcomp.__all__``, the comments
+  between its names);
+* a module whose ``__all__`` is written in sections (a comment before each
+  run of names, as ``jaxcomp/__init__.py``'s) gets one heading per section;
+* a paper cited as ``Author et al., Title <https://...>, year`` (the
+  project's habit for references in docstrings) renders as a link on the
+  title.
+
 So renaming or moving a private module needs no edit here: the pages follow
 the public names.
 """
@@ -28,15 +39,58 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import io
 import pathlib
 import pkgutil
 import re
+import tokenize
 import types
+import warnings
 
 # id(object) -> (documented full name, Sphinx py object type); filled when
 # the pages are written, read when a reference is missing.
 _DOCUMENTED: dict[int, tuple[str, str]] = {}
 _FIELD_DOC_PREFIX = "Alias for field number"
+
+
+def _get(module, name):
+  """``module.name``, without the warning a deprecated module's names give
+  (they are documented, not used)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return getattr(module, name)
+
+
+def _all_sections(module) -> list[tuple[str, list[str]]]:
+  """``[(title, names)]``: the comments that divide the module's
+  ``__all__`` list into sections (``# The jax.jit idiom.`` before a run of
+  names), or ``[]`` where it has none or a name outside every section."""
+  try:
+    source = inspect.getsource(module)
+  except (OSError, TypeError):
+    return []
+  tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+  for i, tok in enumerate(tokens):
+    if (tok.type == tokenize.NAME and tok.string == "__all__"
+        and tok.start[1] == 0 and i + 2 < len(tokens)
+        and tokens[i + 1].string == "=" and tokens[i + 2].string == "["):
+      break
+  else:
+    return []
+  sections: list[tuple[str, list[str]]] = []
+  for tok in tokens[i + 3:]:
+    if tok.string == "]":
+      break
+    if tok.type == tokenize.COMMENT:
+      sections.append((tok.string.lstrip("#").strip().rstrip("."), []))
+    elif tok.type == tokenize.STRING:
+      if not sections:
+        return []
+      sections[-1][1].append(ast.literal_eval(tok.string))
+  listed = [n for _, names in sections for n in names]
+  if listed != list(getattr(module, "__all__", ())):
+    return []
+  return [(title, names) for title, names in sections if names]
 
 
 def _source_tree(module):
@@ -55,7 +109,7 @@ def public_names(module) -> list[str]:
   def add(name):
     if name.startswith("_") or name in names:
       return
-    obj = getattr(module, name, None)
+    obj = _get(module, name) if hasattr(module, name) else None
     if obj is None or isinstance(obj, types.ModuleType):
       return
     names.append(name)
@@ -101,7 +155,92 @@ def _summary(obj) -> str:
   first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
   if first.endswith("::"):  # an example follows in the docstring
     first = first[:-1]
-  return first
+  return link_references(literal_plurals(first))
+
+
+def literal_plurals(text: str) -> str:
+  """````jax.Array``s`` (a literal with a suffix, which reStructuredText
+  does not end there) as ````jax.Array``\\ s``: the literal, then the
+  suffix joined to it. Literals pair up from the left, as they do in
+  reStructuredText, within a paragraph (one with an odd count is left as
+  it is)."""
+  paragraphs = re.split(r"(\n\s*\n)", text)
+  for p, paragraph in enumerate(paragraphs):
+    parts = paragraph.split("``")
+    if len(parts) % 2 == 0:
+      continue
+    for i in range(2, len(parts), 2):  # the text after a closing ``
+      if parts[i][:1].isalpha():
+        parts[i] = "\\ " + parts[i]
+    paragraphs[p] = "``".join(parts)
+  return "".join(paragraphs)
+
+
+# ``<https://...>`` not already the target of a link (`` `Title <url>`_ ``).
+_URL_RE = re.compile(r"<(https?://[^\s<>`]+)>(?!`)")
+# Where the authors of a citation end: "Lin et al., ", "Lin et al, ".
+_ET_AL_RE = re.compile(r"\bet al\.?,\s+")
+_SECTION_RE = re.compile(r"^\s*References?:\s*")
+
+
+def _citation_start(text: str, end: int, floor: int) -> int:
+  """Where the citation that ends at ``text[end]`` begins: after the last
+  ``;``, unmatched ``(`` or blank line before it (not before ``floor``)."""
+  depth = 0
+  i = end - 1
+  while i >= floor:
+    c = text[i]
+    if c == ")":
+      depth += 1
+    elif c == "(":
+      if depth == 0:
+        return i + 1
+      depth -= 1
+    elif c == ";" and depth == 0:
+      return i + 1
+    elif c == "\n" and not text[text.rfind("\n", 0, i) + 1:i].strip():
+      return i + 1  # the line before is blank: a paragraph starts here
+    i -= 1
+  return floor
+
+
+def _title_start(segment: str) -> int:
+  """The offset of the title in a citation ``Authors, Title``: after
+  ``et al.,``, after the comma that follows the last author of ``A, B &
+  C``, or after a single author's comma; 0 where there is no author."""
+  m = _ET_AL_RE.search(segment)
+  if m:
+    return m.end()
+  amp = segment.find(" & ")
+  comma = segment.find(", ", amp + 3 if amp >= 0 else 0)
+  if comma < 0:
+    return 0
+  return comma + 2
+
+
+def link_references(text: str) -> str:
+  """``Author et al., Title <https://...>, year`` with the title made the
+  link's text (an anonymous reStructuredText link, so that a page citing a
+  paper twice has no duplicate target); the rest as it was. A URL already
+  inside a link, or whose title holds inline markup, is left alone."""
+  out, pos = [], 0
+  for m in _URL_RE.finditer(text):
+    start = _citation_start(text, m.start(), pos)
+    segment = text[start:m.start()]
+    lead = len(segment) - len(segment.lstrip())
+    section = _SECTION_RE.match(segment[lead:])
+    if section:
+      lead += section.end()
+    title_at = start + lead + _title_start(segment[lead:])
+    title = text[title_at:m.start()].strip()
+    if title.startswith("*") and title.endswith("*"):  # an emphasised title
+      title = title.strip("*").strip()
+    if not title or "`" in title or "*" in title or "<" in title:
+      continue
+    out += [text[pos:title_at], f"`{title} <{m.group(1)}>`__"]
+    pos = m.end()
+  out.append(text[pos:])
+  return "".join(out)
 
 
 def _data_comment(module, name) -> str | None:
@@ -123,29 +262,30 @@ def _data_comment(module, name) -> str | None:
   return None
 
 
-def _rst_page(modname: str, documented_in: dict[int, str]) -> str:
-  module = importlib.import_module(modname)
-  title = f"``{modname}``"
-  out = [title, "=" * len(title), "",
-         f".. automodule:: {modname}", "   :no-members:", "", ""]
-  names = public_names(module)
-  rows = []
-  entries = []
+def _entries(module, modname: str, names, documented_in: dict[int, str]):
+  """``(rows, entries)``: the summary table's rows and the reference
+  entries of ``names`` of ``module``."""
+  deprecated = (inspect.getdoc(module) or "").startswith("Deprecated")
+  rows, entries = [], []
   for name in names:
-    obj = getattr(module, name)
+    obj = _get(module, name)
     full = f"{modname}.{name}"
     kind = _kind(obj)
     role = {"class": "class", "function": "func", "data": "data"}[kind]
     home = documented_in.get(id(obj)) if kind != "data" else None
     summary = (_summary(obj) if kind != "data"
                else _data_comment(module, name) or "")
+    if home and home != full and deprecated:
+      summary = f"Deprecated: use :py:{role}:`{home}`."
     rows.append(f"   * - :{'py:' + role}:`{full}`\n"
                 f"     - {_escape(summary)}")
     if home and home != full:
       directive = "py:class" if kind == "class" else "py:function"
+      what = ("Deprecated: the same object as" if deprecated
+              else "The same object as")
       entries += [f".. {directive}:: {name}{_signature(obj)}",
                   f"   :module: {modname}", "",
-                  f"   The same object as :py:{role}:`{home}`.", "", ""]
+                  f"   {what} :py:{role}:`{home}`.", "", ""]
     elif kind == "class":
       entries += [f".. autoclass:: {full}", "   :members:", "", ""]
     elif kind == "function":
@@ -159,9 +299,29 @@ def _rst_page(modname: str, documented_in: dict[int, str]) -> str:
       if comment:
         entries += [f"   {_escape(comment)}", ""]
       entries += [""]
-  if rows:
-    out += [".. list-table::", "   :widths: 35 65", ""] + rows + ["", ""]
-  return "\n".join(out + entries)
+  return rows, entries
+
+
+def _table(rows) -> list[str]:
+  if not rows:
+    return []
+  return [".. list-table::", "   :widths: 35 65", ""] + rows + ["", ""]
+
+
+def _rst_page(modname: str, documented_in: dict[int, str]) -> str:
+  module = importlib.import_module(modname)
+  title = f"``{modname}``"
+  out = [title, "=" * len(title), "",
+         f".. automodule:: {modname}", "   :no-members:", "", ""]
+  sections = _all_sections(module)
+  if not sections:  # one table, then the entries
+    rows, entries = _entries(module, modname, public_names(module),
+                             documented_in)
+    return "\n".join(out + _table(rows) + entries)
+  for heading, names in sections:  # per section: a heading, a table, entries
+    rows, entries = _entries(module, modname, names, documented_in)
+    out += [heading, "-" * len(heading), ""] + _table(rows) + entries
+  return "\n".join(out)
 
 
 def _escape(text: str) -> str:
@@ -183,8 +343,17 @@ def _expand(modules):
   return out
 
 
+def api_modules(config) -> list[str]:
+  """The modules of the reference, in order: ``jaxcomp_api_groups``'
+  (``pkg.*`` expanded), else ``jaxcomp_api_modules``."""
+  groups = getattr(config, "jaxcomp_api_groups", None)
+  if groups:
+    return _expand([m for group in groups for m in group["modules"]])
+  return _expand(config.jaxcomp_api_modules)
+
+
 def write_pages(app) -> None:
-  modules = _expand(app.config.jaxcomp_api_modules)
+  modules = api_modules(app.config)
   outdir = pathlib.Path(app.srcdir) / "api" / "generated"
   outdir.mkdir(parents=True, exist_ok=True)
   # Where each object is documented in full: the first module exporting it.
@@ -192,7 +361,7 @@ def write_pages(app) -> None:
   for modname in modules:
     module = importlib.import_module(modname)
     for name in public_names(module):
-      obj = getattr(module, name)
+      obj = _get(module, name)
       if _kind(obj) == "data":
         continue
       documented_in.setdefault(id(obj), f"{modname}.{name}")
@@ -297,6 +466,36 @@ def process_docstring(app, what, name, obj, options, lines):
   if what in ("data", "attribute") and lines and not inspect.isclass(obj) \
       and "\n".join(lines).strip() == (inspect.getdoc(type(obj)) or "").strip():
     lines[:] = []
+  _name_raised_types(lines)
+  text = "\n".join(lines)
+  fixed = link_references(literal_plurals(text))
+  if fixed != text:
+    lines[:] = fixed.split("\n")
+
+
+_RAISES_ENTRY_RE = re.compile(r"^\s*[\w.]+(\s*\([^)]*\))?(\s*,\s*[\w.]+)*\s*:")
+
+
+def _name_raised_types(lines: list[str]) -> None:
+  """An entry of a ``Raises:`` section that names no exception type
+  (``Whatever compiling fn raises.``) gets ``Exception:`` before it, so
+  that napoleon does not take its words for a type to cross-reference."""
+  section = None  # the indentation of the Raises: header while in it
+  entry = None  # the indentation of its entries
+  for i, line in enumerate(lines):
+    indent = len(line) - len(line.lstrip())
+    if line.strip() == "Raises:":
+      section, entry = indent, None
+      continue
+    if section is None or not line.strip():
+      continue
+    if indent <= section:
+      section = None
+      continue
+    if entry is None:
+      entry = indent
+    if indent == entry and not _RAISES_ENTRY_RE.match(line):
+      lines[i] = line[:indent] + "Exception: " + line[indent:]
 
 
 def _import(dotted: str):
@@ -376,9 +575,51 @@ def resolve_private_path(app, env, node, contnode):
   return None
 
 
+GROUPS_MARKER = "<!-- jaxcomp-api-groups -->"
+
+
+def groups_markdown(config) -> str:
+  """``docs/api/index.md``'s sections: per group of ``jaxcomp_api_groups``,
+  its title, what it is for, the names of ``jaxcomp`` it covers and a
+  table of contents of its modules' pages."""
+  import jaxcomp
+  sections = dict(_all_sections(jaxcomp))
+  out = []
+  for group in config.jaxcomp_api_groups:
+    out += [f"## {group['title']}", "", group["about"], ""]
+    names = []
+    for title in group.get("sections", ()):
+      if title not in sections:
+        raise ValueError(f"jaxcomp_api_groups: {group['title']!r} names the "
+                         f"section {title!r}, which jaxcomp.__all__ lacks "
+                         f"(it has {sorted(sections)})")
+      names += sections[title]
+    if names:
+      out += ["In `jaxcomp`: " + ", ".join(
+          f"{{py:obj}}`jaxcomp.{n}`" for n in names) + ".", ""]
+    modules = _expand(group["modules"])
+    out += ["```{eval-rst}", ".. list-table::", "   :widths: 35 65", ""]
+    for m in modules:
+      summary = _escape(_summary(importlib.import_module(m)))
+      out += [f"   * - :py:mod:`{m}`", f"     - {summary}"]
+    out += ["```", "", "```{toctree}", ":hidden:", ""]
+    out += [f"generated/{m}" for m in modules]
+    out += ["```", ""]
+  return "\n".join(out)
+
+
+def fill_api_index(app, docname, source):
+  """Puts the groups into ``api/index`` where it has the marker."""
+  if docname == "api/index" and GROUPS_MARKER in source[0]:
+    source[0] = source[0].replace(GROUPS_MARKER,
+                                  groups_markdown(app.config))
+
+
 def setup(app):
   app.add_config_value("jaxcomp_api_modules", [], "env")
+  app.add_config_value("jaxcomp_api_groups", [], "env")
   app.connect("builder-inited", write_pages)
+  app.connect("source-read", fill_api_index)
   app.connect("autodoc-skip-member", skip_member)
   app.connect("autodoc-process-docstring", process_docstring, priority=400)
   app.connect("missing-reference", resolve_private_path)
