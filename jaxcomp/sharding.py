@@ -21,7 +21,12 @@ _HOMES = {
     "to_local": placement, "to_varying": _mesh, "varying_axes": _mesh,
 }
 
-__all__ = sorted(_HOMES)
+__all__ = [
+    "CompressedValueAndGrad", "compressed_value_and_grad", "init_sharded",
+    "make_train_step", "per_device_grad", "per_device_value_and_grad",
+    "shard_train_step", "state_partition_specs", "step_loss", "to_global",
+    "to_local", "to_varying", "varying_axes",
+]
 
 
 def __getattr__(name: str):

@@ -10,7 +10,7 @@ from jaxcomp.compressors import dgc
 
 _MOVED = ("WarmupStage", "sparsity_warmup", "stage_at", "bytes_over")
 
-__all__ = list(_MOVED)
+__all__ = ["WarmupStage", "sparsity_warmup", "stage_at", "bytes_over"]
 
 
 def __getattr__(name: str):

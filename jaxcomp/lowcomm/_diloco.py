@@ -27,6 +27,8 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple, cast
@@ -149,12 +151,30 @@ def diloco(inner: optax.GradientTransformation,
     >>> specs.anchor, specs.inner_state[0].trace  # shared; per device
     ({'w': P()}, {'w': P('data',)})
   """
+  _check_schedule(sync_every, fragments, overlap_steps, merge)
+  _mesh.check_axis_name(axis_name)
+  compressed_mean_kwargs.setdefault("nonfinite", "skip")
+  spec = _DiLoCo(
+      inner=inner,
+      outer=(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None
+             else outer),
+      mean=transform.compressed_mean(compressor, axis_name,
+                                     **compressed_mean_kwargs),
+      axis_name=axis_name, sync_every=int(sync_every),
+      # Fragment j syncs offsets[j] steps before the interval's end
+      # (Streaming DiLoCo's staggered schedule).
+      offsets=tuple(j * sync_every // fragments for j in range(fragments)),
+      tau=int(overlap_steps), merge=merge)
+  return optax.GradientTransformation(functools.partial(_init, spec),
+                                      functools.partial(_update, spec))
+
+
+def _check_schedule(sync_every: int, fragments: int, overlap_steps: int,
+                    merge: float) -> None:
+  """Construction-time checks of :func:`diloco`'s schedule arguments."""
   if (isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral)
       or sync_every < 1):
     raise ValueError(f"sync_every must be an integer >= 1, got {sync_every=!r}")
-  _mesh.check_axis_name(axis_name)
-  if outer is None:
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
   if (isinstance(fragments, bool) or not isinstance(fragments, numbers.Integral)
       or not 1 <= fragments <= sync_every):
     raise ValueError(f"fragments must be an integer in [1, sync_every="
@@ -166,24 +186,32 @@ def diloco(inner: optax.GradientTransformation,
                      "outer update must land before its next exchange")
   if isinstance(merge, bool) or not isinstance(merge, numbers.Real) or not 0 <= merge <= 1:
     raise ValueError(f"merge must be a number in [0, 1], got {merge=!r}")
-  tau = int(overlap_steps)
-  compressed_mean_kwargs.setdefault("nonfinite", "skip")
-  mean = transform.compressed_mean(compressor, axis_name,
-                                   **compressed_mean_kwargs)
-  # Fragment j syncs offsets[j] steps before the interval's end (Streaming
-  # DiLoCo's staggered schedule).
-  offsets = [j * sync_every // fragments for j in range(fragments)]
 
-  def groups(leaves) -> list[list[int]]:
+
+@dataclasses.dataclass(frozen=True)
+class _DiLoCo:
+  """One :func:`diloco`, its arguments checked: what ``init`` and
+  ``update`` read."""
+
+  inner: optax.GradientTransformation
+  outer: optax.GradientTransformation
+  mean: optax.GradientTransformation  # the pseudo-gradients' compressed mean
+  axis_name: AxisName
+  sync_every: int
+  offsets: tuple[int, ...]  # per fragment: steps before the interval's end
+  tau: int  # overlap_steps
+  merge: float
+
+  def groups(self, leaves) -> list[list[int]]:
     """Leaf indices of each fragment: contiguous in ``jax.tree.leaves``
     order, of about equal size."""
+    fragments = len(self.offsets)
     if len(leaves) < fragments:
       raise ValueError(f"fragments={fragments} needs as many parameter "
                        f"leaves; the parameters have {len(leaves)}")
-    sizes = [int(jnp.size(x)) for x in leaves]
     prefix = [0]
-    for n in sizes:
-      prefix.append(prefix[-1] + n)
+    for x in leaves:
+      prefix.append(prefix[-1] + int(jnp.size(x)))
     starts = [0]
     for j in range(1, fragments):
       target = j * prefix[-1] / fragments
@@ -194,126 +222,151 @@ def diloco(inner: optax.GradientTransformation,
     starts.append(len(leaves))
     return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
 
-  def init_fn(params):
-    anchor = jax.tree.map(jnp.asarray, params)
-    a_leaves, p_leaves = jax.tree.leaves(anchor), jax.tree.leaves(params)
-    frags = groups(a_leaves)
-    return DiLoCoState(
-        step=jnp.zeros((), jnp.int32), inner_state=inner.init(params),
-        anchor=anchor,
-        outer_state=tuple(outer.init([a_leaves[i] for i in g]) for g in frags),
-        exchange_state=tuple(mean.init([p_leaves[i] for i in g]) for g in frags),
-        synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params),
-        pending=tuple([jnp.zeros(jnp.shape(a_leaves[i]), jnp.result_type(a_leaves[i]))
-                       for i in g] for g in frags) if tau else ())
+  def syncs(self, step, j: int):
+    """Whether fragment ``j`` synchronizes at ``step``."""
+    return (step + 1 + self.offsets[j]) % self.sync_every == 0
 
-  def delayed(j, g, sync, state, p_leaves, l_leaves, updates, anchor):
-    """Fragment ``j`` with ``overlap_steps = tau > 0``: on its sync step,
-    the exchange of ``anchor - params`` (the incoming parameters) into
-    ``pending``; ``tau`` steps later, the outer step on it and the merge.
-    Returns the fragment's anchor, outer, exchange and pending state, its
-    leaves' updates, and whether its outer update landed this step."""
-    step = state.step
 
-    def exchange(args):
-      exchange_state, pending = args
-      pseudo = [(anchor[i] - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
-                for i in g]
-      avg, exchange_state = mean.update(pseudo, exchange_state,
-                                        [p_leaves[i] for i in g])
-      # A list in, a list out (optax types it as any pytree).
-      avg = cast(list, avg)
-      return exchange_state, [a.astype(x.dtype) for a, x in zip(avg, pending)]
+def _init(spec: _DiLoCo, params) -> DiLoCoState:
+  anchor = jax.tree.map(jnp.asarray, params)
+  a_leaves, p_leaves = jax.tree.leaves(anchor), jax.tree.leaves(params)
+  frags = spec.groups(a_leaves)
+  return DiLoCoState(
+      step=jnp.zeros((), jnp.int32), inner_state=spec.inner.init(params),
+      anchor=anchor,
+      outer_state=tuple(spec.outer.init([a_leaves[i] for i in g])
+                        for g in frags),
+      exchange_state=tuple(spec.mean.init([p_leaves[i] for i in g])
+                           for g in frags),
+      synced=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), params),
+      pending=tuple([jnp.zeros(jnp.shape(a_leaves[i]),
+                               jnp.result_type(a_leaves[i])) for i in g]
+                    for g in frags) if spec.tau else ())
 
-    # _mesh.cond: the exchange may make pending per device (FSDP inside
-    # islands: each device's shard), which init's zeros are not.
-    exchange_state, pending = _mesh.cond(
-        sync, exchange, lambda args: args,
-        (state.exchange_state[j], list(state.pending[j])))
-    # The sync tau steps ago (never before the first one).
-    landed = ((step + 1 + offsets[j] - tau) % sync_every == 0) & (step >= tau)
 
-    def land(args):
-      anchor_g, outer_state = args
-      outer_updates, outer_state = outer.update(
-          list(state.pending[j]), outer_state, anchor_g)
-      anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
-      m = jnp.float32(merge)
-      ups = [((m * l_leaves[i] + (1 - m) * a) - p_leaves[i]).astype(
-          jnp.result_type(p_leaves[i])) for a, i in zip(anchor_g, g)]
-      return ups, (anchor_g, outer_state)
+def _now(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
+         anchor):
+  """Fragment ``j`` without delay: on its sync step, the exchange of
+  ``anchor - local``, the outer step on it, and every device's leaves set
+  to the new anchor; else the inner updates. Returns the fragment's
+  anchor, outer and exchange state and its leaves' updates."""
+  def run(args):
+    anchor_g, outer_state, exchange_state = args
+    pseudo = [(a - l_leaves[i]).astype(jnp.result_type(l_leaves[i]))
+              for a, i in zip(anchor_g, g)]
+    avg, exchange_state = spec.mean.update(
+        pseudo, exchange_state, [l_leaves[i] for i in g])
+    outer_updates, outer_state = spec.outer.update(avg, outer_state, anchor_g)
+    anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
+    # Every device lands on the fragment's new anchor.
+    ups = [(a - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
+           for a, i in zip(anchor_g, g)]
+    return ups, (anchor_g, outer_state, exchange_state)
 
-    def keep(args):
-      return [updates[i] for i in g], args
+  def wait(args):
+    return [updates[i] for i in g], args
 
-    ups, (anchor_g, outer_state) = _mesh.cond(
-        landed, land, keep, ([anchor[i] for i in g], state.outer_state[j]))
-    return anchor_g, outer_state, exchange_state, pending, ups, landed
+  ups, (anchor_g, outer_state, exchange_state) = _mesh.cond(
+      sync, run, wait, ([anchor[i] for i in g], state.outer_state[j],
+                        state.exchange_state[j]))
+  return anchor_g, outer_state, exchange_state, ups
 
-  def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError("diloco's update needs params (this device's own "
-                       "parameters): tx.update(grads, state, params)")
-    if _mesh.types_track_devices(axis_name) and any(
-        not set(_mesh.axes(axis_name)) <= _mesh.varying_axes(p)
-        for p in jax.tree.leaves(params)):
-      raise ValueError(
-          "diloco needs each device's own parameters, but these are "
-          f"replicated over {axis_name!r} (identical on every device): place "
-          "them with jaxcomp.lowcomm.init and step with "
-          "jaxcomp.lowcomm.make_train_step (jaxcomp.lowcomm.local_step inside "
-          "your own jax.jit step; jaxcomp.flax.Optimizer for NNX)")
-    inner_updates, inner_state = inner.update(updates, state.inner_state, params)
-    local = optax.apply_updates(params, inner_updates)
-    p_leaves, treedef = jax.tree.flatten(params)
-    l_leaves = treedef.flatten_up_to(local)
-    u_leaves = treedef.flatten_up_to(inner_updates)
-    anchor = treedef.flatten_up_to(state.anchor)
-    synced = [None] * len(p_leaves)
-    outer_states, exchange_states, pendings = [], [], []
-    for j, g in enumerate(groups(p_leaves)):
-      sync = (state.step + 1 + offsets[j]) % sync_every == 0
-      if tau:
-        (anchor_g, outer_state, exchange_state, pending, ups,
-         landed) = delayed(j, g, sync, state, p_leaves, l_leaves, u_leaves, anchor)
-        pendings.append(pending)
-        for i, u, a in zip(g, ups, anchor_g):
-          u_leaves[i], anchor[i], synced[i] = u, a, landed & (merge == 0)
-        outer_states.append(outer_state)
-        exchange_states.append(exchange_state)
-        continue
 
-      def run(args, g=g):
-        anchor_g, outer_state, exchange_state = args
-        pseudo = [(a - l_leaves[i]).astype(jnp.result_type(l_leaves[i]))
-                  for a, i in zip(anchor_g, g)]
-        avg, exchange_state = mean.update(
-            pseudo, exchange_state, [l_leaves[i] for i in g])
-        outer_updates, outer_state = outer.update(avg, outer_state, anchor_g)
-        anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
-        # Every device lands on the fragment's new anchor.
-        ups = [(a - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
-               for a, i in zip(anchor_g, g)]
-        return ups, (anchor_g, outer_state, exchange_state)
+def _delayed(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
+             anchor):
+  """Fragment ``j`` with ``overlap_steps = tau > 0``: on its sync step, the
+  exchange of ``anchor - params`` (the incoming parameters) into
+  ``pending``; ``tau`` steps later, the outer step on it and the merge.
+  Returns the fragment's anchor, outer, exchange and pending state, its
+  leaves' updates, and whether its outer update landed this step."""
+  step, tau = state.step, spec.tau
 
-      def wait(args, g=g):
-        return [u_leaves[i] for i in g], args
+  def exchange(args):
+    exchange_state, pending = args
+    pseudo = [(anchor[i] - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
+              for i in g]
+    avg, exchange_state = spec.mean.update(pseudo, exchange_state,
+                                           [p_leaves[i] for i in g])
+    # A list in, a list out (optax types it as any pytree).
+    avg = cast(list, avg)
+    return exchange_state, [a.astype(x.dtype) for a, x in zip(avg, pending)]
 
-      ups, (anchor_g, outer_state, exchange_state) = _mesh.cond(
-          sync, run, wait, ([anchor[i] for i in g], state.outer_state[j],
-                            state.exchange_state[j]))
-      for i, u, a in zip(g, ups, anchor_g):
-        u_leaves[i], anchor[i], synced[i] = u, a, sync
-      outer_states.append(outer_state)
-      exchange_states.append(exchange_state)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-    return unflat(u_leaves), DiLoCoState(
-        step=state.step + 1, inner_state=inner_state, anchor=unflat(anchor),
-        outer_state=tuple(outer_states),
-        exchange_state=tuple(exchange_states), synced=unflat(synced),
-        pending=tuple(pendings))
+  # _mesh.cond: the exchange may make pending per device (FSDP inside
+  # islands: each device's shard), which init's zeros are not.
+  exchange_state, pending = _mesh.cond(
+      sync, exchange, lambda args: args,
+      (state.exchange_state[j], list(state.pending[j])))
+  # The sync tau steps ago (never before the first one).
+  landed = ((step + 1 + spec.offsets[j] - tau) % spec.sync_every == 0) & (
+      step >= tau)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def land(args):
+    anchor_g, outer_state = args
+    outer_updates, outer_state = spec.outer.update(
+        list(state.pending[j]), outer_state, anchor_g)
+    anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
+    m = jnp.float32(spec.merge)
+    ups = [((m * l_leaves[i] + (1 - m) * a) - p_leaves[i]).astype(
+        jnp.result_type(p_leaves[i])) for a, i in zip(anchor_g, g)]
+    return ups, (anchor_g, outer_state)
+
+  def keep(args):
+    return [updates[i] for i in g], args
+
+  ups, (anchor_g, outer_state) = _mesh.cond(
+      landed, land, keep, ([anchor[i] for i in g], state.outer_state[j]))
+  return anchor_g, outer_state, exchange_state, pending, ups, landed
+
+
+def _check_local_params(spec: _DiLoCo, params) -> None:
+  """Raises ValueError unless ``params`` are this device's own."""
+  axis_name = spec.axis_name
+  if _mesh.types_track_devices(axis_name) and any(
+      not set(_mesh.axes(axis_name)) <= _mesh.varying_axes(p)
+      for p in jax.tree.leaves(params)):
+    raise ValueError(
+        "diloco needs each device's own parameters, but these are "
+        f"replicated over {axis_name!r} (identical on every device): place "
+        "them with jaxcomp.lowcomm.init and step with "
+        "jaxcomp.lowcomm.make_train_step (jaxcomp.lowcomm.local_step inside "
+        "your own jax.jit step; jaxcomp.flax.Optimizer for NNX)")
+
+
+def _update(spec: _DiLoCo, updates, state, params=None):
+  if params is None:
+    raise ValueError("diloco's update needs params (this device's own "
+                     "parameters): tx.update(grads, state, params)")
+  _check_local_params(spec, params)
+  inner_updates, inner_state = spec.inner.update(updates, state.inner_state,
+                                                 params)
+  local = optax.apply_updates(params, inner_updates)
+  p_leaves, treedef = jax.tree.flatten(params)
+  l_leaves = treedef.flatten_up_to(local)
+  u_leaves = treedef.flatten_up_to(inner_updates)
+  anchor = treedef.flatten_up_to(state.anchor)
+  synced = [None] * len(p_leaves)
+  outer_states, exchange_states, pendings = [], [], []
+  for j, g in enumerate(spec.groups(p_leaves)):
+    sync = spec.syncs(state.step, j)
+    args = (j, g, sync, state, p_leaves, l_leaves, u_leaves, anchor)
+    if spec.tau:
+      (anchor_g, outer_state, exchange_state, pending, ups,
+       landed) = _delayed(spec, *args)
+      pendings.append(pending)
+      done = landed & (spec.merge == 0)
+    else:
+      anchor_g, outer_state, exchange_state, ups = _now(spec, *args)
+      done = sync
+    for i, u, a in zip(g, ups, anchor_g):
+      u_leaves[i], anchor[i], synced[i] = u, a, done
+    outer_states.append(outer_state)
+    exchange_states.append(exchange_state)
+  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+  return unflat(u_leaves), DiLoCoState(
+      step=state.step + 1, inner_state=inner_state, anchor=unflat(anchor),
+      outer_state=tuple(outer_states),
+      exchange_state=tuple(exchange_states), synced=unflat(synced),
+      pending=tuple(pendings))
 
 
 def _diloco_states(opt_state) -> list[DiLoCoState]:
