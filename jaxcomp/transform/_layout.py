@@ -33,6 +33,11 @@ class Layout(NamedTuple):
   def bucket_sizes(self, b: int) -> list[int]:
     return [self.sizes[i] for i in self.plan.buckets[b]]
 
+  def key(self) -> tuple:
+    """Everything the layout fixes, hashable: equal keys, equal layouts."""
+    return (tuple(self.sizes), tuple(self.dtypes), self.plan,
+            tuple(self.shapes), tuple(self.bucket_dtypes), self.passthrough)
+
 
 class Bucketing(NamedTuple):
   """``compressed_mean``'s bucketing arguments (validated at construction)."""
