@@ -3,12 +3,14 @@ names what to do ([integration] item 5)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
+from tests.helpers import run_shard_map
 
 
 def _loss(p, batch):
@@ -133,3 +135,42 @@ def test_the_sharding_module_is_deprecated_and_names_each_home():
   assert make_train_step is jaxcomp.make_train_step
   with pytest.raises(AttributeError, match="no attribute 'nothing'"):
     jaxcomp.sharding.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(bucketing="whole"), dict(bucketing="layerwise"), dict(),
+    dict(plan=[[0, 1]]), dict(plan=[[0], [1]]), dict(plan=[[0, 1, 2]]),
+    dict(bucketing="whole", output="shard")])
+@pytest.mark.parametrize("with_data", [False, True])
+def test_zero_size_leaves_of_mixed_dtypes_give_zero_size_updates(
+    mesh8, kwargs, with_data):
+  """Zero-size leaves (of different dtypes, alone or beside a leaf with
+  data, in any bucketing or an explicit plan that names them) have nothing
+  to compress: their updates are zero-size arrays of their own shapes and
+  dtypes, and the leaf beside them gets its mean."""
+  grads = {"a": jnp.zeros((8, 0), jnp.float32),
+           "b": jnp.zeros((8, 0, 3), jnp.bfloat16)}
+  if with_data:
+    grads["c"] = jax.random.normal(jax.random.key(0), (8, 5))
+  elif "plan" in kwargs and 2 in kwargs["plan"][-1]:
+    return  # names a leaf that is not there
+  tx = jaxcomp.compressed_mean("random_block", "data", ratio=0.01,
+                               **{"error_feedback": False, **kwargs})
+  if kwargs.get("output") == "shard":
+    shards = jax.device_put(
+        jax.tree.map(lambda g: jnp.zeros((8 * -(-g[0].size // 8),), g.dtype),
+                     grads), NamedSharding(mesh8, P("data")))
+
+    def body(g, s):
+      return tx.update(jax.tree.map(lambda x: x[0], g), tx.init(s))[0]
+
+    u = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=P("data"),
+                              out_specs=P("data")))(
+        jax.device_put(grads, NamedSharding(mesh8, P("data"))), shards)
+    want = {k: ((8 * -(-g[0].size // 8),), g.dtype) for k, g in grads.items()}
+  else:
+    u = run_shard_map(tx, grads, mesh8)[0]
+    want = {k: (g.shape[1:], g.dtype) for k, g in grads.items()}
+  assert {k: (v.shape, v.dtype) for k, v in u.items()} == want
+  if with_data:
+    assert np.all(np.isfinite(np.asarray(u["c"])))

@@ -32,10 +32,14 @@ pytest.importorskip("orbax.checkpoint")
 @pytest.fixture(scope="module")
 def saved(mesh8, tmp_path_factory):
   """Steps 1 and 2 of a top-k + error feedback + momentum state (different
-  values), saved once; each example damages a copy."""
+  values), saved once; each example damages a copy. The parameters hold a
+  bfloat16 leaf beside the float32 ones (mixed dtypes: the transform packs
+  them apart). No zero-size leaf: Orbax refuses to save one ("Cannot save
+  arrays with zero size"), before any damage."""
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25),
                    optax.sgd(1e-2, momentum=0.9))
-  params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,))}
+  params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,)),
+            "h": jnp.zeros((5,), jnp.bfloat16)}
   state, _ = jaxcomp.init_sharded(tx, params, mesh8, "data")
   template = {"params": params, "opt_state": state}
   root = str(tmp_path_factory.mktemp("ckpt") / "template")

@@ -183,10 +183,18 @@ def _trace_update(tx, params, mesh, axis="data"):
   return jax.eval_shape(f, stacked)
 
 
+# Leaves beside the two float32 ones: zero-size (no element to compress),
+# and of other floating dtypes (a bucket of mixed dtypes travels in float32).
+EXTRA_LEAVES = st.lists(st.tuples(
+    st.sampled_from([(0,), (0, 3), (3, 0, 2), (4,), (2, 3)]),
+    st.sampled_from(["float32", "bfloat16", "float16"])), max_size=3)
+
+
 @settings(max_examples=examples(1.0))
-@given(kwargs=constructor_args())
+@given(kwargs=constructor_args(), extra=EXTRA_LEAVES)
 def test_compressed_mean_builds_and_traces_or_names_the_parameter(mesh8,
-                                                                  kwargs):
+                                                                  kwargs,
+                                                                  extra):
   try:
     tx = jaxcomp.compressed_mean(axis_name="data", **kwargs)
   except (ValueError, TypeError) as e:
@@ -197,7 +205,9 @@ def test_compressed_mean_builds_and_traces_or_names_the_parameter(mesh8,
   event("built")
   if kwargs["output"] == "shard":
     return  # traced by the FSDP properties (flat shards)
-  params = {"w": jnp.zeros((6, 5), jnp.float32), "b": jnp.zeros((7,))}
+  params = {"w": jnp.zeros((6, 5), jnp.float32), "b": jnp.zeros((7,)),
+            **{f"x{i}": jnp.zeros(shape, dtype)
+               for i, (shape, dtype) in enumerate(extra)}}
   out = _trace_update(tx, params, mesh8)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), out) == jax.tree.map(
       lambda x: (x.shape, x.dtype), params)

@@ -243,8 +243,12 @@ def _run(tx, grads, mesh, axis, *, sequence=None, history=False):
 LOSSLESS = [("identity", {}), ("topk", {"ratio": 1.0}),
             ("random_k", {"ratio": 1.0}), ("random_block", {"ratio": 1.0}),
             ("threshold", {"threshold": 0.0, "capacity_ratio": 1.0})]
-SHAPES = st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=2)
+# Leaf shapes (zero-size ones too: nothing to compress) and dtypes (a
+# bucket of mixed dtypes travels in float32, one of bfloat16 in bfloat16).
+SHAPES = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=2)
                   .map(tuple), min_size=1, max_size=3)
+DTYPES = st.lists(st.sampled_from(["float32", "float32", "bfloat16"]),
+                  min_size=3, max_size=3)
 
 
 COLLECTIVES = [*jaxcomp.collectives.names(), "zen_dense"]
@@ -254,29 +258,41 @@ COLLECTIVES = [*jaxcomp.collectives.names(), "zen_dense"]
 # two-phase exchange failed to trace, JAX's "pvary is a invariant->variant
 # collective", from jax.vmap of their data-dependent lax.cond.
 @example(p=3, collective="auto", lossless=LOSSLESS[-1], shapes=[(3,)],
-         bucketing="layerwise", seed=0)
+         dtypes=["float32"] * 3, bucketing="layerwise", seed=0)
 @example(p=8, collective="two_phase", lossless=LOSSLESS[-1],
-         shapes=[(5, 7)], bucketing="whole", seed=1)
+         shapes=[(5, 7)], dtypes=["float32"] * 3, bucketing="whole", seed=1)
+# The zero-size edge: two zero-size leaves of different dtypes, one bucket.
+@example(p=8, collective=None, lossless=("random_block", {"ratio": 1.0}),
+         shapes=[(0,), (0, 3)], dtypes=["float32", "bfloat16", "float32"],
+         bucketing="whole", seed=0)
 @settings(max_examples=examples(0.15))
 @given(p=st.sampled_from([1, 2, 3, 5, 8]),
        collective=st.sampled_from(COLLECTIVES),
-       lossless=st.sampled_from(LOSSLESS), shapes=SHAPES,
+       lossless=st.sampled_from(LOSSLESS), shapes=SHAPES, dtypes=DTYPES,
        bucketing=st.sampled_from(["layerwise", "whole"]),
        seed=st.integers(0, 2**31 - 1))
 def test_lossless_exchange_is_the_mean_on_any_device_count(
-    p, collective, lossless, shapes, bucketing, seed):
+    p, collective, lossless, shapes, dtypes, bucketing, seed):
   """Every collective that carries a lossless compressor returns the mean
-  of the devices' gradients (to float32 rounding), on 1, 2, 3, 5 or 8
-  devices, for any leaf shapes (primes, 1s, scalars). Zen sends at most
-  its capacity and keeps the rest for the next step: with its default
-  ``density`` the mean plus what every device kept is the whole sum (its
-  stated conservation); with ``density=1`` it is the mean."""
+  of the devices' gradients (to float32 rounding; a bfloat16 leaf's to
+  bfloat16 rounding of the sum it travels as), on 1, 2, 3, 5 or 8
+  devices, for any leaf shapes (primes, 1s, scalars, zero-size) and
+  dtypes. Zen sends at most its capacity and keeps the rest for the next
+  step: with its default ``density`` the mean plus what every device kept
+  is the whole sum (its stated conservation); with ``density=1`` it is the
+  mean."""
   name, kwargs = lossless
   axis = ("hosts", "devices") if collective == "hierarchical" else "data"
   coll = (jaxcomp.collectives.Zen(density=1.0, capacity_factor=1.0)
           if collective == "zen_dense" else collective)
   if collective == "zen":
     bucketing = "layerwise"  # one kept buffer per leaf
+  if name == "identity" and collective not in (None, "psum"):
+    # Found by this property, reported: identity decodes a bfloat16 bucket
+    # to bfloat16, which the two-phase residual (two_phase.py), Zen's and
+    # the hierarchical local part (hierarchical.py, fast="psum") mix with
+    # float32 (strict promotion refuses; standard promotion passes).
+    dtypes = ["float32"] * 3
   try:
     tx = jaxcomp.compressed_mean(name, axis, collective=coll,
                                  bucketing=bucketing, **kwargs)
@@ -289,19 +305,27 @@ def test_lossless_exchange_is_the_mean_on_any_device_count(
   else:
     mesh = _mesh(p)
   rng = np.random.default_rng(seed)
-  grads = {f"l{i}": jnp.asarray(rng.standard_normal((p, *s)), jnp.float32)
-           for i, s in enumerate(shapes)}
+  grads = {f"l{i}": jnp.asarray(rng.standard_normal((p, *s)), d)
+           for i, (s, d) in enumerate(zip(shapes, dtypes))}
   u, state = _run(tx, grads, mesh, axis)
+  assert {k: (v.shape, v.dtype) for k, v in u.items()} == {
+      k: (g.shape[1:], g.dtype) for k, g in grads.items()}
   kept = {k: 0.0 for k in grads}
   if collective == "zen":
-    leaves = sorted(grads)  # jax.tree.leaves order of a dict
+    # jax.tree.leaves order of a dict; a zero-size leaf is in no bucket.
+    leaves = [k for k in sorted(grads) if grads[k][0].size]
     for k, o in zip(leaves, state.exchange_state):
       kept[k] = np.asarray(o).reshape(p, -1).sum(0).reshape(
           grads[k].shape[1:])
   for k, g in grads.items():
+    g32 = np.asarray(g, np.float32)
+    # bfloat16 sums in flight: each of the p - 1 additions rounds by at most
+    # 2**-9 of what it holds, at most the sum of magnitudes (4x margin).
+    tol = 2e-6 if g.dtype == jnp.float32 else 2**-6 * float(
+        np.max(np.sum(np.abs(g32), axis=0), initial=0.0))
     np.testing.assert_allclose(
-        u[k], (np.sum(np.asarray(g), axis=0) - kept[k]) / p,
-        rtol=2e-6, atol=2e-6, err_msg=k)
+        np.asarray(u[k], np.float32), (np.sum(g32, axis=0) - kept[k]) / p,
+        rtol=2e-6, atol=tol, err_msg=k)
 
 
 NONFINITE = st.sampled_from([np.nan, np.inf, -np.inf])
@@ -452,7 +476,7 @@ def _build(spec, rng):
     return {k: _build(v, rng) for k, v in spec.items()}
   if spec == "none":
     return None
-  shape = (8, int(rng.integers(1, 5)))
+  shape = (8, int(rng.integers(0, 5)))  # zero-size leaves too
   if spec == "i32":
     return jnp.asarray(rng.integers(-5, 5, shape), jnp.int32)
   return jnp.asarray(rng.standard_normal(shape),

@@ -1,12 +1,14 @@
 """compressed_mean under shard_map and pmap: exactness, error feedback,
 randomness, non-finite policy and bad input."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp._parts import concat as concat_parts
@@ -313,3 +315,99 @@ def test_make_train_step_is_the_hand_written_step(mesh8):
   with pytest.raises(ValueError, match="not in the mesh"):
     jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, state_specs=specs,
                             axis_name="model")
+
+
+# Spies: the parts of one transform, counting the calls that init makes
+# (the states' init) and that the statistics make (the declared transfers).
+_CALLS: dict[str, int] = {}
+
+
+def _count(what):
+  _CALLS[what] = _CALLS.get(what, 0) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpyFeedback(jaxcomp.feedback.ResidualFeedback):
+
+  def init(self, sizes, axis_name):
+    _count("feedback.init")
+    return super().init(sizes, axis_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpyTwoPhase(jaxcomp.collectives.TwoPhase):
+
+  def init_state(self, compressor, shapes, key, axis_name):
+    _count("collective.init_state")
+    return super().init_state(compressor, shapes, key, axis_name)
+
+  def transfers(self, compressor, shapes, sizes, dtype=jnp.float32):
+    _count("collective.transfers")
+    return super().transfers(compressor, shapes, sizes, dtype)
+
+
+def _spied(**kwargs):
+  return jaxcomp.compressed_mean(
+      "int8_block", "data", collective=_SpyTwoPhase(),
+      error_feedback=_SpyFeedback(), bucketing="layerwise", **kwargs)
+
+
+_SPY_PARAMS = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))}  # 2 buckets
+
+
+def _trace_update(tx, state, specs, mesh):
+  """Traces (no compile, no run) a fresh jit of ``tx.update`` under
+  shard_map."""
+  def body(g, s):
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g),
+                     jaxcomp.to_local(s, specs))
+    return u, jaxcomp.to_global(s, specs)
+
+  grads = stacked(jax.tree.map(lambda x: jnp.ones((8,) + x.shape, x.dtype),
+                               _SPY_PARAMS), mesh)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs),
+                            out_specs=(P(), specs)))
+  jax.eval_shape(f, grads, state)
+
+
+def test_update_does_not_trace_init(mesh8):
+  """``update`` checks the state against the shapes ``init`` recorded for
+  the layout: tracing it calls neither the feedback's nor the collective's
+  state init (it used to trace the whole ``init`` on every trace)."""
+  tx = _spied()
+  state, specs = jaxcomp.init_sharded(tx, _SPY_PARAMS, mesh8, "data")
+  assert _CALLS.pop("feedback.init") and _CALLS.pop("collective.init_state")
+  _CALLS.clear()
+  _trace_update(tx, state, specs, mesh8)
+  assert "feedback.init" not in _CALLS, _CALLS
+  assert "collective.init_state" not in _CALLS, _CALLS
+  # The check still runs: a state of another model is refused by name.
+  other, other_specs = jaxcomp.init_sharded(
+      tx, {"w": jnp.zeros((8, 5)), "b": jnp.zeros((4,))}, mesh8, "data")
+  with pytest.raises(ValueError, match=r"the state leaf .* has shape"):
+    _trace_update(tx, other, other_specs, mesh8)
+
+
+def test_static_stats_are_computed_once_per_layout(mesh8):
+  """The statistics' static fields (from the collective's declared
+  transfers, once per bucket) are computed once per layout: an ``update``
+  whose layout its own ``init`` never saw (a state from another transform
+  of the same shapes, as a warm-up passes it on) computes them once, and
+  finds the state's expected shapes from the per-device state alone; a
+  second trace reuses both."""
+  state, specs = jaxcomp.init_sharded(_spied(), _SPY_PARAMS, mesh8, "data")
+  tx = _spied()  # the same configuration, never initialised
+  _CALLS.clear()
+  _trace_update(tx, state, specs, mesh8)
+  assert _CALLS == {"collective.transfers": 2, "feedback.init": 2,
+                    "collective.init_state": 2}, _CALLS
+  _CALLS.clear()
+  _trace_update(tx, state, specs, mesh8)
+  assert _CALLS == {}, _CALLS
+  # Computed once, they are the statistics init wrote.
+  f, state, _ = sharded_update(tx, _SPY_PARAMS, mesh8)
+  _, after = f(stacked(jax.tree.map(lambda x: jnp.ones((8,) + x.shape),
+                                    _SPY_PARAMS), mesh8), state)
+  for field in ("bytes_sent", "dense_bytes", "wire_bytes", "state_bytes"):
+    assert float(getattr(after.stats, field)) == float(
+        getattr(state.stats, field)) > 0, field

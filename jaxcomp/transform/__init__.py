@@ -2,11 +2,13 @@
 state: its configuration (:func:`transform_configs`) and its traffic
 statistics (:func:`get_stats`).
 
-Pieces, each on one screen: the factory (``_compressed_mean``), the bucket
+Pieces, each on one screen: the factory and its ``init`` and ``update``,
+functions of the resolved configuration (``_compressed_mean``), the bucket
 layout and its checks (``_layout``), the bucket loop with its all-reduce and
 reduce-scatter siblings (``_exchange``), the nonfinite policies
-(``_nonfinite``), the statistics (``_stats``) and the configuration carried
-as static state (``_config``).
+(``_nonfinite``), the statistics (``_stats``) and the configuration,
+validated and resolved at construction and carried as static state
+(``_config``).
 """
 
 from jaxcomp.transform._compressed_mean import NONFINITE_POLICIES

@@ -1,6 +1,8 @@
 """The public transform: compressed gradient averaging over a mesh axis.
 
-One gradient's path through :func:`compressed_mean`'s ``update``::
+The factory :func:`compressed_mean` resolves its arguments into a
+:class:`~jaxcomp.transform._config.MeanSpec`; :func:`init` and :func:`update`
+are functions of that spec. One gradient's path through ``update``::
 
   leaves --layout (jaxcomp.bucketing)--> buckets of tensors (parts: one
       flat float32 array each); the nonfinite policy screens them
@@ -20,8 +22,8 @@ shard of the mean instead.
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from typing import NamedTuple
+import functools
+from typing import Any, NamedTuple
 from collections.abc import Sequence
 
 import jax
@@ -29,27 +31,28 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp import _mesh
-from jaxcomp import bucketing as bucketing_lib
 from jaxcomp import collectives as collectives_lib
 from jaxcomp import compressors as compressors_lib
 from jaxcomp import feedback as feedback_lib
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
+from jaxcomp.transform import _config as config_lib
 from jaxcomp.transform import _nonfinite as nonfinite_lib
+from jaxcomp.transform._config import MeanSpec
 from jaxcomp.transform._config import TransformConfig
-from jaxcomp.transform._exchange import Parts
+from jaxcomp.transform._config import resolve
 from jaxcomp.transform._exchange import average
 from jaxcomp.transform._exchange import reduce_scatter
-from jaxcomp.transform._layout import Bucketing
 from jaxcomp.transform._layout import Layout
 from jaxcomp.transform._layout import check_per_device
 from jaxcomp.transform._layout import check_state
 from jaxcomp.transform._layout import layout
 from jaxcomp.transform._stats import CompressionStats
-from jaxcomp.transform._stats import traffic_stats
+from jaxcomp.transform._stats import as_arrays
+from jaxcomp.transform._stats import traffic_figures
 
 NONFINITE_POLICIES = nonfinite_lib.NONFINITE_POLICIES
-OUTPUTS = ("mean", "shard")
+OUTPUTS = config_lib.OUTPUTS
 # fold_in data of the key stream that initialises the collectives' states
 # (e.g. PowerSGD's first Q): a step count the transform never reaches.
 _INIT_STREAM = 0xFFFFFFFF
@@ -90,25 +93,12 @@ def transform_configs(state) -> dict[str, dict]:
   return found
 
 
-def _check_output(output, comp, coll, fb) -> None:
-  """Construction-time checks of ``compressed_mean(output=...)``."""
-  if output not in OUTPUTS:
-    raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-  if output == "mean":
-    return
-  if comp.own_exchange:
-    raise ValueError(
-        f"output='shard' cannot use compressor {comp.name!r}: it runs its own "
-        "exchange of whole tensors; use a quantizer or a sparsifier (e.g. "
-        "'int8_block', 'qsgd', 'topk')")
-  if not coll.reduce_scatter:
-    raise ValueError(
-        f"output='shard' needs a collective with a reduce-scatter; "
-        f"collective={coll.name!r} has none: leave collective=None")
-  if fb.keeps_mean:
-    raise ValueError(
-        f"output='shard' cannot use error_feedback={fb.name!r}: it keeps the "
-        "whole mean on every device; use 'residual', 'dgc' or False")
+class _Facts(NamedTuple):
+  """What one layout fixes (static), found once per layout."""
+
+  state: Any  # CompressedMeanState of jax.ShapeDtypeStruct: the shapes and
+  #             dtypes of the state init makes for the layout
+  stats: dict  # the statistics' static fields, as Python floats
 
 
 def _pad_to(x: jax.Array, n: int) -> jax.Array:
@@ -124,6 +114,155 @@ def _leaf_update(policy, any_bad, m, leaf, shard_shape, passthrough: bool):
     return (leaf if jnp.result_type(leaf) == jax.dtypes.float0
             else jnp.zeros(shape, jnp.result_type(leaf)))
   return policy.leaf(any_bad, m).reshape(shape).astype(leaf.dtype)
+
+
+def _layout(spec: MeanSpec, tree, what: str, shards: bool = False,
+            made=None) -> Layout:
+  return layout(tree, spec.buckets, what,
+                shard_axis=spec.axis_name if spec.shard else None,
+                shards=shards, axis_name=spec.axis_name, made=made)
+
+
+def _config_of(spec: MeanSpec, lay: Layout) -> TransformConfig:
+  """The configuration, with the plan that "auto" made where it ran."""
+  if not spec.plans_at_init:
+    return spec.config
+  return dataclasses.replace(spec.config, plan=lay.plan)
+
+
+def _per_device_state(spec: MeanSpec, lay: Layout):
+  """``(feedback, exchange_state)``: per bucket, the feedback's state and
+  the collective's (a reduce-scatter keeps none: no second phase)."""
+  comp, coll, fb, _ = spec.parts
+  init_key = jax.random.fold_in(jax.random.key(spec.seed), _INIT_STREAM)
+  return (tuple(fb.init(lay.bucket_sizes(b), spec.axis_name)
+                for b in range(len(lay.shapes))),
+          tuple(() if spec.shard else coll.init_state(
+              comp.for_shapes(shapes), shapes,
+              jax.random.fold_in(init_key, b), spec.axis_name)
+                for b, shapes in enumerate(lay.shapes)))
+
+
+def _static_stats(spec: MeanSpec, lay: Layout, held) -> dict:
+  """The statistics' fields that the layout fixes, as Python floats: bytes
+  and factors (from the collectives' declared transfers), state bytes (of
+  ``held``, the per-device state or its shapes)."""
+  comp, coll = spec.parts.compressor, spec.parts.collective
+  axis_sizes = _mesh.axis_sizes(spec.axis_name)
+  if spec.shard:
+    ts = [t for b, dtype in enumerate(lay.bucket_dtypes)
+          for t in coll.reduce_scatter_transfers(
+              comp, sum(lay.bucket_sizes(b)), axis_sizes, dtype)]
+  else:
+    ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
+          for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
+  nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
+  return traffic_figures(
+      ts, wire.devices(axis_sizes),
+      exact_bytes=sum(nbytes(i) for i in lay.plan.exact),
+      dense_bytes=sum(nbytes(i) for i in range(len(lay.sizes))
+                      if i not in lay.passthrough),
+      # The dense exchange: an all-reduce, or a reduce-scatter for shards.
+      dense_kind="reduce-scatter" if spec.shard else "all-reduce",
+      state_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held)))
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _facts_key(spec: MeanSpec, lay: Layout) -> tuple:
+  return lay.key(), tuple(_mesh.axis_sizes(spec.axis_name).items())
+
+
+def _facts(spec: MeanSpec, lay: Layout) -> _Facts:
+  """What ``lay`` fixes, found once per layout: ``init`` records it, and an
+  ``update`` whose layout no ``init`` saw finds it from the shapes of the
+  per-device state alone."""
+  key = _facts_key(spec, lay)
+  if key not in spec.facts:
+    held = jax.eval_shape(functools.partial(_per_device_state, spec, lay))
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+    stats = CompressionStats._make(
+        scalar(jnp.int32 if f == "skipped_steps" else jnp.float32)
+        for f in CompressionStats._fields)
+    spec.facts[key] = _Facts(CompressedMeanState._make((
+        _config_of(spec, lay), scalar(jnp.int32),
+        jax.eval_shape(lambda: jax.random.key_data(jax.random.key(spec.seed))),
+        held[0], held[1], stats)), _static_stats(spec, lay, held))
+  return spec.facts[key]
+
+
+def init(spec: MeanSpec, params) -> CompressedMeanState:
+  """``compressed_mean(...).init``: the state for ``params`` (see
+  :func:`compressed_mean`)."""
+  axis_name = spec.axis_name
+  _mesh.check_bound(axis_name, "compressed_mean.init")
+  lay = _layout(spec, params, "params", shards=True)
+  for b in range(len(lay.shapes)):
+    spec.parts.compressor.check_size(sum(lay.bucket_sizes(b)))
+  feedback, exchange_state = _per_device_state(spec, lay)
+  figures = _static_stats(spec, lay, (feedback, exchange_state))
+  state = CompressedMeanState(
+      config=_config_of(spec, lay), count=jnp.zeros((), jnp.int32),
+      key=jax.random.key_data(jax.random.key(spec.seed)),
+      feedback=feedback, exchange_state=exchange_state,
+      stats=CompressionStats(
+          **as_arrays(figures),
+          residual_norm=_mesh.varying_zeros((), axis_name),
+          skipped_steps=jnp.zeros((), jnp.int32)))
+  spec.facts.setdefault(_facts_key(spec, lay), _Facts(_shapes(state), figures))
+  return state
+
+
+def update(spec: MeanSpec, updates, state: CompressedMeanState, params=None
+           ) -> tuple[Any, CompressedMeanState]:
+  """``compressed_mean(...).update``: the mean of ``updates`` over the axis
+  and the next state (see :func:`compressed_mean`)."""
+  del params
+  comp, coll, _, policy = parts = spec.parts
+  axis_name = spec.axis_name
+  leaves, treedef = jax.tree.flatten(updates)
+  _mesh.check_bound(axis_name, "compressed_mean.update")
+  made = getattr(getattr(state, "config", None), "plan", None)
+  lay = _layout(spec, updates, "gradient",
+                made=made if spec.plans_at_init else None)
+  check_per_device([x for i, x in enumerate(leaves)
+                    if i not in lay.passthrough], axis_name)
+  facts = _facts(spec, lay)
+  check_state(state, facts.state)
+  flat, any_bad = policy.screen([
+      _pad_to(x.reshape(-1).astype(jnp.float32), lay.sizes[i])
+      if i not in lay.passthrough
+      else jnp.zeros((0,), jnp.float32) for i, x in enumerate(leaves)],
+      axis_name)
+  p = wire.devices(_mesh.axis_sizes(axis_name))
+  step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
+                                state.count)
+  if spec.shard:
+    ex = reduce_scatter(parts, lay, flat, any_bad, state, step_key,
+                        axis_name, p)
+  else:
+    ex = average(parts, lay, flat, any_bad, state, step_key, axis_name)
+  mean_leaves = [_leaf_update(policy, any_bad, ex.out[i], leaf,
+                              (lay.sizes[i] // p,) if spec.shard else None,
+                              i in lay.passthrough)
+                 for i, leaf in enumerate(leaves)]
+  # What each device holds back: the feedback's residual and the
+  # collective's (a second-phase residual, Zen's overflow).
+  sq = ex.sq_residual + sum(
+      (jnp.sum(x * x) for b in range(len(lay.shapes))
+       for x in (coll.unsent(comp, ex.exchange_state[b]) or ())),
+      jnp.zeros((), jnp.float32))
+  # The bytes are this transform's (a state may come from another
+  # transform of the same structure, e.g. an earlier warm-up stage).
+  stats = state.stats._replace(
+      **as_arrays(facts.stats),
+      residual_norm=_mesh.to_varying(jnp.sqrt(sq), axis_name),
+      skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
+  return jax.tree.unflatten(treedef, mean_leaves), CompressedMeanState(
+      config=_config_of(spec, lay), count=state.count + 1, key=state.key,
+      feedback=ex.feedback, exchange_state=ex.exchange_state, stats=stats)
 
 
 def compressed_mean(
@@ -279,177 +418,13 @@ def compressed_mean(
     Utility of Gradient Compression in Distributed Training Systems
     <https://arxiv.org/abs/2103.00543>, 2022 (when it pays).
   """
-  _mesh.check_axis_name(axis_name)
-  comp = compressors_lib.get(compressor, **compressor_kwargs)
-  coll = collectives_lib.get(collective, comp, axis_name=axis_name)
-  fb = feedback_lib.get(error_feedback, comp.biased)
-  # Stateless and dense: nothing to protect, and a NaN reaches the mean.
-  unprotected = (comp.dense and isinstance(fb, feedback_lib.NoFeedback)
-                 and isinstance(coll, collectives_lib.PsumMean))
-  if nonfinite is None:
-    nonfinite = "none" if unprotected else "skip"
-  policy = nonfinite_lib.get(nonfinite)
-  if nonfinite == "none" and not unprotected:
-    raise ValueError(
-        "nonfinite='none' leaves no check, which only a transform without "
-        "per-device state that sends every coordinate can afford (identity "
-        f"or a cast over 'psum'); {comp.name!r} with collective "
-        f"{coll.name!r} and error_feedback {fb.name!r} would let a NaN into "
-        "its state or drop it from the mean: use 'skip', 'zero' or "
-        "'propagate'")
-  if (isinstance(min_compress_size, bool)
-      or not isinstance(min_compress_size, numbers.Integral)
-      or min_compress_size < 0):
-    raise ValueError("min_compress_size must be an integer >= 0, got "
-                     f"{min_compress_size=!r}")
-  # jax.random.key takes a seed that fits int64; found later, in init, an
-  # OverflowError would name nothing.
-  if (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-      or not -2**63 <= seed < 2**63):
-    raise ValueError(f"seed must be an integer in [-2**63, 2**63), got "
-                     f"{seed=!r}")
-  _check_output(output, comp, coll, fb)
-  shard = output == "shard"
-  bucketing_lib.check_config(bucketing, bucket_elements=bucket_elements,
-                             bucket_bytes=bucket_bytes, plan=plan)
-  if comp.per_tensor and plan is None and bucketing == "auto":
-    if bucket_bytes is not None:
-      raise ValueError(
-          f"compressor {comp.name!r} works on one tensor at a time, so "
-          f"bucketing='auto' keeps one bucket per leaf and would ignore "
-          f"{bucket_bytes=}: drop bucket_bytes")
-    bucketing = "layerwise"  # what "auto" means for it
-  if unprotected and plan is None and bucketing == "auto" and (
-      bucket_bytes is None):
-    # A plain psum of every leaf: XLA's all-reduce combiner already merges
-    # a step's independent all-reduces, so packing would only add a copy
-    # (compression switched off compiles to the plain step).
-    bucketing = "layerwise"
-  if comp.per_tensor and (plan is not None or bucketing != "layerwise"):
-    raise ValueError(
-        f"compressor {comp.name!r} works on one tensor at a time, in its "
-        f"shape: use bucketing='layerwise' or 'auto' (the default) and no "
-        f"plan, not bucketing={bucketing!r}"
-        + ("" if plan is None else " with a plan"))
-  buckets = Bucketing(bucketing, min_compress_size, bucket_elements,
-                      bucket_bytes, plan, mask)
-  parts = Parts(comp, coll, fb, policy)
-  config = TransformConfig.of({
-      "compressor": comp, "collective": coll, "error_feedback": fb,
-      "axis_name": axis_name, "bucketing": bucketing,
-      "min_compress_size": min_compress_size,
-      "bucket_elements": bucket_elements, "bucket_bytes": bucket_bytes,
-      "plan": plan, "mask": None if mask is None else "given",
-      "nonfinite": nonfinite, "seed": seed, "output": output},
-      rules={"feedback": fb.topology, "exchange_state": coll.topology})
-
-  def make_layout(tree, what: str, shards: bool = False,
-                  made=None) -> Layout:
-    return layout(tree, buckets, what, shard_axis=axis_name if shard else None,
-                  shards=shards, axis_name=axis_name, made=made)
-
-  def config_of(lay: Layout) -> TransformConfig:
-    """The configuration, with the plan that "auto" made where it ran."""
-    if bucketing != "auto" or plan is not None:
-      return config
-    return dataclasses.replace(config, plan=lay.plan)
-
-  def per_device_state(lay: Layout):
-    """``(feedback, exchange_state)``: per bucket, the feedback's state and
-    the collective's (a reduce-scatter keeps none: no second phase)."""
-    init_key = jax.random.fold_in(jax.random.key(seed), _INIT_STREAM)
-    return (tuple(fb.init(lay.bucket_sizes(b), axis_name)
-                  for b in range(len(lay.shapes))),
-            tuple(() if shard else coll.init_state(
-                comp.for_shapes(shapes), shapes,
-                jax.random.fold_in(init_key, b), axis_name)
-                  for b, shapes in enumerate(lay.shapes)))
-
-  def static_stats(lay: Layout) -> dict:
-    """The statistics' fields that the layout fixes: bytes and factors
-    (from the collectives' declared transfers), state bytes (from the
-    state's types)."""
-    axis_sizes = _mesh.axis_sizes(axis_name)
-    if shard:
-      ts = [t for b, dtype in enumerate(lay.bucket_dtypes)
-            for t in coll.reduce_scatter_transfers(
-                comp, sum(lay.bucket_sizes(b)), axis_sizes, dtype)]
-    else:
-      ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
-            for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
-    nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
-    held = jax.eval_shape(lambda: per_device_state(lay))
-    return traffic_stats(
-        ts, wire.devices(axis_sizes),
-        exact_bytes=sum(nbytes(i) for i in lay.plan.exact),
-        dense_bytes=sum(nbytes(i) for i in range(len(lay.sizes))
-                        if i not in lay.passthrough),
-        # The dense exchange: an all-reduce, or a reduce-scatter for shards.
-        dense_kind="reduce-scatter" if shard else "all-reduce",
-        state_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held)))
-
-  def make_state(lay: Layout) -> CompressedMeanState:
-    feedback, exchange_state = per_device_state(lay)
-    return CompressedMeanState(
-        config=config_of(lay), count=jnp.zeros((), jnp.int32),
-        key=jax.random.key_data(jax.random.key(seed)),
-        feedback=feedback, exchange_state=exchange_state,
-        stats=CompressionStats(
-            **static_stats(lay),
-            residual_norm=_mesh.varying_zeros((), axis_name),
-            skipped_steps=jnp.zeros((), jnp.int32)))
-
-  def init_fn(params):
-    _mesh.check_bound(axis_name, "compressed_mean.init")
-    lay = make_layout(params, "params", shards=True)
-    for b in range(len(lay.shapes)):
-      comp.check_size(sum(lay.bucket_sizes(b)))
-    return make_state(lay)
-
-  def update_fn(updates, state, params=None):
-    del params
-    leaves, treedef = jax.tree.flatten(updates)
-    _mesh.check_bound(axis_name, "compressed_mean.update")
-    made = getattr(getattr(state, "config", None), "plan", None)
-    lay = make_layout(updates, "gradient",
-                      made=made if bucketing == "auto" and plan is None
-                      else None)
-    check_per_device([x for i, x in enumerate(leaves)
-                      if i not in lay.passthrough], axis_name)
-    check_state(state, jax.eval_shape(lambda: make_state(lay)))
-    flat, any_bad = policy.screen([
-        _pad_to(x.reshape(-1).astype(jnp.float32), lay.sizes[i])
-        if i not in lay.passthrough
-        else jnp.zeros((0,), jnp.float32) for i, x in enumerate(leaves)],
-        axis_name)
-    p = wire.devices(_mesh.axis_sizes(axis_name))
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
-                                  state.count)
-    if shard:
-      ex = reduce_scatter(parts, lay, flat, any_bad, state, step_key,
-                          axis_name, p)
-    else:
-      ex = average(parts, lay, flat, any_bad, state, step_key, axis_name)
-    mean_leaves = [_leaf_update(policy, any_bad, ex.out[i], leaf,
-                                (lay.sizes[i] // p,) if shard else None,
-                                i in lay.passthrough)
-                   for i, leaf in enumerate(leaves)]
-    # What each device holds back: the feedback's residual and the
-    # collective's (a second-phase residual, Zen's overflow).
-    sq = ex.sq_residual + sum(
-        (jnp.sum(x * x) for b in range(len(lay.shapes))
-         for x in (coll.unsent(comp, ex.exchange_state[b]) or ())),
-        jnp.zeros((), jnp.float32))
-    # The bytes are this transform's (a state may come from another
-    # transform of the same structure, e.g. an earlier warm-up stage).
-    stats = state.stats._replace(
-        **static_stats(lay),
-        residual_norm=_mesh.to_varying(jnp.sqrt(sq), axis_name),
-        skipped_steps=state.stats.skipped_steps + any_bad.astype(jnp.int32))
-    return jax.tree.unflatten(treedef, mean_leaves), CompressedMeanState(
-        config=config_of(lay), count=state.count + 1, key=state.key,
-        feedback=ex.feedback, exchange_state=ex.exchange_state, stats=stats)
-
+  spec = resolve(
+      compressor, axis_name, collective=collective,
+      error_feedback=error_feedback, bucketing=bucketing,
+      min_compress_size=min_compress_size, bucket_elements=bucket_elements,
+      bucket_bytes=bucket_bytes, plan=plan, mask=mask, nonfinite=nonfinite,
+      seed=seed, output=output, compressor_kwargs=compressor_kwargs)
   # optax's OptState (a tree of arrays) admits no static config field.
   return optax.GradientTransformation(
-      init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+      functools.partial(init, spec),  # pyright: ignore[reportArgumentType]
+      functools.partial(update, spec))  # pyright: ignore[reportArgumentType]

@@ -33,6 +33,11 @@ class Layout(NamedTuple):
   def bucket_sizes(self, b: int) -> list[int]:
     return [self.sizes[i] for i in self.plan.buckets[b]]
 
+  def key(self) -> tuple:
+    """Everything the layout fixes, hashable: equal keys, equal layouts."""
+    return (tuple(self.sizes), tuple(self.dtypes), self.plan,
+            tuple(self.shapes), tuple(self.bucket_dtypes), self.passthrough)
+
 
 class Bucketing(NamedTuple):
   """``compressed_mean``'s bucketing arguments (validated at construction)."""
@@ -137,7 +142,9 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
       i for i, x in enumerate(leaves)
       if not jnp.issubdtype(jnp.result_type(x), jnp.floating))
   # Leaves the mask leaves out are planned as empty, which sends them to
-  # the exact group (and out of an explicit plan).
+  # the exact group (and out of an explicit plan); so does a bucket of
+  # zero-size leaves only (an explicit plan may name one), which has
+  # nothing to compress.
   n_leaves = len(leaves)
   if made is not None and sorted(
       [*made.exact, *passthrough, *(i for b in made.buckets for i in b)]
@@ -146,7 +153,8 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
   else:
     bplan = _plan(sizes, flags, leaves, bucketing, axis_name)
   buckets = tuple(b for b in (tuple(i for i in b if flags[i])
-                              for b in bplan.buckets) if b)
+                              for b in bplan.buckets)
+                  if any(sizes[i] for i in b))
   exact = tuple(sorted(set(range(n_leaves)) - set(passthrough)
                        - {i for b in buckets for i in b}))
   shapes = [tuple((sizes[i],) if shard_axis is not None

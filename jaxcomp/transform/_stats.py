@@ -43,23 +43,39 @@ class CompressionStats(NamedTuple):
   #                         (error feedback, the collective's) on each device
 
 
+def traffic_figures(transfers, p: int, *, exact_bytes: int, dense_bytes: int,
+                    dense_kind: str, state_bytes: int) -> dict[str, float]:
+  """The static fields of :class:`CompressionStats` as Python floats, for an
+  exchange issuing ``transfers`` plus ``exact_bytes`` sent densely by a
+  ``dense_kind`` collective over ``p`` devices, against ``dense_bytes`` sent
+  that way; ``state_bytes`` of per-device state. Plain numbers, so that a
+  transform computes them once per layout and reuses them in any trace."""
+  sent = wire.operand_bytes(transfers) + exact_bytes
+  on_wire = (wire.total_ring_bytes(transfers)
+             + wire.ring_bytes(dense_kind, exact_bytes, p))
+  dense_wire = wire.ring_bytes(dense_kind, dense_bytes, p)
+  return dict(bytes_sent=float(sent), dense_bytes=float(dense_bytes),
+              compression_factor=float(dense_bytes / max(sent, 1)),
+              wire_bytes=float(on_wire), dense_wire_bytes=float(dense_wire),
+              wire_compression_factor=float(
+                  dense_wire / on_wire if on_wire else 1.0),
+              state_bytes=float(state_bytes))
+
+
+def as_arrays(figures: dict[str, float]) -> dict[str, jax.Array]:
+  """:func:`traffic_figures` as the float32 scalars the state holds."""
+  return {k: jnp.asarray(v, jnp.float32) for k, v in figures.items()}
+
+
 def traffic_stats(transfers, p: int, *, exact_bytes: int, dense_bytes: int,
                   dense_kind: str, state_bytes: int) -> dict:
   """The static fields of :class:`CompressionStats` (float32 scalars) for an
   exchange issuing ``transfers`` plus ``exact_bytes`` sent densely by a
   ``dense_kind`` collective over ``p`` devices, against ``dense_bytes`` sent
   that way; ``state_bytes`` of per-device state."""
-  sent = wire.operand_bytes(transfers) + exact_bytes
-  on_wire = (wire.total_ring_bytes(transfers)
-             + wire.ring_bytes(dense_kind, exact_bytes, p))
-  dense_wire = wire.ring_bytes(dense_kind, dense_bytes, p)
-  f32 = lambda v: jnp.asarray(float(v), jnp.float32)
-  return dict(bytes_sent=f32(sent), dense_bytes=f32(dense_bytes),
-              compression_factor=f32(dense_bytes / max(sent, 1)),
-              wire_bytes=f32(on_wire), dense_wire_bytes=f32(dense_wire),
-              wire_compression_factor=f32(
-                  dense_wire / on_wire if on_wire else 1.0),
-              state_bytes=f32(state_bytes))
+  return as_arrays(traffic_figures(
+      transfers, p, exact_bytes=exact_bytes, dense_bytes=dense_bytes,
+      dense_kind=dense_kind, state_bytes=state_bytes))
 
 
 def _has_stats(x) -> bool:
