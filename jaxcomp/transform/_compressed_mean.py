@@ -43,7 +43,7 @@ from jaxcomp.transform._config import TransformConfig
 from jaxcomp.transform._config import resolve
 from jaxcomp.transform._exchange import average
 from jaxcomp.transform._exchange import reduce_scatter
-from jaxcomp.transform._layout import Layout
+from jaxcomp.transform._layout import BucketLayout
 from jaxcomp.transform._layout import check_per_device
 from jaxcomp.transform._layout import check_state
 from jaxcomp.transform._layout import layout
@@ -117,20 +117,20 @@ def _leaf_update(policy, any_bad, m, leaf, shard_shape, passthrough: bool):
 
 
 def _layout(spec: MeanSpec, tree, what: str, shards: bool = False,
-            made=None) -> Layout:
+            made=None) -> BucketLayout:
   return layout(tree, spec.buckets, what,
                 shard_axis=spec.axis_name if spec.shard else None,
                 shards=shards, axis_name=spec.axis_name, made=made)
 
 
-def _config_of(spec: MeanSpec, lay: Layout) -> TransformConfig:
+def _config_of(spec: MeanSpec, lay: BucketLayout) -> TransformConfig:
   """The configuration, with the plan that "auto" made where it ran."""
   if not spec.plans_at_init:
     return spec.config
   return dataclasses.replace(spec.config, plan=lay.plan)
 
 
-def _per_device_state(spec: MeanSpec, lay: Layout):
+def _per_device_state(spec: MeanSpec, lay: BucketLayout):
   """``(feedback, exchange_state)``: per bucket, the feedback's state and
   the collective's (a reduce-scatter keeps none: no second phase)."""
   comp, coll, fb, _ = spec.parts
@@ -143,7 +143,7 @@ def _per_device_state(spec: MeanSpec, lay: Layout):
                 for b, shapes in enumerate(lay.shapes)))
 
 
-def _static_stats(spec: MeanSpec, lay: Layout, held) -> dict:
+def _static_stats(spec: MeanSpec, lay: BucketLayout, held) -> dict:
   """The statistics' fields that the layout fixes, as Python floats: bytes
   and factors (from the collectives' declared transfers), state bytes (of
   ``held``, the per-device state or its shapes)."""
@@ -171,11 +171,11 @@ def _shapes(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _facts_key(spec: MeanSpec, lay: Layout) -> tuple:
+def _facts_key(spec: MeanSpec, lay: BucketLayout) -> tuple:
   return lay.key(), tuple(_mesh.axis_sizes(spec.axis_name).items())
 
 
-def _facts(spec: MeanSpec, lay: Layout) -> _Facts:
+def _facts(spec: MeanSpec, lay: BucketLayout) -> _Facts:
   """What ``lay`` fixes, found once per layout: ``init`` records it, and an
   ``update`` whose layout no ``init`` saw finds it from the shapes of the
   per-device state alone."""

@@ -21,7 +21,7 @@ from jaxcomp import _parts
 from jaxcomp.collectives import Collective
 from jaxcomp.compressors import Compressor
 from jaxcomp.feedback import Feedback
-from jaxcomp.transform._layout import Layout
+from jaxcomp.transform._layout import BucketLayout
 from jaxcomp.transform._nonfinite import Policy
 
 
@@ -43,13 +43,13 @@ class Exchanged(NamedTuple):
   sq_residual: jax.Array  # float32 (): this device's squared residual norm
 
 
-def _exact_groups(lay: Layout):
+def _exact_groups(lay: BucketLayout):
   """Per dtype of the exact leaves (in first-seen order): their indices."""
   for dtype in dict.fromkeys(lay.dtypes[i] for i in lay.plan.exact):
     yield dtype, [i for i in lay.plan.exact if lay.dtypes[i] == dtype]
 
 
-def _loop(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
+def _loop(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
           axis_name, exact_mean: Callable, exchange_bucket: Callable
           ) -> Exchanged:
   """The loop both paths share: one exact mean per dtype (in that dtype: a
@@ -87,7 +87,7 @@ def _loop(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
   return Exchanged(out, tuple(new_fb), tuple(new_exchange), sq_residual)
 
 
-def average(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
+def average(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
             axis_name) -> Exchanged:
   """Every device gets the whole mean: the exact group by ``lax.pmean``,
   each bucket by ``collective.exchange``."""
@@ -107,7 +107,7 @@ def average(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
                exact_mean, exchange_bucket)
 
 
-def reduce_scatter(parts: Parts, lay: Layout, flat, any_bad, state, step_key,
+def reduce_scatter(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
                    axis_name, p: int) -> Exchanged:
   """Each device gets its shard of the mean: every part is laid out
   chunk-major (chunk ``j`` holds every tensor's shard ``j``), the exact

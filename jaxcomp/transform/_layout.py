@@ -18,7 +18,7 @@ from jaxcomp import wire
 from jaxcomp.collectives import chunk_size
 
 
-class Layout(NamedTuple):
+class BucketLayout(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
   sizes: list  # elements per leaf (shards: p * c, the padded whole size)
@@ -105,7 +105,7 @@ def _kind(x, axis_name) -> tuple:
 
 def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
            shards: bool = False, axis_name=None,
-           made: bucketing_lib.BucketPlan | None = None) -> Layout:
+           made: bucketing_lib.BucketPlan | None = None) -> BucketLayout:
   """The bucket layout of ``tree``'s leaves.
 
   Args:
@@ -163,7 +163,7 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
   dtypes = [jnp.dtype(jnp.result_type(x)) for x in leaves]
   bucket_dtypes = [dtypes[b[0]] if len({dtypes[i] for i in b}) == 1
                    else jnp.dtype(jnp.float32) for b in buckets]
-  return Layout(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
+  return BucketLayout(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
                 shapes, bucket_dtypes, passthrough)
 
 
