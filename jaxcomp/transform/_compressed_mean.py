@@ -428,3 +428,49 @@ def compressed_mean(
   return optax.GradientTransformation(
       functools.partial(init, spec),  # pyright: ignore[reportArgumentType]
       functools.partial(update, spec))  # pyright: ignore[reportArgumentType]
+
+
+def over_axes(tx: optax.GradientTransformation, axis_name: AxisName, *,
+              output: str = "mean") -> optax.GradientTransformation:
+  """The same :func:`compressed_mean` over other mesh axes: its compressor
+  and hyperparameters, error feedback, bucketing, nonfinite policy and
+  seed, averaging over ``axis_name`` (``output="mean"``) or
+  reduce-scattering over it (``output="shard"``). For a layout that
+  splits one exchange in two, as
+  :class:`jaxcomp.CompressedValueAndGrad` does for parameters GSPMD shards
+  over a data axis: a reduce-scatter over the axes that shard them, then
+  the shards' mean over the other data axes (HSDP).
+
+  A reduce-scatter takes the compressor's default collective (one with a
+  reduce-scatter), a mean the collective ``tx`` was given.
+
+  Args:
+    tx: a ``compressed_mean(...)`` (not a chain holding one).
+    axis_name: the mesh axis or axes of the new transform.
+    output: ``"mean"`` or ``"shard"``, as :func:`compressed_mean` takes.
+
+  Returns:
+    A ``compressed_mean`` with those arguments changed.
+
+  Raises:
+    ValueError: ``tx`` is not a ``compressed_mean``; what
+      :func:`compressed_mean` raises for the new arguments (e.g.
+      ``output="shard"`` with PowerSGD, whose exchange is its own).
+
+  Example:
+    >>> import jaxcomp
+    >>> tx = jaxcomp.compressed_mean("int8_block", ("data", "fsdp"), bits=4)
+    >>> rs = jaxcomp.transform.over_axes(tx, "fsdp", output="shard")
+  """
+  spec = getattr(tx.init, "args", (None,))[0] if isinstance(
+      tx.init, functools.partial) and tx.init.func is init else None
+  if not isinstance(spec, MeanSpec):
+    raise ValueError(
+        "over_axes takes a jaxcomp.compressed_mean(...) itself, not a chain "
+        "or another transformation: pass the compressed_mean")
+  arguments = dict(spec.arguments, axis_name=axis_name, output=output)
+  if output == "shard":
+    arguments["collective"] = None
+  kwargs = arguments.pop("compressor_kwargs")
+  compressor = arguments.pop("compressor")
+  return compressed_mean(compressor, **arguments, **kwargs)

@@ -150,6 +150,9 @@ class MeanSpec:
       static fields), by the layout it was found for: each is found once,
       by ``init`` or by the first ``update`` traced for that layout, and
       reused by every later trace.
+    arguments: :func:`resolve`'s arguments, as given: the same transform
+      over other axes is resolved from them
+      (:func:`jaxcomp.transform.over_axes`).
   """
 
   parts: Parts
@@ -159,6 +162,7 @@ class MeanSpec:
   shard: bool
   config: TransformConfig
   facts: dict = dataclasses.field(default_factory=dict, repr=False)
+  arguments: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def plans_at_init(self) -> bool:
@@ -257,6 +261,12 @@ def resolve(compressor, axis_name: AxisName, *, collective, error_feedback,
     ValueError: what :func:`jaxcomp.compressed_mean` lists as refused at
       construction.
   """
+  arguments = dict(
+      compressor=compressor, axis_name=axis_name, collective=collective,
+      error_feedback=error_feedback, bucketing=bucketing,
+      min_compress_size=min_compress_size, bucket_elements=bucket_elements,
+      bucket_bytes=bucket_bytes, plan=plan, mask=mask, nonfinite=nonfinite,
+      seed=seed, output=output, compressor_kwargs=dict(compressor_kwargs))
   _mesh.check_axis_name(axis_name)
   comp = compressors_lib.get(compressor, **compressor_kwargs)
   coll = collectives_lib.get(collective, comp, axis_name=axis_name)
@@ -282,4 +292,4 @@ def resolve(compressor, axis_name: AxisName, *, collective, error_feedback,
       parts=Parts(comp, coll, fb, policy), axis_name=axis_name,
       buckets=Bucketing(bucketing, min_compress_size, bucket_elements,
                         bucket_bytes, plan, mask),
-      seed=seed, shard=output == "shard", config=config)
+      seed=seed, shard=output == "shard", config=config, arguments=arguments)
