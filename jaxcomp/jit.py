@@ -7,15 +7,20 @@ step body's (:func:`jaxcomp.steps.per_device_step`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from typing import Any, NamedTuple
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
 
 from jaxcomp import _mesh
 from jaxcomp import placement
+from jaxcomp import transform as transform_lib
 from jaxcomp._mesh import AxisName
 from jaxcomp.fsdp._layout import FSDP
 from jaxcomp.fsdp._shards import check_transform
@@ -28,13 +33,12 @@ from jaxcomp.steps import shard_train_step
 from jaxcomp.steps import step_loss
 
 
-def _leaf_specs_of(params, mesh, data: tuple[str, ...]):
-  """Each parameter leaf's partition spec on ``mesh``, read from its
-  ``NamedSharding``, for the GSPMD route.
+def _leaf_specs_of(params, mesh):
+  """Each parameter leaf's partition spec on ``mesh`` (one entry per
+  dimension), read from its ``NamedSharding``, for the GSPMD route.
 
   Raises:
-    ValueError: a leaf placed on another mesh, or sharded over a data axis
-      (naming the leaf and what to do instead).
+    ValueError: a leaf placed on another mesh, naming it.
   """
   def spec(path, x):
     where = jax.tree_util.keystr(path) or "(root)"
@@ -47,20 +51,144 @@ def _leaf_specs_of(params, mesh, data: tuple[str, ...]):
           f"not on the step's mesh {dict(mesh.shape)}: place every parameter "
           "on the mesh given to compressed_value_and_grad")
     s = sharding.spec
-    used = {a for dim in s if dim is not None
-            for a in ((dim,) if isinstance(dim, str) else dim)}
-    if used & set(data):
-      raise ValueError(
-          f"parameter {where} is sharded over the data axis "
-          f"{sorted(used & set(data))} ({s}): the compressed mean averages "
-          "each device's whole gradient over the data axes, so its "
-          "parameters must be replicated over them. Shard it over model "
-          "axes only, or use FSDP's flat shards: "
-          "compressed_value_and_grad(..., shapes=jaxcomp.fsdp.shard_params("
-          "params, mesh)[1]) with compressed_mean(..., output='shard')")
     return P(*s, *([None] * (jnp.ndim(x) - len(s))))
 
   return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _names(entry) -> tuple[str, ...]:
+  """The mesh axes of one dimension's entry of a partition spec."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(names: tuple[str, ...]):
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def _keep_axes(spec: P, keep) -> P:
+  """``spec`` with only the mesh axes ``keep`` admits."""
+  return P(*(_entry(tuple(a for a in _names(e) if keep(a))) for e in spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSharding:
+  """How GSPMD shards one parameter leaf over data axes (FSDP / ZeRO-3 on
+  a GSPMD mesh, e.g. MaxText's ``fsdp`` axis): its dimension ``dim`` is
+  split into blocks over ``axes`` (in the spec's order, major first)."""
+
+  dim: int
+  axes: tuple[str, ...]
+
+
+def _data_sharding(path, spec: P, data: tuple[str, ...]) -> DataSharding | None:
+  """The data axes that shard a leaf, or None.
+
+  Raises:
+    ValueError: data axes over two dimensions, or a model axis ahead of a
+      data axis in one dimension, naming the leaf and the fix. (JAX itself
+      refuses a placement whose dimension does not split evenly.)
+  """
+  where = jax.tree_util.keystr(path) or "(root)"
+  dims = [(d, _names(e)) for d, e in enumerate(spec)
+          if set(_names(e)) & set(data)]
+  if not dims:
+    return None
+  if len(dims) > 1:
+    raise ValueError(
+        f"parameter {where} is sharded over data axes in two dimensions "
+        f"({spec}): the compressed reduce-scatter splits one dimension into "
+        "blocks. Shard one dimension over the data axes (e.g. "
+        "P('fsdp', 'tensor')) and the others over model axes")
+  d, names = dims[0]
+  axes = tuple(a for a in names if a in data)
+  if names[:len(axes)] != axes:
+    raise ValueError(
+        f"parameter {where}'s dimension {d} is sharded over {names}: a model "
+        "axis ahead of a data axis makes each device's data-axis block "
+        "strided. Put the data axes first in that dimension, e.g. "
+        f"P({_entry(axes + tuple(a for a in names if a not in axes))!r})")
+  return DataSharding(d, axes)
+
+
+class RoutedState(NamedTuple):
+  """State of a transform routed by the parameters' data sharding
+  (:class:`CompressedValueAndGrad` on parameters GSPMD shards over data
+  axes)."""
+
+  mean: Any  # the transform's state over the leaves no data axis shards,
+  #            () where every leaf is sharded
+  shards: tuple  # per group of leaves sharded over the same data axes: the
+  #                state of their compressed reduce-scatter over those axes
+  #                and of their shards' mean over the other data axes
+
+
+def _block_view(x, dim: int) -> jax.Array:
+  """``x`` with dimension ``dim`` first: its blocks along that dimension are
+  then contiguous, FSDP's flat shards (:mod:`jaxcomp.fsdp`)."""
+  return jnp.moveaxis(x, dim, 0)
+
+
+def routed(transform, shardings, make_group):
+  """``transform`` over the leaves that no data axis shards, and for each
+  group of leaves sharded over the same data axes ``axes`` the
+  transformation ``make_group(axes)``, which reduce-scatters their
+  gradients into this device's blocks (``compressed_mean(...,
+  output="shard")`` on their flat block view) and averages the blocks over
+  the remaining data axes.
+
+  Args:
+    transform: the transformation of the unsharded leaves.
+    shardings: per leaf (flattened), its :class:`DataSharding` or None.
+    make_group: ``axes -> GradientTransformation`` of a group's flat
+      blocks: init takes each parameter's block (flat), update the whole
+      gradients (the sharded dimension first) and returns the blocks of
+      the mean (flat).
+
+  Returns:
+    A ``GradientTransformation`` whose state is :class:`RoutedState`; its
+    ``update`` needs ``params`` (this device's blocks).
+  """
+  groups: dict[tuple[str, ...], list[int]] = {}
+  for i, s in enumerate(shardings):
+    if s is not None:
+      groups.setdefault(s.axes, []).append(i)
+  plain = [i for i, s in enumerate(shardings) if s is None]
+  group_txs = [make_group(axes) for axes in groups]
+
+  def blocks(leaves, idx):
+    return [_block_view(leaves[i], shardings[i].dim).reshape(-1) for i in idx]
+
+  def init_fn(params):
+    leaves = jax.tree.leaves(params)
+    return RoutedState(
+        mean=transform.init([leaves[i] for i in plain]) if plain else (),
+        shards=tuple(tx.init(blocks(leaves, idx))
+                     for tx, idx in zip(group_txs, groups.values())))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("the routed transform's update needs params (this "
+                       "device's blocks of the parameters)")
+    grads, treedef = jax.tree.flatten(updates)
+    leaves = treedef.flatten_up_to(params)
+    out = [None] * len(grads)
+    mean_state = state.mean
+    if plain:
+      mean, mean_state = transform.update(
+          [grads[i] for i in plain], state.mean, [leaves[i] for i in plain])
+      for i, m in zip(plain, mean):
+        out[i] = m
+    new_shards = []
+    for tx, idx, st in zip(group_txs, groups.values(), state.shards):
+      mean, st = tx.update([_block_view(grads[i], shardings[i].dim)
+                            for i in idx], st, blocks(leaves, idx))
+      for i, m in zip(idx, mean):
+        block = _block_view(leaves[i], shardings[i].dim)
+        out[i] = jnp.moveaxis(m.reshape(block.shape), 0, shardings[i].dim)
+      new_shards.append(st)
+    return treedef.unflatten(out), RoutedState(mean_state, tuple(new_shards))
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 _DATA_AXIS_IN_LOSS = ("Axes mentioned in manual_axis_type", "manual")
@@ -107,6 +235,28 @@ class CompressedValueAndGrad:
   is already this device's share there): write ``P(None, "model")`` where
   ``P("data", "model")`` was.
 
+  **Parameters GSPMD shards over data axes too** (FSDP x tensor
+  parallelism, MaxText's default mesh: ``("data", "fsdp", "tensor")``,
+  weights ``P("fsdp", "tensor")``, the batch over ``("data", "fsdp")``,
+  ``axis_name=("data", "fsdp")``). A leaf whose spec names data axes in one
+  of its dimensions is gathered over them for ``loss_fn`` (ZeRO-3's forward
+  all-gather, inside the per-device pass, as the plain step gathers it),
+  and its per-device gradient, whole over those axes and this device's
+  shard over the model axes, is reduce-scattered over them into this
+  device's block through ``transform``'s own compressor
+  (:func:`jaxcomp.transform.over_axes` with ``output="shard"``: the
+  compressed reduce-scatter of FSDP's flat shards, here on the block with
+  its sharded dimension first), then averaged over the other data axes by
+  the same compressor (HSDP). ``transform`` must then be one
+  :func:`jaxcomp.compressed_mean` over ``axis_name``. The parameters, the
+  mean and an optimizer's state after it keep the leaves' shardings: no
+  gathered copy is kept. Error feedback for such a leaf keeps one float32
+  residual of its per-device gradient (whole over the sharding data axes)
+  per device for the reduce-scatter, and one of its block for the mean
+  (``CompressionStats.state_bytes`` counts both); an unbiased compressor
+  without it (``error_feedback=False``) costs none. The state is a
+  :class:`RoutedState`.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (this device's mean over
       its share of the batch), or ``(loss, aux)`` with ``has_aux``.
@@ -129,10 +279,13 @@ class CompressedValueAndGrad:
 
   Raises:
     ValueError: ``axis_name`` is empty or not an axis of ``mesh``; in
-      ``init``, a parameter sharded over a data axis (without ``shapes``)
-      or placed on another mesh, naming it; in the call, a sharding
-      constraint in ``loss_fn`` that names a data axis, saying what to
-      write instead.
+      ``init``, a parameter placed on another mesh, sharded over data axes
+      in two dimensions or with a model axis ahead of a data axis in one
+      (its blocks would be strided), or, for a leaf sharded over data
+      axes, a ``transform`` that is not one ``compressed_mean`` or whose
+      compressor cannot reduce-scatter (PowerSGD), naming it and the fix;
+      in the call, a sharding constraint in ``loss_fn`` that names a data
+      axis, saying what to write instead.
 
   Example:
     Called outside ``jax.jit`` too (each call then compiles); in a step,
@@ -169,9 +322,12 @@ class CompressedValueAndGrad:
     self._data = _mesh.axes(axis_name)
     self.layout: Layout = (DataParallel() if shapes is None
                            else FSDP(shapes, self.shard_axis))
-    # GSPMD: the mesh has axes the transform does not average over.
+    # GSPMD: the mesh has axes the transform does not average over (or, as
+    # init finds, a leaf is sharded over a data axis).
     self.gspmd = shapes is None and any(
         a not in self._data and mesh.shape[a] > 1 for a in mesh.axis_names)
+    self.tx = transform  # routed by init where GSPMD shards leaves over data
+    self.shardings: list[DataSharding | None] = []
     self.specs = None
 
   @property
@@ -190,18 +346,56 @@ class CompressedValueAndGrad:
     Raises:
       ValueError: with ``shapes``, no ``compressed_mean(...,
         output="shard")`` over ``shard_axis`` in the transform; without,
-        a parameter the GSPMD route cannot keep (see the class).
+        a parameter or a transform the GSPMD route cannot take (see the
+        class).
     """
     placement.check_array_leaves(params)
-    if self.gspmd:  # the layout of the leaves GSPMD shards over model axes
-      self.layout = DataParallel(_leaf_specs_of(params, self.mesh, self._data))
+    grads = self.shapes
+    if self.shapes is None:
+      specs = _leaf_specs_of(params, self.mesh)
+      self.shardings = [
+          _data_sharding(path, spec, self._data)
+          for (path, _), spec in zip(
+              jax.tree_util.tree_flatten_with_path(params)[0],
+              jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))]
+      if self.gspmd or any(self.shardings):
+        # The layout of the leaves as GSPMD shards them.
+        self.gspmd, self.layout = True, DataParallel(specs)
+      if any(self.shardings):
+        self.tx = routed(self.transform, self.shardings, self._group)
+        grads = jax.tree.map(self._local_grad, params, specs,
+                             is_leaf=lambda x: isinstance(x, P))
     if self.shapes is not None:
       check_transform(self.transform, params, self.mesh, self.shard_axis)
-    state, self.specs = init_sharded(self.transform, params, self.mesh,
+    state, self.specs = init_sharded(self.tx, params, self.mesh,
                                      self.axis_name,
-                                     params_spec=self.params_spec,
-                                     grads=self.shapes)
+                                     params_spec=self.params_spec, grads=grads)
     return state
+
+  def _group(self, axes: tuple[str, ...]):
+    """The transformation of the leaves GSPMD shards over the data axes
+    ``axes``: ``transform`` over ``axes`` as a reduce-scatter into each
+    device's blocks, then over the other data axes as a mean of the
+    blocks (HSDP: the blocks' exchange across the replicas)."""
+    rest = tuple(a for a in self._data if a not in axes)
+    try:
+      scatter = transform_lib.over_axes(self.transform, axes, output="shard")
+      mean = rest and transform_lib.over_axes(self.transform, rest)
+    except ValueError as e:
+      raise ValueError(
+          f"parameters sharded over the data axes {axes} have their gradient "
+          "reduce-scattered over them by the transform's own compressor, so "
+          "transform must be one jaxcomp.compressed_mean over axis_name whose "
+          f"compressor can reduce-scatter: {e}") from e
+    return optax.chain(scatter, mean) if mean else scatter
+
+  def _local_grad(self, x, spec) -> jax.ShapeDtypeStruct:
+    """One device's gradient of leaf ``x``: whole over the data axes, its
+    own shard over the model axes."""
+    shape = [n // math.prod(self.mesh.shape[a] for a in _names(e)
+                            if a not in self._data)
+             for n, e in zip(jnp.shape(x), spec)]
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
   def __call__(self, params, state, batch):
     """``((loss, grads), state)``: the loss (and aux) averaged over the
@@ -213,7 +407,7 @@ class CompressedValueAndGrad:
     if self.gspmd:
       return self._gspmd_call(params, state, batch)
     mean, state, out = per_device_step(
-        self.loss_fn, self.transform, mesh=self.mesh, state_specs=self.specs,
+        self.loss_fn, self.tx, mesh=self.mesh, state_specs=self.specs,
         layout=self.layout, axis_name=self.axis_name,
         batch_spec=self.batch_spec, has_aux=self.has_aux,
         apply_updates=False)(params, state, batch)
@@ -227,15 +421,28 @@ class CompressedValueAndGrad:
     data_spec = data[0] if len(data) == 1 else data
     grad_fn = self.layout.value_and_grad(self.loss_fn, self.axis_name,
                                          has_aux=self.has_aux)
+    is_spec = lambda x: isinstance(x, P)
+    data_specs = jax.tree.map(lambda s: _keep_axes(s, lambda a: a in data),
+                              self.params_spec, is_leaf=is_spec)
+
+    def gather(params):
+      """Each leaf GSPMD shards over data axes, gathered over them (ZeRO-3's
+      forward all-gather); the others as they came."""
+      leaves, treedef = jax.tree.flatten(params)
+      return treedef.unflatten([
+          x if s is None else lax.all_gather(x, s.axes, axis=s.dim, tiled=True)
+          for x, s in zip(leaves, self.shardings or [None] * len(leaves))])
 
     def per_device(params, batch):
-      out, grads = grad_fn(params, batch)
+      # The gradient of the gathered parameters: this device's own, whole
+      # over the data axes (of the blocks, JAX would reduce-scatter it).
+      out, grads = grad_fn(gather(params), batch)
       return (step_loss(out, self.axis_name, False),
               jax.tree.map(lambda g: g[None], grads))
 
     try:
       out, grads = jax.shard_map(
-          per_device, mesh=self.mesh, in_specs=(P(), self.batch_spec),
+          per_device, mesh=self.mesh, in_specs=(data_specs, self.batch_spec),
           out_specs=(P(), P(data_spec)), axis_names=set(data))(params, batch)
     except ValueError as e:
       if any(s in str(e) for s in _DATA_AXIS_IN_LOSS):
@@ -250,11 +457,12 @@ class CompressedValueAndGrad:
 
     def compress(params, state, grads):
       grads = jax.tree.map(lambda g: g[0], grads)
-      mean, state = self.transform.update(grads, state, params)
+      mean, state = self.tx.update(grads, state, params)
       return mean, state, ()
 
-    stacked = jax.tree.map(lambda s: P(data_spec, *s), self.params_spec,
-                           is_leaf=lambda x: isinstance(x, P))
+    stacked = jax.tree.map(
+        lambda s: P(data_spec, *_keep_axes(s, lambda a: a not in data)),
+        self.params_spec, is_leaf=is_spec)
     mean, state, _ = shard_train_step(
         compress, mesh=self.mesh, state_specs=self.specs, batch_spec=stacked,
         params_spec=self.params_spec, out_aux_spec=())(params, state, grads)

@@ -354,10 +354,11 @@ def _state_axes(tx, params, mesh, axis_name: AxisName, *, params_spec=P(),
   if params_vary_over:  # DiLoCo's copies: the update sees them vary
     params_axes = [frozenset(check_axis_name(params_vary_over)) | a
                    for a in params_axes]
-  # A gradient shaped like the parameters varies where they do too (a
-  # tensor-parallel shard's gradient differs over the model axis).
-  grads_axes = ([data | a for a in params_axes] if grads is None
-                else [data] * len(jax.tree.leaves(grads)))
+  # A gradient varies where its parameter does too (a tensor-parallel
+  # shard's gradient differs over the model axis), and over the data axes
+  # (FSDP's gradient of the gathered parameters: whole over the data axes
+  # its shards split, given as grads).
+  grads_axes = [data | a for a in params_axes]
   grads = params if grads is None else grads
   cur = [c | k for c, k in zip(cur, _known_per_device(local_state, grads_axes))]
   for _ in range(8):  # each round can only add axes: a fixed point soon

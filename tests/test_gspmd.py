@@ -171,16 +171,24 @@ def test_topk_compresses_each_local_shard_over_the_data_axis():
       NamedSharding(mesh, SPECS["w1"]), 2)
 
 
-def test_a_parameter_sharded_over_the_data_axis_is_refused_by_name():
+def test_a_parameter_sharded_over_the_data_axis_trains_as_the_plain_step():
+  # Once refused by name; now the leaf's gradient is reduce-scattered over
+  # the data axis into its blocks (tests/test_fsdp_tp.py has the rest).
   mesh = _mesh((4, 2), ("data", "model"))
-  params = _params(mesh)
+  params, batch = _params(mesh), _batch(mesh, "data")
   params["w2"] = jax.device_put(params["w2"],
                                 NamedSharding(mesh, P("model", "data")))
   grad_fn = jaxcomp.compressed_value_and_grad(
-      _loss, jaxcomp.compressed_mean("topk", "data"), mesh)
-  with pytest.raises(ValueError, match=r"parameter \['w2'\] is sharded over "
-                     r"the data axis .*shapes=jaxcomp.fsdp.shard_params"):
-    grad_fn.init(params)
+      _loss, jaxcomp.compressed_mean("identity", "data"), mesh)
+  state = grad_fn.init(params)
+  got_params, state, got_loss = _compressed(grad_fn)(params, state, batch)
+  want_params, want_loss = _plain(params, batch)
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got_params[k]),
+                               np.asarray(want_params[k]), rtol=0, atol=1e-7)
+    assert got_params[k].sharding.is_equivalent_to(
+        params[k].sharding, params[k].ndim), k
 
 
 def test_a_constraint_naming_the_data_axis_says_what_to_write():
