@@ -169,3 +169,19 @@ def test_mesh_form_replica_groups_are_read():
   assert _parse_groups(attrs, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
   attrs = "replica_groups=mesh['a'=2,'b'=4] {'b'}, x=1"
   assert _parse_groups(attrs, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_mesh_form_with_device_ids_is_read():
+  """XLA (JAX 0.10.2's GSPMD on a (data, fsdp, tensor) mesh) writes a mesh of
+  its own with the devices in another order: replica_groups=mesh[...],
+  device_ids=([2,2,2]T(1,0,2)) {axes}; the groups are the listed ids'."""
+  from jaxcomp.inspect.traffic import _parse_groups
+  attrs = ("channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4], "
+           "device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, dimensions={0}")
+  # ids in mesh order: 0,1,4,5 | 2,3,6,7; groups over axis_0 are columns.
+  assert _parse_groups(attrs, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  attrs = ("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'b'}, "
+           "dimensions={0}")
+  assert _parse_groups(attrs, 4) == [[3, 2], [1, 0]]
+  attrs = "replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'a'}, x=1"
+  assert _parse_groups(attrs, 4) == [[0, 2], [1, 3]]

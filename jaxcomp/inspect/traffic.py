@@ -55,6 +55,22 @@ def _shape_bytes(text: str) -> int:
   return int(sum(b for _, b in _elements_and_bytes(text)))
 
 
+def _device_ids(text: str | None, n: int) -> np.ndarray:
+  """The device ids of a mesh form's ``device_ids=(...)``, in mesh order:
+  ``[dims]T(perm)`` is an iota reshaped and transposed, else the ids listed;
+  none given is 0..n-1."""
+  if not text:
+    return np.arange(n)
+  m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+  if m:
+    dims = [int(v) for v in m.group(1).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(2):
+      ids = ids.transpose([int(v) for v in m.group(2).split(",")])
+    return ids.reshape(-1)
+  return np.array([int(v) for v in text.split(",") if v.strip()])
+
+
 def _parse_groups(attrs: str, num_devices: int | None) -> list[list[int]]:
   m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?",
                 attrs)
@@ -67,14 +83,18 @@ def _parse_groups(attrs: str, num_devices: int | None) -> list[list[int]]:
     return ids.reshape(g, s).tolist()
   # The mesh form XLA writes for collectives over mesh axes:
   # replica_groups=mesh['a'=4,'b'=1,'c'=2] {'a'}: one group per combination
-  # of the other axes, the devices numbered in the mesh's row-major order.
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  # of the other axes, the devices numbered in the mesh's row-major order,
+  # or, where a device_ids=(...) follows the mesh, the ids it lists in that
+  # order (an iota [dims]T(perm), as in the first form, or the ids).
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                r"(?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?|[0-9,\s]+)\))?"
+                r"\s*\{([^}]*)\}", attrs)
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(n) for _, n in axes]
-    grouped = re.findall(r"'([^']+)'", m.group(2))
-    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    grouped = re.findall(r"'([^']+)'", m.group(3))
+    ids = _device_ids(m.group(2), int(np.prod(sizes))).reshape(sizes)
     rest = [i for i, a in enumerate(names) if a not in grouped]
     inner = [names.index(a) for a in grouped]
     size = int(np.prod([sizes[i] for i in inner]))
