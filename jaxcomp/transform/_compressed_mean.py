@@ -468,7 +468,8 @@ def over_axes(tx: optax.GradientTransformation, axis_name: AxisName, *,
     raise ValueError(
         "over_axes takes a jaxcomp.compressed_mean(...) itself, not a chain "
         "or another transformation: pass the compressed_mean")
-  arguments = dict(spec.arguments, axis_name=axis_name, output=output)
+  arguments: dict[str, Any] = dict(
+      spec.arguments, axis_name=axis_name, output=output)
   if output == "shard":
     arguments["collective"] = None
   kwargs = arguments.pop("compressor_kwargs")
