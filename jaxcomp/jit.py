@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import optax
 
@@ -171,7 +170,7 @@ def routed(transform, shardings, make_group):
                        "device's blocks of the parameters)")
     grads, treedef = jax.tree.flatten(updates)
     leaves = treedef.flatten_up_to(params)
-    out = [None] * len(grads)
+    out: list[Any] = [None] * len(grads)
     mean_state = state.mean
     if plain:
       mean, mean_state = transform.update(
@@ -239,9 +238,9 @@ class CompressedValueAndGrad:
   parallelism, MaxText's default mesh: ``("data", "fsdp", "tensor")``,
   weights ``P("fsdp", "tensor")``, the batch over ``("data", "fsdp")``,
   ``axis_name=("data", "fsdp")``). A leaf whose spec names data axes in one
-  of its dimensions is gathered over them for ``loss_fn`` (ZeRO-3's forward
-  all-gather, inside the per-device pass, as the plain step gathers it),
-  and its per-device gradient, whole over those axes and this device's
+  of its dimensions enters the per-device pass gathered over them by GSPMD
+  (ZeRO-3's forward all-gather, its model-axis shards kept, as the plain
+  step gathers it), and its per-device gradient, whole over those axes and this device's
   shard over the model axes, is reduce-scattered over them into this
   device's block through ``transform``'s own compressor
   (:func:`jaxcomp.transform.over_axes` with ``output="shard"``: the
@@ -377,17 +376,19 @@ class CompressedValueAndGrad:
     ``axes``: ``transform`` over ``axes`` as a reduce-scatter into each
     device's blocks, then over the other data axes as a mean of the
     blocks (HSDP: the blocks' exchange across the replicas)."""
+    # The other data axes (one of size 1 too: its mean types the blocks
+    # as the same on each of its devices, which the step's out_specs need).
     rest = tuple(a for a in self._data if a not in axes)
     try:
       scatter = transform_lib.over_axes(self.transform, axes, output="shard")
-      mean = rest and transform_lib.over_axes(self.transform, rest)
+      mean = transform_lib.over_axes(self.transform, rest) if rest else None
     except ValueError as e:
       raise ValueError(
           f"parameters sharded over the data axes {axes} have their gradient "
           "reduce-scattered over them by the transform's own compressor, so "
           "transform must be one jaxcomp.compressed_mean over axis_name whose "
           f"compressor can reduce-scatter: {e}") from e
-    return optax.chain(scatter, mean) if mean else scatter
+    return optax.chain(scatter, mean) if mean is not None else scatter
 
   def _local_grad(self, x, spec) -> jax.ShapeDtypeStruct:
     """One device's gradient of leaf ``x``: whole over the data axes, its
@@ -422,27 +423,18 @@ class CompressedValueAndGrad:
     grad_fn = self.layout.value_and_grad(self.loss_fn, self.axis_name,
                                          has_aux=self.has_aux)
     is_spec = lambda x: isinstance(x, P)
-    data_specs = jax.tree.map(lambda s: _keep_axes(s, lambda a: a in data),
-                              self.params_spec, is_leaf=is_spec)
-
-    def gather(params):
-      """Each leaf GSPMD shards over data axes, gathered over them (ZeRO-3's
-      forward all-gather); the others as they came."""
-      leaves, treedef = jax.tree.flatten(params)
-      return treedef.unflatten([
-          x if s is None else lax.all_gather(x, s.axes, axis=s.dim, tiled=True)
-          for x, s in zip(leaves, self.shardings or [None] * len(leaves))])
-
     def per_device(params, batch):
-      # The gradient of the gathered parameters: this device's own, whole
-      # over the data axes (of the blocks, JAX would reduce-scatter it).
-      out, grads = grad_fn(gather(params), batch)
+      # The parameters come in whole over the data axes (GSPMD gathers a
+      # leaf it shards over them, ZeRO-3's forward all-gather, keeping its
+      # model-axis shards), so the gradient is this device's own, whole over
+      # the data axes (of the blocks, JAX would reduce-scatter it).
+      out, grads = grad_fn(params, batch)
       return (step_loss(out, self.axis_name, False),
               jax.tree.map(lambda g: g[None], grads))
 
     try:
       out, grads = jax.shard_map(
-          per_device, mesh=self.mesh, in_specs=(data_specs, self.batch_spec),
+          per_device, mesh=self.mesh, in_specs=(P(), self.batch_spec),
           out_specs=(P(), P(data_spec)), axis_names=set(data))(params, batch)
     except ValueError as e:
       if any(s in str(e) for s in _DATA_AXIS_IN_LOSS):

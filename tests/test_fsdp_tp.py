@@ -78,6 +78,13 @@ def _cost(compiled):
   return ca["flops"], compiled.memory_analysis().argument_size_in_bytes
 
 
+def _axes_of(mesh, group) -> set:
+  """The mesh axes a replica group spans (those its devices differ in)."""
+  coords = {d.id: c for c, d in np.ndenumerate(mesh.devices)}
+  at = [coords[i] for i in group]
+  return {a for k, a in enumerate(mesh.axis_names) if len({c[k] for c in at}) > 1}
+
+
 def _local_grad_bytes(params, mesh):
   """Float32 bytes of one device's gradient: whole over the data axes, its
   own shard over the tensor axis."""
@@ -112,10 +119,18 @@ def test_identity_is_the_plain_gspmd_step(shape):
     assert got[k].sharding.is_equivalent_to(params[k].sharding, params[k].ndim), k
   # Per-device compute and inputs: the plain step's (no replicated compute,
   # no gathered copy kept as an argument).
-  (pf, pa), (cf, ca) = _cost(_plain.lower(params, batch).compile()), _cost(
-      step.lower(params, state, batch).compile())
+  plain = _plain.lower(params, batch).compile()
+  comp = step.lower(params, state, batch).compile()
+  (pf, pa), (cf, ca) = _cost(plain), _cost(comp)
   assert cf <= 1.1 * pf, (cf, pf)
   assert ca <= 1.1 * pa, (ca, pa)
+  # No extra all-gather: the parameters are gathered over fsdp no more than
+  # the plain step gathers them, and never over the tensor axis.
+  gathered = lambda c, axes: sum(
+      op.operand_bytes for op in jaxcomp.collective_traffic(c).ops
+      if op.kind == "all-gather" and _axes_of(mesh, op.replica_groups[0]) == axes)
+  assert gathered(comp, {"fsdp"}) <= gathered(plain, {"fsdp"})
+  assert gathered(comp, {"tensor"}) == gathered(plain, {"tensor"}) == 0
 
 
 @pytest.mark.parametrize("shape", MESHES)
