@@ -49,7 +49,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.kernels import quantize
+from jaxcomp import kernels
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd
+from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -146,9 +149,9 @@ def _topk_variants(args) -> list[tuple[str, topk.TopKConfig]]:
           for rb in args.radix_bits or [None]]
 
 
-def _quantize_variants(args) -> list[tuple[str, quantize.QuantizeConfig]]:
+def _quantize_variants(args) -> list[tuple[str, kernels.QuantizeConfig]]:
   """``(label, config)`` for every block_rows (the only quantize knob)."""
-  return [(_label(br=br), _replace(quantize.DEFAULT_CONFIG, block_rows=br))
+  return [(_label(br=br), _replace(kernels.QuantizeConfig(), block_rows=br))
           for br in args.block_rows or [None]]
 
 
@@ -273,26 +276,26 @@ def main(args: argparse.Namespace) -> int:
                 config=c))
         elif op == "sign":
           nbytes = n * itemsize + n // 8
-          ref = jax.jit(quantize.sign_pack_reference)
+          ref = jax.jit(sign.sign_pack_reference)
           for label, qcfg in _quantize_variants(args):
             cases[label] = jax.jit(
-                lambda x, c=qcfg: quantize.sign_pack(x, config=c))
+                lambda x, c=qcfg: sign.sign_pack(x, config=c))
         elif op == "qsgd":
-          bits = quantize.qsgd_bits(args.levels)
+          bits = qsgd.qsgd_bits(args.levels)
           nbytes = n * itemsize + 4 * n + n * bits // 8
-          ref = jax.jit(lambda x: quantize.qsgd_quantize_reference(
+          ref = jax.jit(lambda x: qsgd.qsgd_quantize_reference(
               x, u, levels=args.levels, bucket_size=args.bucket_size))
           for label, qcfg in _quantize_variants(args):
-            cases[label] = jax.jit(lambda x, c=qcfg: quantize.qsgd_quantize(
+            cases[label] = jax.jit(lambda x, c=qcfg: qsgd.qsgd_quantize(
                 x, u, levels=args.levels, bucket_size=args.bucket_size,
                 config=c))
         else:  # int8
           nbytes = n * itemsize + n
-          ref = jax.jit(lambda x: quantize.int8_block_quantize_reference(
+          ref = jax.jit(lambda x: int8_block.int8_block_quantize_reference(
               x, block_size=args.bucket_size))
           for label, qcfg in _quantize_variants(args):
             cases[label] = jax.jit(
-                lambda x, c=qcfg: quantize.int8_block_quantize(
+                lambda x, c=qcfg: int8_block.int8_block_quantize(
                     x, block_size=args.bucket_size, config=c))
         t, err = measure(ref, xs)
         tbase["ref"] = t
