@@ -2,14 +2,19 @@
 (what it runs off NVIDIA GPUs), so that the command a GPU owner runs cannot
 rot: every section runs and the results land where the docs say."""
 
+import argparse
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 
 from jaxcomp.bench import device_check
+from jaxcomp.bench import kernels as bench_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,3 +83,43 @@ def test_no_test_run_is_a_failure_and_the_budget_skips(tmp_path):
   summary = (run / "summary.md").read_text()
   assert "| kernels | skipped: out of budget |" in summary, summary
   assert "| autotune | skipped: out of budget |" in summary, summary
+
+
+def _largest_constant(text: str) -> int:
+  """Elements of the largest ``stablehlo.constant`` in a module's text."""
+  sizes = [math.prod(int(d) for d in dims.split("x") if d)
+           for dims in _CONSTANT_RE.findall(text)]
+  return max(sizes, default=0)
+
+
+_CONSTANT_RE = re.compile(r"stablehlo\.constant dense<.*?> : tensor<((?:\d+x)*)\w+>")
+
+
+def test_kernel_benchmark_times_programs_without_input_sized_constants():
+  """Every program the kernel benchmark times (the reference and each
+  case of each op, for the GPU's program over the input copies) takes the
+  arrays it reads as arguments: exported for CUDA, it holds no constant of
+  1/32 of the input's size or more, so XLA has nothing input-sized to fold
+  while compiling it (a closed-over uniform array, padded in the program,
+  took most of 200 s of a GPU compilation at 1e8 elements)."""
+  parser = argparse.ArgumentParser()
+  bench_kernels.add_arguments(parser)
+  args = parser.parse_args(["--implementation", "both"])
+  n = 20_003  # not whole tiles: the Pallas paths pad x (and QSGD's u)
+  x = jax.ShapeDtypeStruct((n,), jnp.float32)
+  checked = []
+  for op in bench_kernels.OPS:
+    c = bench_kernels.op_cases(op, n=n, k=n // 100, itemsize=4, args=args)
+    for label, fn in {"reference": c.reference, **c.cases}.items():
+      program = bench_kernels.timed_program(fn)
+      text = jax.export.export(program, platforms=["cuda"])(
+          c.extra, x).mlir_module()
+      assert _largest_constant(text) < n // 32, (op, label)
+      checked.append(f"{op} {label}")
+  assert "qsgd pallas" in checked and "sampled_topk xla" in checked, checked
+  # The check sees an input-sized array that a timed function closes over.
+  u = jnp.zeros((n,), jnp.float32)
+  closure = bench_kernels.timed_program(jax.jit(lambda v: v + u))
+  text = jax.export.export(closure, platforms=["cuda"])((), x).mlir_module()
+  assert _largest_constant(text) == n
+
