@@ -123,3 +123,75 @@ def test_kernel_benchmark_times_programs_without_input_sized_constants():
   text = jax.export.export(closure, platforms=["cuda"])((), x).mlir_module()
   assert _largest_constant(text) == n
 
+
+def _table(path, device, date, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  meta = {"device": device, "backend": "gpu"}
+  if date:
+    meta["date"] = date
+  path.write_text(json.dumps({"meta": meta, "rows": [
+      {"dtype": "f32", "op": op, "impl": impl, "n": n, "seconds": s,
+       "gb_per_s": 1.0, "ratio_ref": None} for op, impl, n, s in rows]}))
+
+
+def test_top_k_rows_slower_than_the_last_table_of_the_gpu_are_flagged(tmp_path):
+  """The kernels section compares this run's top-k rows (exact and
+  sampled) with the latest earlier table of the same device kind (by the
+  date in its folder's name or its meta; other devices' tables and this
+  run's own folder are not candidates) and lists each row more than 10%
+  slower in the summary."""
+  results = tmp_path / "results"
+  run = results / "fake-gpu-2027-01-05"
+  new = [("topk", "xla", 1_000_000, 1.2e-3),        # +20%: flagged
+         ("topk", "auto", 1_000_000, 0.209e-3),     # +4.5%: not
+         ("sampled_topk", "xla", 25_000_000, 0.30e-3),  # +50%: flagged
+         ("topk", "pallas", 25_000_000, 0.5e-3),    # faster
+         ("topk", "xla", 25_000_000, None),         # failed: not compared
+         ("sign", "reference", 1_000_000, 9.0),     # not a top-k row
+         ("topk", "reference", 7, 1.0)]             # not in the old table
+  _table(run / "kernels.json", "Fake GPU", "2027-01-05", new)
+  old = [("topk", "xla", 1_000_000, 1.0e-3), ("topk", "auto", 1_000_000, 0.2e-3),
+         ("sampled_topk", "xla", 25_000_000, 0.2e-3),
+         ("topk", "pallas", 25_000_000, 1.0e-3),
+         ("topk", "xla", 25_000_000, 0.5e-3), ("sign", "reference", 1_000_000, 1e-3)]
+  _table(results / "fake-gpu-2027-01-02" / "kernels.json", "Fake GPU", None, old)
+  # Older, or another GPU's, or undated: not the baseline.
+  slow = [(op, impl, n, 10.0) for op, impl, n, _ in old]
+  _table(results / "fake-gpu-2026-12-01" / "kernels.json", "Fake GPU", None, slow)
+  _table(results / "kernels_fake_f32.json", "Fake GPU", None, slow)
+  _table(results / "other-gpu-2027-01-04" / "kernels.json", "Other GPU", None, slow)
+  fast = [(op, impl, n, 1e-9) for op, impl, n, _ in old]
+  _table(results / "nested" / "deeper-2027-01-04" / "kernels.json", "Fake GPU",
+         None, fast)
+  assert device_check.previous_kernels_table(str(results), "Fake GPU", str(run)) \
+      == str(results / "fake-gpu-2027-01-02" / "kernels.json")
+  assert device_check.previous_kernels_table(str(results), "No GPU") is None
+
+  rows, table, line = device_check.kernels_summary(str(run), str(results),
+                                                   str(tmp_path))
+  assert rows == len(new)
+  assert line == ("top-k rows against results/fake-gpu-2027-01-02/kernels.json: "
+                  "4 compared, 2 more than 10% slower"), line
+  flagged = re.findall(r"^\| f32 \| (\w+) \| (\w+) \| ([\d,]+) \| ([\d.]+) \| "
+                       r"([\d.]+) \| \+(\d+)% \|$", table, re.M)
+  assert flagged == [("sampled_topk", "xla", "25,000,000", "0.200", "0.300", "50"),
+                     ("topk", "xla", "1,000,000", "1.000", "1.200", "20")], table
+  summary = device_check._summary(  # pylint: disable=protected-access
+      {"form": "compiled", "device_kind": "Fake GPU", "date": "2027-01-05",
+       "device_count": 1, "platform": "gpu", "jax": "0", "jaxlib": "0",
+       "jaxcomp": "0", "budget": 1.0, "seconds": 1.0},
+      [device_check.Result("kernels", "done", 1.0, line, table)], "cmd")
+  assert "### Regressions: top-k rows more than 10% slower than " \
+      "`results/fake-gpu-2027-01-02/kernels.json`" in summary, summary
+
+  # No regression, and no earlier table of the device.
+  _table(run / "kernels.json", "Fake GPU", "2027-01-05", old)
+  _, table, line = device_check.kernels_summary(str(run), str(results),
+                                                str(tmp_path))
+  assert "5 compared, 0 more than 10% slower" in line
+  assert "None of the 5 top-k rows" in table
+  _table(run / "kernels.json", "Lone GPU", "2027-01-05", old)
+  _, table, line = device_check.kernels_summary(str(run), str(results),
+                                                str(tmp_path))
+  assert line == "no earlier kernels table of Lone GPU under results", line
+  assert "Regressions" not in table
