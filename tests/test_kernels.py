@@ -7,6 +7,7 @@ off an NVIDIA GPU) and :class:`TestKernelsInterpret` the same cases with
 block (64 rows x 32 = 2048 elements here) so the padded tail is exercised.
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -130,9 +131,11 @@ def _sample_positions(n, cfg):
   return np.arange(s) * (n // s)
 
 
-@pytest.mark.parametrize("case", ["candidates", "band", "ties_at_sample",
-                                  "fallback", "dense", "all"])
-def test_topk_xla_every_branch(case):
+BRANCHES = ["candidates", "band", "ties_at_sample", "fallback", "dense", "all"]
+
+
+def _branch_case(case):
+  """``(x, k)`` that take one branch of the sampled selection under TCFG."""
   n, k = 5003, 50
   x = np.asarray(_normal(n, jnp.float32, seed=7))
   if case == "ties_at_sample":  # 20 nonzeros, k-th largest is a tied 0
@@ -148,11 +151,75 @@ def test_topk_xla_every_branch(case):
     k = 4000
   elif case == "all":
     k = n
-  x = jnp.asarray(x)
+  elif case == "nonfinite":  # NaN ranks above +-Inf, above every finite
+    x = x.copy()
+    x[[10, 999, 4000]] = [np.nan, np.inf, -np.inf]
+  elif case == "plus_minus_ties":  # +a and -a tie: the lower index first
+    x = np.round(x * 2).astype(np.float32)
+    k = 1000
+  return jnp.asarray(x), k
+
+
+@pytest.mark.parametrize("case", BRANCHES)
+def test_topk_xla_every_branch(case):
+  x, k = _branch_case(case)
   _, ref_i = topk.topk_reference(x, k)
   v, i = topk.topk_threshold_xla(x, k, config=TCFG)
   assert _set(i) == _set(ref_i)
   np.testing.assert_array_equal(v, x[i])
+
+
+@pytest.mark.parametrize("case", BRANCHES + ["nonfinite", "plus_minus_ties"])
+def test_topk_selection_forms_give_the_same_values_and_indices(case):
+  """The sampled selection's two forms (``TopKConfig.selection``: ``"sort"``,
+  the sample's keys sorted in full and XLA's cumulative reductions, the
+  default off CPU; ``"partial"``, XLA's top-k of the sample and log-depth
+  scans, CPU's) return the same values and indices on every branch:
+  ``topk_exact_small``'s, i.e. lax.top_k's set of ``|x|`` (NaN above +-Inf
+  above every finite value, ties to the lower index) in ascending index
+  order."""
+  x, k = _branch_case(case)
+  want_v, want_i = topk.topk_exact_small(x, k)
+  for form in topk.SELECTIONS:
+    cfg = dataclasses.replace(TCFG, selection=form)
+    v, i = topk.topk_threshold_xla(x, k, config=cfg)
+    np.testing.assert_array_equal(i, want_i, err_msg=form)
+    np.testing.assert_array_equal(v, want_v, err_msg=form)
+
+
+def test_topk_selection_form_per_backend():
+  """CPU takes the partial sort and log-depth scans; a named form is kept;
+  any other name is refused."""
+  assert jax.default_backend() == "cpu"
+  assert topk.selection(topk.DEFAULT_CONFIG) == "partial"
+  assert topk.SELECTION.get("gpu", "sort") == "sort"
+  assert compact.log_depth_scans()
+  for form in topk.SELECTIONS:
+    assert topk.selection(topk.TopKConfig(selection=form)) == form
+  with pytest.raises(ValueError, match="selection"):
+    topk.topk_threshold_xla(jnp.ones(100), 5,
+                            config=topk.TopKConfig(selection="radix"))
+
+
+@pytest.mark.parametrize("m", [1, 31, 1000, 4099])
+def test_compact_scan_forms_agree(m):
+  """Prefix sums, running maxima and compaction: the log-depth scans and
+  XLA's cumulative reductions give the same values."""
+  rng = np.random.default_rng(m)
+  c = rng.integers(0, 33, m).astype(np.int32)
+  words = jnp.asarray(np.where(rng.random(m) < 0.3, 0,
+                               rng.integers(0, 2**32, m, dtype=np.uint64)),
+                      jnp.uint32)
+  for log_depth in (True, False):
+    np.testing.assert_array_equal(
+        compact.cumsum(jnp.asarray(c), log_depth=log_depth), np.cumsum(c))
+    np.testing.assert_array_equal(
+        compact.cummax(jnp.asarray(c), log_depth=log_depth),
+        np.maximum.accumulate(c))
+  for capacity in (0, 5, 700):
+    got = [compact.compact(words, capacity, log_depth=d) for d in (True, False)]
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
 
 
 def test_bit_helpers():
@@ -649,6 +716,18 @@ class TestKernelsCompiled:
     assert _set(i) == _set(ref_i)
     assert bool(jnp.all(jnp.diff(i) > 0))
     np.testing.assert_array_equal(v, x[i])
+
+  def test_topk_pallas_selection_forms_agree(self):
+    """The Pallas top-k under both forms of the sampled selection
+    (``TopKConfig.selection``) returns the reference set in ascending index
+    order, the same values and indices."""
+    x = _normal(3001, jnp.float32, seed=11)
+    want_v, want_i = topk.topk_exact_small(x, 30)
+    for form in topk.SELECTIONS:
+      cfg = dataclasses.replace(TCFG, selection=form)
+      v, i = topk.topk(x, 30, config=cfg, interpret=self.INTERPRET)
+      np.testing.assert_array_equal(i, want_i, err_msg=form)
+      np.testing.assert_array_equal(v, want_v, err_msg=form)
 
   def test_topk_pallas_ties_take_lowest_indices(self):
     x = jnp.zeros(3001).at[jnp.arange(5, 3001, 100)].set(-2.0)  # 30 ties

@@ -11,8 +11,11 @@ three ratios, all measured in the same process on the same data:
   function of ``jaxcomp.kernels``).
 
 Top-k rows: ``xla`` is the sampled-threshold fast path, ``auto`` what the
-compressors call by default (``topk_auto``), ``pallas`` the radix-select
-kernels.
+compressors call by default (``topk_auto``), ``pallas`` the Pallas path (one
+mask kernel, the radix select in its fallback). With ``--topk-selection``
+the ``xla`` and ``pallas`` top-k rows are also timed under each named form
+of the sampled selection (``xla:sort``, ``pallas:partial``, ...:
+``TopKConfig.selection``).
 
 With ``--torch`` (and PyTorch importable) it also times ``torch.topk`` of
 ``|x|`` and ``x * 2`` in PyTorch on the same buffers (shared through DLPack),
@@ -101,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "each config's default)")
   parser.add_argument("--radix-bits", type=int, nargs="+", default=None,
                       help="Pallas top-k radix_bits variants to time")
+  parser.add_argument("--topk-selection", nargs="+", choices=topk.SELECTIONS,
+                      default=None, help="also time the top-k paths under "
+                      "each of these forms of the sampled selection (rows "
+                      "xla:<form>, pallas:<form>)")
   parser.add_argument("--torch", action="store_true",
                       help="also time torch.topk and a PyTorch memory pass")
   parser.add_argument("--json", default=None, help="write the rows here")
@@ -149,10 +156,12 @@ def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
   return statistics.median(per_call)
 
 
-def _label(**knobs) -> str:
-  """``pallas`` or ``pallas:br256,rb4`` for the knobs that were set."""
-  parts = [f"{k}{v}" for k, v in knobs.items() if v is not None]
-  return "pallas" + (":" + ",".join(parts) if parts else "")
+def _label(impl: str = "pallas", **knobs) -> str:
+  """``pallas`` or ``pallas:br256,rb4`` for the knobs that were set (a
+  string knob by its value: ``xla:sort``)."""
+  parts = [v if isinstance(v, str) else f"{k}{v}"
+           for k, v in knobs.items() if v is not None]
+  return impl + (":" + ",".join(parts) if parts else "")
 
 
 def _replace(config, **knobs):
@@ -161,11 +170,14 @@ def _replace(config, **knobs):
 
 
 def _topk_variants(args) -> list[tuple[str, topk.TopKConfig]]:
-  """``(label, config)`` for every block_rows x radix_bits combination."""
-  return [(_label(br=br, rb=rb),
-           _replace(topk.DEFAULT_CONFIG, block_rows=br, radix_bits=rb))
+  """``(label, config)`` for every block_rows x radix_bits x selection
+  combination."""
+  return [(_label(br=br, rb=rb, sel=sel),
+           _replace(topk.DEFAULT_CONFIG, block_rows=br, radix_bits=rb,
+                    selection=sel))
           for br in args.block_rows or [None]
-          for rb in args.radix_bits or [None]]
+          for rb in args.radix_bits or [None]
+          for sel in [None, *(args.topk_selection or [])]]
 
 
 def _quantize_variants(args) -> list[tuple[str, kernels.QuantizeConfig]]:
@@ -206,6 +218,10 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
     ref = jax.jit(lambda x: topk.topk_reference(x, k))
     cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
     cases["auto"] = jax.jit(lambda x: topk.topk_auto(x, k))
+    for form in args.topk_selection or []:
+      cfg = _replace(topk.DEFAULT_CONFIG, selection=form)
+      cases[_label("xla", sel=form)] = jax.jit(
+          lambda x, c=cfg: topk.topk_threshold_xla(x, k, config=c))
     for label, tcfg in _topk_variants(args):
       cases[label] = jax.jit(lambda x, c=tcfg: topk.topk(x, k, config=c))
     return OpCases(topk_bytes, ref, cases)
