@@ -86,18 +86,18 @@ def _kernel_ops(n: int) -> None:
   traced in interpret mode): the compute proxy of the structural model."""
   import jax
   import jax.numpy as jnp
-  from jaxcomp.kernels import quantize, topk
+  from jaxcomp.kernels import QuantizeConfig, int8_block, qsgd, sign, topk
   from jaxcomp.inspect import kernel_structure as structure
   x = jax.ShapeDtypeStruct((n,), jnp.float32)
   seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  cfg = quantize.DEFAULT_CONFIG
+  cfg = QuantizeConfig()
   kernels = {
-      "sign_pack": (lambda v: quantize.sign_pack(v, config=cfg, interpret=True), (x,)),
-      "qsgd levels 7, bucket 128": (lambda v, s: quantize.qsgd_quantize(
+      "sign_pack": (lambda v: sign.sign_pack(v, config=cfg, interpret=True), (x,)),
+      "qsgd levels 7, bucket 128": (lambda v, s: qsgd.qsgd_quantize(
           v, levels=7, bucket_size=128, seed=s, config=cfg, interpret=True), (x, seed)),
-      "int8 block 256": (lambda v: quantize.int8_block_quantize(
+      "int8 block 256": (lambda v: int8_block.int8_block_quantize(
           v, block_size=256, config=cfg, interpret=True), (x,)),
-      "int8 block 256 stochastic": (lambda v, s: quantize.int8_block_quantize(
+      "int8 block 256 stochastic": (lambda v, s: int8_block.int8_block_quantize(
           v, block_size=256, seed=s, config=cfg, interpret=True), (x, seed)),
       "top-k 1% (mask pass)": (lambda v: topk.topk(v, max(1, n // 100), interpret=True),
                                (x,)),

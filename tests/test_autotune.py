@@ -24,7 +24,10 @@ import jaxcomp
 from jaxcomp import kernels
 from jaxcomp import launch
 from jaxcomp.kernels import _autotune
-from jaxcomp.kernels import quantize
+from jaxcomp.kernels import fp8_block
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd as qsgd_kernel
+from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,11 +83,11 @@ def _uses_kernel(fn, *args) -> bool:
 
 
 def qsgd(x):
-  return quantize.qsgd_quantize_auto(x, levels=7, bucket_size=128, seed=SEED)
+  return qsgd_kernel.qsgd_quantize_auto(x, levels=7, bucket_size=128, seed=SEED)
 
 
 def int8(x):
-  return quantize.int8_block_quantize_auto(x, block_size=256)
+  return int8_block.int8_block_quantize_auto(x, block_size=256)
 
 
 # ---------------------------------------------------------------------------
@@ -146,11 +149,11 @@ def test_keys_separate_what_changes_the_kernel(tmp_path):
   cases = [
       (qsgd, (3000,), jnp.float32), (qsgd, (4000,), jnp.float32),  # 2^12
       (qsgd, (5000,), jnp.float32), (qsgd, (4096,), jnp.bfloat16),
-      (lambda x: quantize.qsgd_quantize_auto(x, levels=1, bucket_size=128,
+      (lambda x: qsgd_kernel.qsgd_quantize_auto(x, levels=1, bucket_size=128,
                                              seed=SEED), (4096,), jnp.float32),
-      (lambda x: quantize.qsgd_quantize_auto(x, levels=7, bucket_size=256,
+      (lambda x: qsgd_kernel.qsgd_quantize_auto(x, levels=7, bucket_size=256,
                                              seed=SEED), (4096,), jnp.float32),
-      (lambda x: quantize.int8_block_quantize_auto(x, block_size=256,
+      (lambda x: int8_block.int8_block_quantize_auto(x, block_size=256,
                                                    seed=SEED), (4096,), jnp.float32),
       (int8, (4096,), jnp.float32),
   ]
@@ -179,9 +182,9 @@ def test_candidates_run_in_interpret_mode_and_agree(tmp_path):
   x = S((1 << 14,), jnp.float32)
   with kernels.use_autotuner(tuner):
     jax.jit(_fresh(int8)).trace(x)
-    jax.jit(lambda v: quantize.sign_pack_auto(v)).trace(x)
+    jax.jit(lambda v: sign.sign_pack_auto(v)).trace(x)
     jax.jit(lambda v: topk.topk_auto(v, 100)).trace(x)
-    jax.jit(lambda v: quantize.fp8_block_quantize_auto(
+    jax.jit(lambda v: fp8_block.fp8_block_quantize_auto(
         v, block_size=128, seed=SEED)).trace(x)
   for op in ("int8", "fp8"):
     for a, b in zip(timer.outputs[(op, "pallas")], timer.outputs[(op, "xla")]):
@@ -237,7 +240,7 @@ def test_unsupported_parameters_are_not_timed(tmp_path):
   tuner = simulated(tmp_path, FakeTimer(prefer={"int8": "pallas"}))
   with kernels.use_autotuner(tuner):
     assert not _uses_kernel(
-        lambda x: quantize.int8_block_quantize_auto(x, block_size=48),
+        lambda x: int8_block.int8_block_quantize_auto(x, block_size=48),
         S((4800,), jnp.float32))
   assert tuner.timer.calls == []
   assert tuner.decisions()[0].source.startswith("not timed")
@@ -326,7 +329,7 @@ def test_measures_both_paths_on_this_gpu(tmp_path):
   n = 1 << 22
   with kernels.use_autotuner(tuner):
     for f in (qsgd, int8, lambda v: topk.topk_auto(v, n // 100),
-              lambda v: quantize.sign_pack_auto(v)):
+              lambda v: sign.sign_pack_auto(v)):
       jax.jit(_fresh(f)).trace(S((n,), jnp.float32))
   for d in tuner.decisions():
     assert d.source == "measured" and d.errors == {}, d.describe()
@@ -358,7 +361,7 @@ def test_environment_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.ENV_KERNELS, "autotune")
     assert _uses_kernel(int8, x) is False  # measured now: XLA faster
     # A caller's explicit choice wins over all of it.
-    assert not _uses_kernel(lambda v: quantize.qsgd_quantize_auto(
+    assert not _uses_kernel(lambda v: qsgd_kernel.qsgd_quantize_auto(
         v, levels=7, bucket_size=128, seed=SEED, implementation="xla"), x)
   assert [c[0].split()[0] for c in tuner.timer.calls] == ["int8", "int8"]
   # Forcing the kernels off an NVIDIA GPU is an error, not a silent no-op.

@@ -44,7 +44,7 @@ def test_pallas_payload_equals_xla_payload(name, n):
       name, implementation="xla", **CASES[name]).encode)(x, key)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   if name == "qsgd":  # codes consistent with the kernel's own norms
-    want = dict(want, codes=jaxcomp.kernels.quantize.qsgd_codes_reference(
+    want = dict(want, codes=jaxcomp.kernels.qsgd.qsgd_codes_reference(
         x, got["norms"], levels=CASES[name]["levels"],
         bucket_size=CASES[name]["bucket_size"],
         seed=jaxcomp.kernels.dither.seed_of(key)))

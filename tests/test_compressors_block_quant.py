@@ -128,13 +128,13 @@ def test_bits_schedule_within_max_bits(x):
 
 
 def test_int8_codes_come_from_the_kernel_path():
-  from jaxcomp.kernels import bitpack, quantize
+  from jaxcomp.kernels import bitpack, int8_block
   n = 1000
   x = jax.random.normal(jax.random.key(7), (n,))
   comp = jaxcomp.compressors.get("int8_block", bits=8, block_size=64,
                                  implementation="xla")
   payload = comp.encode(x, jax.random.key(0))
-  q, scales = quantize.int8_block_quantize_reference(x, block_size=64)
+  q, scales = int8_block.int8_block_quantize_reference(x, block_size=64)
   words = bitpack.pack_bits_reference(
       q[:n].astype(jnp.int32).astype(jnp.uint32), 8)
   np.testing.assert_array_equal(np.asarray(payload["codes"]), np.asarray(words))

@@ -2,14 +2,19 @@
 (what it runs off NVIDIA GPUs), so that the command a GPU owner runs cannot
 rot: every section runs and the results land where the docs say."""
 
+import argparse
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 
 from jaxcomp.bench import device_check
+from jaxcomp.bench import kernels as bench_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,3 +83,115 @@ def test_no_test_run_is_a_failure_and_the_budget_skips(tmp_path):
   summary = (run / "summary.md").read_text()
   assert "| kernels | skipped: out of budget |" in summary, summary
   assert "| autotune | skipped: out of budget |" in summary, summary
+
+
+def _largest_constant(text: str) -> int:
+  """Elements of the largest ``stablehlo.constant`` in a module's text."""
+  sizes = [math.prod(int(d) for d in dims.split("x") if d)
+           for dims in _CONSTANT_RE.findall(text)]
+  return max(sizes, default=0)
+
+
+_CONSTANT_RE = re.compile(r"stablehlo\.constant dense<.*?> : tensor<((?:\d+x)*)\w+>")
+
+
+def test_kernel_benchmark_times_programs_without_input_sized_constants():
+  """Every program the kernel benchmark times (the reference and each
+  case of each op, for the GPU's program over the input copies) takes the
+  arrays it reads as arguments: exported for CUDA, it holds no constant of
+  1/32 of the input's size or more, so XLA has nothing input-sized to fold
+  while compiling it (a closed-over uniform array, padded in the program,
+  took most of 200 s of a GPU compilation at 1e8 elements)."""
+  parser = argparse.ArgumentParser()
+  bench_kernels.add_arguments(parser)
+  args = parser.parse_args(["--implementation", "both"])
+  n = 20_003  # not whole tiles: the Pallas paths pad x (and QSGD's u)
+  x = jax.ShapeDtypeStruct((n,), jnp.float32)
+  checked = []
+  for op in bench_kernels.OPS:
+    c = bench_kernels.op_cases(op, n=n, k=n // 100, itemsize=4, args=args)
+    for label, fn in {"reference": c.reference, **c.cases}.items():
+      program = bench_kernels.timed_program(fn)
+      text = jax.export.export(program, platforms=["cuda"])(
+          c.extra, x).mlir_module()
+      assert _largest_constant(text) < n // 32, (op, label)
+      checked.append(f"{op} {label}")
+  assert "qsgd pallas" in checked and "sampled_topk xla" in checked, checked
+  # The check sees an input-sized array that a timed function closes over.
+  u = jnp.zeros((n,), jnp.float32)
+  closure = bench_kernels.timed_program(jax.jit(lambda v: v + u))
+  text = jax.export.export(closure, platforms=["cuda"])((), x).mlir_module()
+  assert _largest_constant(text) == n
+
+
+def _table(path, device, date, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  meta = {"device": device, "backend": "gpu"}
+  if date:
+    meta["date"] = date
+  path.write_text(json.dumps({"meta": meta, "rows": [
+      {"dtype": "f32", "op": op, "impl": impl, "n": n, "seconds": s,
+       "gb_per_s": 1.0, "ratio_ref": None} for op, impl, n, s in rows]}))
+
+
+def test_top_k_rows_slower_than_the_last_table_of_the_gpu_are_flagged(tmp_path):
+  """The kernels section compares this run's top-k rows (exact and
+  sampled) with the latest earlier table of the same device kind (by the
+  date in its folder's name or its meta; other devices' tables and this
+  run's own folder are not candidates) and lists each row more than 10%
+  slower in the summary."""
+  results = tmp_path / "results"
+  run = results / "fake-gpu-2027-01-05"
+  new = [("topk", "xla", 1_000_000, 1.2e-3),        # +20%: flagged
+         ("topk", "auto", 1_000_000, 0.209e-3),     # +4.5%: not
+         ("sampled_topk", "xla", 25_000_000, 0.30e-3),  # +50%: flagged
+         ("topk", "pallas", 25_000_000, 0.5e-3),    # faster
+         ("topk", "xla", 25_000_000, None),         # failed: not compared
+         ("sign", "reference", 1_000_000, 9.0),     # not a top-k row
+         ("topk", "reference", 7, 1.0)]             # not in the old table
+  _table(run / "kernels.json", "Fake GPU", "2027-01-05", new)
+  old = [("topk", "xla", 1_000_000, 1.0e-3), ("topk", "auto", 1_000_000, 0.2e-3),
+         ("sampled_topk", "xla", 25_000_000, 0.2e-3),
+         ("topk", "pallas", 25_000_000, 1.0e-3),
+         ("topk", "xla", 25_000_000, 0.5e-3), ("sign", "reference", 1_000_000, 1e-3)]
+  _table(results / "fake-gpu-2027-01-02" / "kernels.json", "Fake GPU", None, old)
+  # Older, or another GPU's, or undated: not the baseline.
+  slow = [(op, impl, n, 10.0) for op, impl, n, _ in old]
+  _table(results / "fake-gpu-2026-12-01" / "kernels.json", "Fake GPU", None, slow)
+  _table(results / "kernels_fake_f32.json", "Fake GPU", None, slow)
+  _table(results / "other-gpu-2027-01-04" / "kernels.json", "Other GPU", None, slow)
+  fast = [(op, impl, n, 1e-9) for op, impl, n, _ in old]
+  _table(results / "nested" / "deeper-2027-01-04" / "kernels.json", "Fake GPU",
+         None, fast)
+  assert device_check.previous_kernels_table(str(results), "Fake GPU", str(run)) \
+      == str(results / "fake-gpu-2027-01-02" / "kernels.json")
+  assert device_check.previous_kernels_table(str(results), "No GPU") is None
+
+  rows, table, line = device_check.kernels_summary(str(run), str(results),
+                                                   str(tmp_path))
+  assert rows == len(new)
+  assert line == ("top-k rows against results/fake-gpu-2027-01-02/kernels.json: "
+                  "4 compared, 2 more than 10% slower"), line
+  flagged = re.findall(r"^\| f32 \| (\w+) \| (\w+) \| ([\d,]+) \| ([\d.]+) \| "
+                       r"([\d.]+) \| \+(\d+)% \|$", table, re.M)
+  assert flagged == [("sampled_topk", "xla", "25,000,000", "0.200", "0.300", "50"),
+                     ("topk", "xla", "1,000,000", "1.000", "1.200", "20")], table
+  summary = device_check._summary(  # pylint: disable=protected-access
+      {"form": "compiled", "device_kind": "Fake GPU", "date": "2027-01-05",
+       "device_count": 1, "platform": "gpu", "jax": "0", "jaxlib": "0",
+       "jaxcomp": "0", "budget": 1.0, "seconds": 1.0},
+      [device_check.Result("kernels", "done", 1.0, line, table)], "cmd")
+  assert "### Regressions: top-k rows more than 10% slower than " \
+      "`results/fake-gpu-2027-01-02/kernels.json`" in summary, summary
+
+  # No regression, and no earlier table of the device.
+  _table(run / "kernels.json", "Fake GPU", "2027-01-05", old)
+  _, table, line = device_check.kernels_summary(str(run), str(results),
+                                                str(tmp_path))
+  assert "5 compared, 0 more than 10% slower" in line
+  assert "None of the 5 top-k rows" in table
+  _table(run / "kernels.json", "Lone GPU", "2027-01-05", old)
+  _, table, line = device_check.kernels_summary(str(run), str(results),
+                                                str(tmp_path))
+  assert line == "no earlier kernels table of Lone GPU under results", line
+  assert "Regressions" not in table

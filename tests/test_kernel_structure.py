@@ -18,7 +18,11 @@ import pytest
 from jaxcomp.compressors import block_quant
 from jaxcomp.compressors import qsgd
 from jaxcomp.kernels import _launch
-from jaxcomp.kernels import quantize
+from jaxcomp.kernels import QuantizeConfig
+from jaxcomp.kernels import fp8_block
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd as qsgd_kernel
+from jaxcomp.kernels import sign as sign_kernel
 from jaxcomp.inspect import kernel_structure as structure
 
 S = jax.ShapeDtypeStruct
@@ -31,24 +35,24 @@ KEY = S((2,), jnp.uint32)  # a raw key
 def _paths(n, dtype=jnp.float32):
   x = S((n,), dtype)
   return {
-      "sign_pack": (lambda x: quantize.sign_pack(x), (x,)),
-      "qsgd_2bit_b32": (lambda x, s: quantize.qsgd_quantize(
+      "sign_pack": (lambda x: sign_kernel.sign_pack(x), (x,)),
+      "qsgd_2bit_b32": (lambda x, s: qsgd_kernel.qsgd_quantize(
           x, levels=1, bucket_size=32, seed=s), (x, SEED)),
-      "qsgd_4bit_b128": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_4bit_b128": (lambda x, s: qsgd_kernel.qsgd_quantize(
           x, levels=7, bucket_size=128, seed=s), (x, SEED)),
-      "qsgd_8bit_b256": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_8bit_b256": (lambda x, s: qsgd_kernel.qsgd_quantize(
           x, levels=127, bucket_size=256, seed=s), (x, SEED)),
-      "qsgd_16bit_b512": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_16bit_b512": (lambda x, s: qsgd_kernel.qsgd_quantize(
           x, levels=4000, bucket_size=512, seed=s), (x, SEED)),
-      "int8_nearest_b256": (lambda x: quantize.int8_block_quantize(
+      "int8_nearest_b256": (lambda x: int8_block.int8_block_quantize(
           x, block_size=256), (x,)),
-      "int8_stochastic_b256": (lambda x, s: quantize.int8_block_quantize(
+      "int8_stochastic_b256": (lambda x, s: int8_block.int8_block_quantize(
           x, block_size=256, seed=s), (x, SEED)),
-      "int8_stochastic_b128": (lambda x, s: quantize.int8_block_quantize(
+      "int8_stochastic_b128": (lambda x, s: int8_block.int8_block_quantize(
           x, block_size=128, seed=s), (x, SEED)),
-      "fp8_e4m3_nearest_b256": (lambda x: quantize.fp8_block_quantize(
+      "fp8_e4m3_nearest_b256": (lambda x: fp8_block.fp8_block_quantize(
           x, block_size=256), (x,)),
-      "fp8_e5m2_stochastic_b128": (lambda x, s: quantize.fp8_block_quantize(
+      "fp8_e5m2_stochastic_b128": (lambda x, s: fp8_block.fp8_block_quantize(
           x, block_size=128, format="e5m2", seed=s), (x, SEED)),
       # The compressors' encode on the Pallas path, from a JAX key.
       "QSGD.encode": (lambda x, k: qsgd.QSGD(implementation="pallas").encode(
@@ -123,14 +127,14 @@ def test_fallback_bucket_sizes_are_reported():
   them, as it showed them for every size before the one-pass kernel."""
   x = S((N_TILED,), jnp.float32)
   s = structure.export_structure(
-      lambda x, s: quantize.qsgd_quantize(x, levels=7, bucket_size=96, seed=s),
+      lambda x, s: qsgd_kernel.qsgd_quantize(x, levels=7, bucket_size=96, seed=s),
       x, SEED)
   info = str(s.summary())
   print("qsgd bucket 96:", info)
   assert s.count("before", "reduce") == 1, info
   assert s.other_kernel_operands == 1, info  # the per-row multipliers
   s = structure.export_structure(
-      lambda x, u: quantize.qsgd_quantize(x, u, levels=7, bucket_size=128),
+      lambda x, u: qsgd_kernel.qsgd_quantize(x, u, levels=7, bucket_size=128),
       x, x)
   print("qsgd uniform array:", s.summary())
   assert s.before == [] and s.other_kernel_operands == 1, s.summary()
@@ -192,12 +196,12 @@ def test_kernel_operation_counts():
   rounding, sign packing does the least, and top-k's mask pass runs on
   every call while its radix count kernel sits in the fallback branch."""
   x = S((N_TILED,), jnp.float32)
-  cfg = quantize.QuantizeConfig(block_rows=64)
+  cfg = QuantizeConfig(block_rows=64)
   one = lambda f, *a: structure.kernel_ops(f, *a)
-  sign, = one(lambda v: quantize.sign_pack(v, config=cfg, interpret=True), x)
-  near, = one(lambda v: quantize.int8_block_quantize(
+  sign, = one(lambda v: sign_kernel.sign_pack(v, config=cfg, interpret=True), x)
+  near, = one(lambda v: int8_block.int8_block_quantize(
       v, block_size=256, config=cfg, interpret=True), x)
-  stoch, = one(lambda v, s: quantize.int8_block_quantize(
+  stoch, = one(lambda v, s: int8_block.int8_block_quantize(
       v, block_size=256, seed=s, config=cfg, interpret=True), x, SEED)
   print({k.name: round(k.per_input_element, 1) for k in (sign, near)},
         "stochastic", round(stoch.per_input_element, 1))

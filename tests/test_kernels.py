@@ -7,6 +7,7 @@ off an NVIDIA GPU) and :class:`TestKernelsInterpret` the same cases with
 block (64 rows x 32 = 2048 elements here) so the padded tail is exercised.
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -15,16 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcomp import kernels
 from jaxcomp.kernels import _autotune
 from jaxcomp.kernels import _launch
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import dither
-from jaxcomp.kernels import quantize
 from jaxcomp.kernels import compact
+from jaxcomp.kernels import fp8_block
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd
+from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-QCFG = quantize.QuantizeConfig(block_rows=64)
+QCFG = kernels.QuantizeConfig(block_rows=64)
 TCFG = topk.TopKConfig(block_rows=64, sample_size=256)
 
 
@@ -59,12 +64,12 @@ def test_resolve_implementation():
 
 def test_bad_knobs_raise():
   with pytest.raises(ValueError, match="block_rows"):
-    quantize.sign_pack(jnp.ones(10), config=quantize.QuantizeConfig(100))
+    sign.sign_pack(jnp.ones(10), config=kernels.QuantizeConfig(100))
   with pytest.raises(ValueError, match="multiples of 32"):
-    quantize.int8_block_quantize(jnp.ones(100), block_size=48,
+    int8_block.int8_block_quantize(jnp.ones(100), block_size=48,
                                  interpret=True)
   with pytest.raises(ValueError, match="levels"):
-    quantize.qsgd_bits(0)
+    qsgd.qsgd_bits(0)
   with pytest.raises(ValueError, match="k="):
     topk.topk_threshold_xla(jnp.ones(10), 11)
   with pytest.raises(ValueError, match="radix_bits"):
@@ -126,9 +131,11 @@ def _sample_positions(n, cfg):
   return np.arange(s) * (n // s)
 
 
-@pytest.mark.parametrize("case", ["candidates", "band", "ties_at_sample",
-                                  "fallback", "dense", "all"])
-def test_topk_xla_every_branch(case):
+BRANCHES = ["candidates", "band", "ties_at_sample", "fallback", "dense", "all"]
+
+
+def _branch_case(case):
+  """``(x, k)`` that take one branch of the sampled selection under TCFG."""
   n, k = 5003, 50
   x = np.asarray(_normal(n, jnp.float32, seed=7))
   if case == "ties_at_sample":  # 20 nonzeros, k-th largest is a tied 0
@@ -144,11 +151,75 @@ def test_topk_xla_every_branch(case):
     k = 4000
   elif case == "all":
     k = n
-  x = jnp.asarray(x)
+  elif case == "nonfinite":  # NaN ranks above +-Inf, above every finite
+    x = x.copy()
+    x[[10, 999, 4000]] = [np.nan, np.inf, -np.inf]
+  elif case == "plus_minus_ties":  # +a and -a tie: the lower index first
+    x = np.round(x * 2).astype(np.float32)
+    k = 1000
+  return jnp.asarray(x), k
+
+
+@pytest.mark.parametrize("case", BRANCHES)
+def test_topk_xla_every_branch(case):
+  x, k = _branch_case(case)
   _, ref_i = topk.topk_reference(x, k)
   v, i = topk.topk_threshold_xla(x, k, config=TCFG)
   assert _set(i) == _set(ref_i)
   np.testing.assert_array_equal(v, x[i])
+
+
+@pytest.mark.parametrize("case", BRANCHES + ["nonfinite", "plus_minus_ties"])
+def test_topk_selection_forms_give_the_same_values_and_indices(case):
+  """The sampled selection's two forms (``TopKConfig.selection``: ``"sort"``,
+  the sample's keys sorted in full and XLA's cumulative reductions, the
+  default off CPU; ``"partial"``, XLA's top-k of the sample and log-depth
+  scans, CPU's) return the same values and indices on every branch:
+  ``topk_exact_small``'s, i.e. lax.top_k's set of ``|x|`` (NaN above +-Inf
+  above every finite value, ties to the lower index) in ascending index
+  order."""
+  x, k = _branch_case(case)
+  want_v, want_i = topk.topk_exact_small(x, k)
+  for form in topk.SELECTIONS:
+    cfg = dataclasses.replace(TCFG, selection=form)
+    v, i = topk.topk_threshold_xla(x, k, config=cfg)
+    np.testing.assert_array_equal(i, want_i, err_msg=form)
+    np.testing.assert_array_equal(v, want_v, err_msg=form)
+
+
+def test_topk_selection_form_per_backend():
+  """CPU takes the partial sort and log-depth scans; a named form is kept;
+  any other name is refused."""
+  assert jax.default_backend() == "cpu"
+  assert topk.selection(topk.DEFAULT_CONFIG) == "partial"
+  assert topk.SELECTION.get("gpu", "sort") == "sort"
+  assert compact.log_depth_scans()
+  for form in topk.SELECTIONS:
+    assert topk.selection(topk.TopKConfig(selection=form)) == form
+  with pytest.raises(ValueError, match="selection"):
+    topk.topk_threshold_xla(jnp.ones(100), 5,
+                            config=topk.TopKConfig(selection="radix"))
+
+
+@pytest.mark.parametrize("m", [1, 31, 1000, 4099])
+def test_compact_scan_forms_agree(m):
+  """Prefix sums, running maxima and compaction: the log-depth scans and
+  XLA's cumulative reductions give the same values."""
+  rng = np.random.default_rng(m)
+  c = rng.integers(0, 33, m).astype(np.int32)
+  words = jnp.asarray(np.where(rng.random(m) < 0.3, 0,
+                               rng.integers(0, 2**32, m, dtype=np.uint64)),
+                      jnp.uint32)
+  for log_depth in (True, False):
+    np.testing.assert_array_equal(
+        compact.cumsum(jnp.asarray(c), log_depth=log_depth), np.cumsum(c))
+    np.testing.assert_array_equal(
+        compact.cummax(jnp.asarray(c), log_depth=log_depth),
+        np.maximum.accumulate(c))
+  for capacity in (0, 5, 700):
+    got = [compact.compact(words, capacity, log_depth=d) for d in (True, False)]
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
 
 
 def test_bit_helpers():
@@ -230,12 +301,12 @@ def test_fp8_integer_rounding_is_xlas_conversion(fmt):
   and the floats either side of it, uniform and subnormal-range random
   values, +-0 and NaN (about 600,000 values); and its decoding of every
   finite code against XLA's."""
-  _, bias, fmax, _, dt = quantize.FP8_FORMATS[fmt]
+  _, bias, fmax, _, dt = fp8_block.FP8_FORMATS[fmt]
   codes = jnp.arange(256, dtype=jnp.uint32)
   vals = np.asarray(jax.lax.bitcast_convert_type(codes.astype(jnp.uint8), dt)
                     .astype(jnp.float32))
   finite = np.isfinite(vals)
-  np.testing.assert_array_equal(np.asarray(quantize._fp8_value(codes, fmt))[finite],
+  np.testing.assert_array_equal(np.asarray(fp8_block._fp8_value(codes, fmt))[finite],
                                 vals[finite])
   grid = np.unique(vals[finite & (np.abs(vals) <= fmax)])
   mids = (grid[1:] + grid[:-1]) / 2
@@ -247,7 +318,7 @@ def test_fp8_integer_rounding_is_xlas_conversion(fmt):
   ]).astype(np.float32)
   y = jnp.asarray(y[np.isnan(y) | (np.abs(y) <= fmax)])
   want = jax.lax.bitcast_convert_type(y.astype(dt), jnp.uint8).astype(jnp.uint32)
-  got = jax.jit(lambda v: quantize._fp8_code(v, fmt))(y)
+  got = jax.jit(lambda v: fp8_block._fp8_code(v, fmt))(y)
   assert y.size > 590_000
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -266,7 +337,7 @@ def _fp8_boundary_case(fmt: str, block: int):
   3/4 (where it equals the probability of the far neighbour: ``u < p``
   decides), or a float32 ulp either side of one of them.
   """
-  _, _, fmax, _, dt = quantize.FP8_FORMATS[fmt]
+  _, _, fmax, _, dt = fp8_block.FP8_FORMATS[fmt]
   vals = np.asarray(jax.lax.bitcast_convert_type(
       jnp.arange(256, dtype=jnp.uint32).astype(jnp.uint8), dt).astype(jnp.float32))
   grid = np.unique(vals[np.isfinite(vals) & (vals >= 0) & (vals <= fmax)])
@@ -329,7 +400,7 @@ def test_fp8_reference_holds_no_float_round_trip(fmt):
   value of the nearest code ``y`` itself there, every probability 0 and its
   codes nearest, not stochastic: a quarter of them one off the kernel's on
   an H200. This CPU checks the optimized program for the chain."""
-  f = lambda x, s: quantize.fp8_block_quantize_reference(
+  f = lambda x, s: fp8_block.fp8_block_quantize_reference(
       x, block_size=128, format=fmt, seed=s)
   hlo = jax.jit(f).lower(jax.ShapeDtypeStruct((4096,), jnp.float32),
                          jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
@@ -347,10 +418,10 @@ def test_fp8_dequantize_takes_values_from_bits(fmt):
   """The fp8 decoder equals XLA's conversion of every finite code times the
   block's scale, and a program that encodes and decodes holds no float
   round trip (which XLA on a GPU would fold to the unrounded value)."""
-  _, _, _, _, dt = quantize.FP8_FORMATS[fmt]
+  _, _, _, _, dt = fp8_block.FP8_FORMATS[fmt]
   codes = jnp.arange(256, dtype=jnp.uint32).astype(jnp.uint8)
   scales = jnp.array([0.5, 3.0], jnp.float32)
-  got = quantize.fp8_block_dequantize_reference(codes, scales, block_size=128,
+  got = fp8_block.fp8_block_dequantize_reference(codes, scales, block_size=128,
                                                 n=256, format=fmt)
   want = (jax.lax.bitcast_convert_type(codes, dt).astype(jnp.float32)
           * jnp.repeat(scales, 128))
@@ -358,9 +429,9 @@ def test_fp8_dequantize_takes_values_from_bits(fmt):
   np.testing.assert_array_equal(np.asarray(got)[finite], np.asarray(want)[finite])
 
   def roundtrip(x, s):
-    codes, scales = quantize.fp8_block_quantize_reference(
+    codes, scales = fp8_block.fp8_block_quantize_reference(
         x, block_size=128, format=fmt, seed=s)
-    return quantize.fp8_block_dequantize_reference(
+    return fp8_block.fp8_block_dequantize_reference(
         codes, scales, block_size=128, n=x.size, format=fmt)
 
   hlo = jax.jit(roundtrip).lower(jax.ShapeDtypeStruct((4096,), jnp.float32),
@@ -382,14 +453,14 @@ class TestKernelsCompiled:
                                                             DTYPES)))
   def test_sign_pack_matches_reference(self, n, dtype):
     x = _normal(n, dtype, seed=n)
-    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
-    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    words, scale = sign.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = sign.sign_pack_reference(x)
     assert words.shape == (bitpack.packed_words(n, 1),)
     np.testing.assert_array_equal(words, ref_words)
     np.testing.assert_array_equal(
         words, bitpack.pack_bits_reference((x < 0).astype(jnp.uint32), 1))
     np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
-    decoded = quantize.sign_unpack_reference(words, scale, n)
+    decoded = sign.sign_unpack_reference(words, scale, n)
     np.testing.assert_array_equal(decoded < 0, x < 0)
     np.testing.assert_allclose(jnp.abs(decoded), scale)
 
@@ -400,22 +471,22 @@ class TestKernelsCompiled:
   def test_qsgd_matches_reference(self, n, dtype, levels):
     x = _normal(n, dtype, seed=n)
     u = jax.random.uniform(jax.random.key(1), (n,))
-    words, norms = quantize.qsgd_quantize(
+    words, norms = qsgd.qsgd_quantize(
         x, u, levels=levels, bucket_size=128, config=QCFG, interpret=self.INTERPRET)
-    ref_words, ref_norms = quantize.qsgd_quantize_reference(
+    ref_words, ref_norms = qsgd.qsgd_quantize_reference(
         x, u, levels=levels, bucket_size=128)
-    bits = quantize.qsgd_bits(levels)
+    bits = qsgd.qsgd_bits(levels)
     assert words.shape == (bitpack.packed_words(n, bits),)
     # The kernel computes the norms (bucket 128 is one-pass): their
     # summation order and the kernel's sqrt may move the last bits, and the
     # codes are the reference's under the kernel's own norms.
-    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+    np.testing.assert_array_equal(words, qsgd.qsgd_codes_reference(
         x, norms, u, levels=levels, bucket_size=128))
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
     if self.INTERPRET:
       np.testing.assert_array_equal(words, ref_words)
     # Decoding is within one level of the input.
-    y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
+    y = qsgd.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
                                            bucket_size=128)
     err = jnp.abs(y - x.astype(jnp.float32))
     bound = jnp.repeat(norms, 128)[:n] / levels
@@ -436,28 +507,28 @@ class TestKernelsCompiled:
     x = _normal(n, dtype, seed=n).at[bucket:3 * bucket].set(0)  # zero buckets
     key = jax.random.key(n)
     seed = dither.seed_of(key)
-    words, norms = quantize.qsgd_quantize(
+    words, norms = qsgd.qsgd_quantize(
         x, levels=levels, bucket_size=bucket, seed=seed, config=QCFG,
         interpret=self.INTERPRET)
     u = dither.uniform(key, n)
-    bits = quantize.qsgd_bits(levels)
+    bits = qsgd.qsgd_bits(levels)
     assert words.shape == (bitpack.packed_words(n, bits),)
     assert norms.shape == (-(-n // bucket),)
-    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+    np.testing.assert_array_equal(words, qsgd.qsgd_codes_reference(
         x, norms, u, levels=levels, bucket_size=bucket))
-    np.testing.assert_array_equal(words, quantize.qsgd_codes_reference(
+    np.testing.assert_array_equal(words, qsgd.qsgd_codes_reference(
         x, norms, levels=levels, bucket_size=bucket, seed=seed))
-    ref_norms = quantize.qsgd_norms_reference(x, bucket_size=bucket)
+    ref_norms = qsgd.qsgd_norms_reference(x, bucket_size=bucket)
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
     np.testing.assert_array_equal(norms[1:3], 0.0)
     if bucket == 96:
       # The fallback takes XLA's norms: the reference bit for bit.
-      np.testing.assert_array_equal(words, quantize.qsgd_quantize_reference(
+      np.testing.assert_array_equal(words, qsgd.qsgd_quantize_reference(
           x, u, levels=levels, bucket_size=bucket)[0])
     # Decoding with the kernel's own norms is within one level of x.
-    y = quantize.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
+    y = qsgd.qsgd_dequantize_reference(words, norms, n=n, levels=levels,
                                            bucket_size=bucket)
-    bound = quantize.per_element(norms, bucket, n) / levels
+    bound = kernels.per_element(norms, bucket, n) / levels
     assert bool(jnp.all(jnp.abs(y - x.astype(jnp.float32))
                         <= bound * (1 + 1e-5)))
     np.testing.assert_array_equal(y[bucket:3 * bucket], 0.0)
@@ -466,17 +537,17 @@ class TestKernelsCompiled:
     x = jnp.ones(256)
     seed = dither.seed_of(jax.random.key(0))
     with pytest.raises(ValueError, match="not both"):
-      quantize.qsgd_quantize(x, x, seed=seed, levels=7, bucket_size=128,
+      qsgd.qsgd_quantize(x, x, seed=seed, levels=7, bucket_size=128,
                              config=QCFG, interpret=self.INTERPRET)
     with pytest.raises(ValueError, match="uniform= or seed="):
-      quantize.qsgd_quantize(x, levels=7, bucket_size=128, config=QCFG,
+      qsgd.qsgd_quantize(x, levels=7, bucket_size=128, config=QCFG,
                              interpret=self.INTERPRET)
     with pytest.raises(ValueError, match="not both"):
-      quantize.int8_block_quantize(x, block_size=64, stochastic_uniform=x,
+      int8_block.int8_block_quantize(x, block_size=64, stochastic_uniform=x,
                                    seed=seed, config=QCFG,
                                    interpret=self.INTERPRET)
     with pytest.raises(ValueError, match="seed must be uint32"):
-      quantize.qsgd_quantize_reference(x, levels=7, bucket_size=128,
+      qsgd.qsgd_quantize_reference(x, levels=7, bucket_size=128,
                                        seed=jnp.zeros(3, jnp.uint32))
 
   @pytest.mark.parametrize("n,dtype,block,stochastic", [
@@ -493,9 +564,9 @@ class TestKernelsCompiled:
     x = _normal(n, dtype, seed=n).at[block:2 * block].set(0)
     key = jax.random.key(n)
     seed = dither.seed_of(key) if stochastic else None
-    q, scales = quantize.int8_block_quantize(
+    q, scales = int8_block.int8_block_quantize(
         x, block_size=block, seed=seed, config=QCFG, interpret=self.INTERPRET)
-    ref_q, ref_scales = quantize.int8_block_quantize_reference(
+    ref_q, ref_scales = int8_block.int8_block_quantize_reference(
         x, block_size=block,
         stochastic_uniform=dither.uniform(key, n) if stochastic else None)
     assert q.shape == ref_q.shape and q.dtype == jnp.int8
@@ -508,8 +579,8 @@ class TestKernelsCompiled:
                                        (8192 + 256, jnp.float32)])
   def test_sign_pack_multi_block(self, n, dtype):
     x = _normal(n, dtype, seed=n).at[:512].set(0)
-    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
-    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    words, scale = sign.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = sign.sign_pack_reference(x)
     np.testing.assert_array_equal(words, ref_words)
     np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
 
@@ -531,19 +602,19 @@ class TestKernelsCompiled:
     x = x.at[5].set(-0.0).at[7].set(1e-30).at[9].set(-3.0)
     key = jax.random.key(n)
     seed = dither.seed_of(key) if stochastic else None
-    codes, scales = quantize.fp8_block_quantize(
+    codes, scales = fp8_block.fp8_block_quantize(
         x, block_size=block, format=fmt, seed=seed, config=QCFG,
         interpret=self.INTERPRET)
-    ref_codes, ref_scales = quantize.fp8_block_quantize_reference(
+    ref_codes, ref_scales = fp8_block.fp8_block_quantize_reference(
         x, block_size=block, format=fmt, seed=seed)
     assert codes.shape == (n,) and codes.dtype == jnp.uint8
     np.testing.assert_array_equal(scales, ref_scales)
     np.testing.assert_array_equal(codes, ref_codes)
     assert scales[1] == 0 and bool(jnp.all((codes[block:2 * block] & 0x7F) == 0))
     bad = x.at[3].set(jnp.inf)
-    got, got_scales = quantize.fp8_block_quantize(
+    got, got_scales = fp8_block.fp8_block_quantize(
         bad, block_size=block, format=fmt, config=QCFG, interpret=self.INTERPRET)
-    want, want_scales = quantize.fp8_block_quantize_reference(bad, block_size=block,
+    want, want_scales = fp8_block.fp8_block_quantize_reference(bad, block_size=block,
                                                               format=fmt)
     assert not np.isfinite(float(got_scales[0])) and not np.isfinite(float(want_scales[0]))
     np.testing.assert_array_equal(got[block:], want[block:])
@@ -561,15 +632,15 @@ class TestKernelsCompiled:
     block = 128
     x, u = _fp8_boundary_case(fmt, block)
     u = u if rounding == "stochastic" else None
-    codes, scales = quantize.fp8_block_quantize(
+    codes, scales = fp8_block.fp8_block_quantize(
         x, block_size=block, format=fmt, stochastic_uniform=u, config=QCFG,
         interpret=self.INTERPRET)
-    want, want_scales = quantize.fp8_block_quantize_reference(
+    want, want_scales = fp8_block.fp8_block_quantize_reference(
         x, block_size=block, format=fmt, stochastic_uniform=u)
     np.testing.assert_array_equal(scales, want_scales)
     assert set(np.unique(np.asarray(scales))) == {1.0, 2.0 ** -3}
     np.testing.assert_array_equal(codes, want)
-    near, _ = quantize.fp8_block_quantize_reference(x, block_size=block, format=fmt)
+    near, _ = fp8_block.fp8_block_quantize_reference(x, block_size=block, format=fmt)
     step = np.abs(np.asarray(codes, np.int32) - np.asarray(near, np.int32))
     if rounding == "nearest":
       assert not step.any()
@@ -587,10 +658,10 @@ class TestKernelsCompiled:
     xf = x.astype(jnp.float32)
     seed = dither.seed_of(jax.random.key(1))
     kw = dict(config=QCFG, interpret=self.INTERPRET)
-    for f in (lambda v: quantize.sign_pack(v, **kw),
-              lambda v: quantize.int8_block_quantize(v, block_size=256, **kw),
-              lambda v: quantize.int8_block_quantize(v, block_size=256, seed=seed, **kw),
-              lambda v: quantize.qsgd_quantize(v, levels=7, bucket_size=128, seed=seed,
+    for f in (lambda v: sign.sign_pack(v, **kw),
+              lambda v: int8_block.int8_block_quantize(v, block_size=256, **kw),
+              lambda v: int8_block.int8_block_quantize(v, block_size=256, seed=seed, **kw),
+              lambda v: qsgd.qsgd_quantize(v, levels=7, bucket_size=128, seed=seed,
                                                **kw)):
       for got, want in zip(f(x), f(xf)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -599,9 +670,9 @@ class TestKernelsCompiled:
     n = 700
     x = _normal(n, jnp.float32).at[:256].set(0.0)  # two all-zero buckets
     bits = jax.random.bits(jax.random.key(3), (n,), jnp.uint32)
-    got = quantize.qsgd_quantize(x, bits, levels=15, bucket_size=128,
+    got = qsgd.qsgd_quantize(x, bits, levels=15, bucket_size=128,
                                  config=QCFG, interpret=self.INTERPRET)
-    ref = quantize.qsgd_quantize_reference(x, bits, levels=15, bucket_size=128)
+    ref = qsgd.qsgd_quantize_reference(x, bits, levels=15, bucket_size=128)
     np.testing.assert_array_equal(got[0], ref[0])
     np.testing.assert_array_equal(got[1][:2], 0.0)
     codes = bitpack.unpack_bits_reference(got[0], 8, n)
@@ -614,23 +685,23 @@ class TestKernelsCompiled:
   def test_int8_block_matches_reference(self, n, dtype, stochastic):
     x = _normal(n, dtype, seed=n).at[:64].set(0)  # first block all zero
     u = jax.random.uniform(jax.random.key(2), (n,)) if stochastic else None
-    q, scales = quantize.int8_block_quantize(
+    q, scales = int8_block.int8_block_quantize(
         x, block_size=64, stochastic_uniform=u, config=QCFG,
         interpret=self.INTERPRET)
-    ref_q, ref_scales = quantize.int8_block_quantize_reference(
+    ref_q, ref_scales = int8_block.int8_block_quantize_reference(
         x, block_size=64, stochastic_uniform=u)
     assert q.dtype == jnp.int8 and q.shape == (-(-n // 64) * 64,)
     np.testing.assert_array_equal(q, ref_q)
     np.testing.assert_array_equal(scales, ref_scales)
     assert scales[0] == 0 and bool(jnp.all(q[:64] == 0))
-    y = quantize.int8_block_dequantize_reference(q, scales, block_size=64, n=n)
+    y = int8_block.int8_block_dequantize_reference(q, scales, block_size=64, n=n)
     step = jnp.repeat(scales, 64)[:n]
     limit = step * (1.0 if stochastic else 0.5) * (1 + 1e-5)
     assert bool(jnp.all(jnp.abs(y - x.astype(jnp.float32)) <= limit))
 
   def test_int8_round_half_to_even(self):
     x = jnp.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26)
-    q, scales = quantize.int8_block_quantize(x, block_size=32, config=QCFG,
+    q, scales = int8_block.int8_block_quantize(x, block_size=32, config=QCFG,
                                              interpret=self.INTERPRET)
     assert scales[0] == 1.0
     np.testing.assert_array_equal(q[:6], [127, 0, 2, 2, 0, -2])
@@ -645,6 +716,18 @@ class TestKernelsCompiled:
     assert _set(i) == _set(ref_i)
     assert bool(jnp.all(jnp.diff(i) > 0))
     np.testing.assert_array_equal(v, x[i])
+
+  def test_topk_pallas_selection_forms_agree(self):
+    """The Pallas top-k under both forms of the sampled selection
+    (``TopKConfig.selection``) returns the reference set in ascending index
+    order, the same values and indices."""
+    x = _normal(3001, jnp.float32, seed=11)
+    want_v, want_i = topk.topk_exact_small(x, 30)
+    for form in topk.SELECTIONS:
+      cfg = dataclasses.replace(TCFG, selection=form)
+      v, i = topk.topk(x, 30, config=cfg, interpret=self.INTERPRET)
+      np.testing.assert_array_equal(i, want_i, err_msg=form)
+      np.testing.assert_array_equal(v, want_v, err_msg=form)
 
   def test_topk_pallas_ties_take_lowest_indices(self):
     x = jnp.zeros(3001).at[jnp.arange(5, 3001, 100)].set(-2.0)  # 30 ties
@@ -676,7 +759,7 @@ class TestKernelsCompiled:
   def test_nonfinite_inputs_poison_only_their_own_bucket(self):
     """Called directly (compressed_mean screens non-finite gradients first),
     the kernels and the references keep to the contract of
-    kernels/quantize.py: buckets without a NaN or Inf are unaffected and
+    kernels/_blocks.py: buckets without a NaN or Inf are unaffected and
     their codes equal the reference's; a QSGD bucket with either, and an
     int8 block with an Inf, get a non-finite norm / scale; sign packing
     gives a NaN an unset bit (``NaN < 0`` is false) and a non-finite scale;
@@ -687,13 +770,13 @@ class TestKernelsCompiled:
     seed = dither.seed_of(jax.random.key(1))
     cases = [
         ("qsgd", 128, 4,
-         quantize.qsgd_quantize_reference(x, levels=7, bucket_size=128,
+         qsgd.qsgd_quantize_reference(x, levels=7, bucket_size=128,
                                           seed=seed),
-         quantize.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
+         qsgd.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
                                 config=QCFG, interpret=self.INTERPRET)),
         ("int8", 256, 8,
-         quantize.int8_block_quantize_reference(x, block_size=256),
-         quantize.int8_block_quantize(x, block_size=256, config=QCFG,
+         int8_block.int8_block_quantize_reference(x, block_size=256),
+         int8_block.int8_block_quantize(x, block_size=256, config=QCFG,
                                       interpret=self.INTERPRET))]
     poisoned = lambda size: sorted({5 // size, 700 // size, 1500 // size})
     for name, size, bits, (rc, rs), (pc, ps) in cases:
@@ -708,8 +791,8 @@ class TestKernelsCompiled:
       keep = ~np.isin(np.arange(n) // size, poisoned(size))
       np.testing.assert_array_equal(np.asarray(pc)[:n][keep],
                                     np.asarray(rc)[:n][keep])
-    words, scale = quantize.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
-    ref_words, ref_scale = quantize.sign_pack_reference(x)
+    words, scale = sign.sign_pack(x, config=QCFG, interpret=self.INTERPRET)
+    ref_words, ref_scale = sign.sign_pack_reference(x)
     np.testing.assert_array_equal(words, ref_words)
     assert not np.isfinite(float(scale)) and not np.isfinite(float(ref_scale))
     _, want = topk.topk_reference(x, 5)
@@ -772,14 +855,14 @@ def test_persistent_grid_block_order_gives_the_same_bits(workers):
   x = _normal(n, jnp.float32, seed=3)
   seed = jnp.array([5, 9], jnp.uint32)
   runs = {
-      "sign": lambda i: quantize.sign_pack(x, config=QCFG, interpret=i),
-      "qsgd": lambda i: quantize.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
+      "sign": lambda i: sign.sign_pack(x, config=QCFG, interpret=i),
+      "qsgd": lambda i: qsgd.qsgd_quantize(x, levels=7, bucket_size=128, seed=seed,
                                                config=QCFG, interpret=i),
-      "int8": lambda i: quantize.int8_block_quantize(x, block_size=256, seed=seed,
+      "int8": lambda i: int8_block.int8_block_quantize(x, block_size=256, seed=seed,
                                                      config=QCFG, interpret=i),
-      "fp8": lambda i: quantize.fp8_block_quantize(x, block_size=128, format="e5m2",
+      "fp8": lambda i: fp8_block.fp8_block_quantize(x, block_size=128, format="e5m2",
                                                    seed=seed, config=QCFG, interpret=i),
-      "qsgd_2bit": lambda i: quantize.qsgd_quantize(
+      "qsgd_2bit": lambda i: qsgd.qsgd_quantize(
           x, levels=1, bucket_size=32, seed=seed, config=QCFG, interpret=i),
       "topk": lambda i: topk.topk(x, 100, config=TCFG, interpret=i),
   }

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxcomp.kernels import quantize
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd
+from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 S = jax.ShapeDtypeStruct
@@ -23,36 +25,36 @@ def _cases():
   f32_tiled = S((1 << 17,), jnp.float32)
   seed = S((2,), jnp.uint32)
   return {
-      "sign_pack_f32": (lambda x: quantize.sign_pack(x), (f32,)),
-      "sign_pack_bf16": (lambda x: quantize.sign_pack(x),
+      "sign_pack_f32": (lambda x: sign.sign_pack(x), (f32,)),
+      "sign_pack_bf16": (lambda x: sign.sign_pack(x),
                          (S((N,), jnp.bfloat16),)),
-      "qsgd_4bit": (lambda x, u: quantize.qsgd_quantize(
+      "qsgd_4bit": (lambda x, u: qsgd.qsgd_quantize(
           x, u, levels=7, bucket_size=512), (f32, f32)),
-      "qsgd_16bit_u32": (lambda x, u: quantize.qsgd_quantize(
+      "qsgd_16bit_u32": (lambda x, u: qsgd.qsgd_quantize(
           x, u, levels=4000, bucket_size=256), (f32, S((N,), jnp.uint32))),
-      "int8_block": (lambda x: quantize.int8_block_quantize(
+      "int8_block": (lambda x: int8_block.int8_block_quantize(
           x, block_size=256), (S((N,), jnp.float16),)),
-      "int8_block_stochastic": (lambda x, u: quantize.int8_block_quantize(
+      "int8_block_stochastic": (lambda x, u: int8_block.int8_block_quantize(
           x, block_size=256, stochastic_uniform=u), (f32, f32)),
       # In-kernel dither from the seed, norms / scales in the kernel.
-      "qsgd_seed_b128": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b128": (lambda x, s: qsgd.qsgd_quantize(
           x, levels=7, bucket_size=128, seed=s), (f32, seed)),
-      "qsgd_seed_b256_tiled": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b256_tiled": (lambda x, s: qsgd.qsgd_quantize(
           x, levels=127, bucket_size=256, seed=s), (f32_tiled, seed)),
-      "qsgd_seed_b512_16bit": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b512_16bit": (lambda x, s: qsgd.qsgd_quantize(
           x, levels=4000, bucket_size=512, seed=s), (f32, seed)),
-      "qsgd_seed_b32_2bit": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b32_2bit": (lambda x, s: qsgd.qsgd_quantize(
           x, levels=1, bucket_size=32, seed=s), (f32, seed)),
-      "qsgd_seed_b96_fallback": (lambda x, s: quantize.qsgd_quantize(
+      "qsgd_seed_b96_fallback": (lambda x, s: qsgd.qsgd_quantize(
           x, levels=7, bucket_size=96, seed=s), (f32, seed)),
-      "int8_block_seed_b512_bf16": (lambda x, s: quantize.int8_block_quantize(
+      "int8_block_seed_b512_bf16": (lambda x, s: int8_block.int8_block_quantize(
           x, block_size=512, seed=s), (S((N,), jnp.bfloat16), seed)),
-      "int8_block_seed_b128_tiled": (lambda x, s: quantize.int8_block_quantize(
+      "int8_block_seed_b128_tiled": (lambda x, s: int8_block.int8_block_quantize(
           x, block_size=128, seed=s), (f32_tiled, seed)),
       "topk_f32": (lambda x: topk.topk(x, 1000), (f32,)),
       "topk_f32_unpadded": (lambda x: topk.topk(x, 1000),
                             (S((N_TILED,), jnp.float32),)),
-      "sign_pack_f32_unpadded": (lambda x: quantize.sign_pack(x),
+      "sign_pack_f32_unpadded": (lambda x: sign.sign_pack(x),
                                  (S((N_TILED,), jnp.float32),)),
       "topk_bf16_radix4": (lambda x: topk.topk(
           x, 10, config=topk.TopKConfig(block_rows=128, radix_bits=4)),
@@ -79,11 +81,11 @@ def test_exports_inside_shard_map_with_check_vma(op):
   outputs replace must vary too; tracing the exported step checks both."""
   from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
   fns = {
-      "sign_pack": lambda x: quantize.sign_pack(x)[0],
+      "sign_pack": lambda x: sign.sign_pack(x)[0],
       "topk": lambda x: topk.topk(x, 30)[1],
-      "qsgd": lambda x: quantize.qsgd_quantize(
+      "qsgd": lambda x: qsgd.qsgd_quantize(
           x, x, levels=7, bucket_size=512)[0],
-      "int8_block": lambda x: quantize.int8_block_quantize(
+      "int8_block": lambda x: int8_block.int8_block_quantize(
           x, block_size=256)[0],
   }
   mesh = AbstractMesh((8,), ("data",))

@@ -76,7 +76,7 @@ def check_build(dist):
   import tarfile
   import zipfile
   names = zipfile.ZipFile(wheel).namelist()
-  for required in ("jaxcomp/py.typed", "jaxcomp/kernels/quantize.py",
+  for required in ("jaxcomp/py.typed", "jaxcomp/kernels/qsgd.py",
                    "jaxcomp/compressors/topk.py", "jaxcomp/perfmodel/profiles.py",
                    "jaxcomp/cli.py"):
     assert required in names, required
@@ -107,7 +107,7 @@ def check_fresh_venv(dist, tmp_path):
       import jax, jax.numpy as jnp, optax
       from jax.sharding import NamedSharding, PartitionSpec as P
       import jaxcomp, jaxcomp.kernels, jaxcomp.compressors
-      import jaxcomp.kernels.quantize, jaxcomp.kernels.topk
+      import jaxcomp.kernels.qsgd, jaxcomp.kernels.topk
 
       venv = pathlib.Path(sys.argv[1]).resolve()
       for m in (jaxcomp, jaxcomp.kernels, jaxcomp.compressors):

@@ -16,7 +16,12 @@ H100) it runs, in this order, each section in a process of its own:
 3. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
    PyTorch is importable): ``python -m jaxcomp.bench kernels
    --implementation both [--torch]`` at 1e6 and 2.5e7 float32 and bfloat16
-   elements;
+   elements. Its top-k rows (exact and sampled) are compared with the
+   latest earlier table of the same device kind under ``--baseline-dir``
+   (default ``benchmarks/results`` of the checkout: every ``kernels*.json``
+   there, the latest by the date in its folder's name or its rows' meta,
+   this run's own folder excepted), and every row more than
+   :data:`REGRESSION` slower than there is listed in the summary;
 4. **examples**: one compressed train step of each example
    (``examples/multihost``, ``examples/fashion_mnist`` on its bundled
    digits, ``examples/char_lm``) with top-k, then, as the budget allows, with
@@ -96,6 +101,10 @@ COMPILED_WORKERS = 8  # pytest workers of the compiled tests, at most
 EXAMPLE_COMPRESSORS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
 AUTOTUNE_OPS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
 INTERPRET_AUTOTUNE_OPS = ("sign", "int8_block")
+# A kernels row this much slower than the same row of the latest earlier
+# table of the same device kind is listed as a regression.
+REGRESSION = 0.10
+REGRESSION_OPS = ("topk", "sampled_topk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="pytest workers of the tests section (default "
                       f"{COMPILED_WORKERS}, or the cores if fewer; 1 in the "
                       "interpret form); the suite takes one per core")
+  parser.add_argument("--baseline-dir", default=None,
+                      help="earlier kernels tables (kernels*.json) that the "
+                      "kernels section compares its top-k rows with "
+                      "(default: <root>/benchmarks/results)")
   parser.add_argument("--root", default=None,
                       help="the source checkout (default: the one holding "
                       "this jaxcomp, else the current directory)")
@@ -265,8 +278,124 @@ def _suite(args, root, run_dir, timeout, compiled) -> Result:
                  run_dir=run_dir, timeout=timeout, env=env)
 
 
+_DATE_RE = re.compile(r"(\d{4}-\d\d-\d\d)")
+
+
+def _table_date(path: str, meta: dict) -> str:
+  """A kernels table's date: the one in its folder's name (``<device>-<date>``),
+  else its meta's ``date``, else "" (older than every dated one)."""
+  found = _DATE_RE.search(os.path.basename(os.path.dirname(path)))
+  return found.group(1) if found else str(meta.get("date") or "")
+
+
+def previous_kernels_table(baseline_dir: str, device: str,
+                           exclude: str | None = None) -> str | None:
+  """The latest kernels table of ``device`` under ``baseline_dir``.
+
+  Args:
+    baseline_dir: a folder of results: its ``kernels*.json`` files and those
+      one folder down (``<device>-<date>/kernels.json``) are read.
+    device: the device kind, as the benchmark's meta names it
+      (``"NVIDIA H200"``).
+    exclude: a folder whose tables are not candidates (this run's own).
+
+  Returns:
+    The path of the table whose meta names ``device`` with the latest date
+    (:func:`_table_date`; ties: the latest path), or None.
+  """
+  paths = []
+  for base, dirs, files in os.walk(baseline_dir):
+    dirs[:] = [] if base != baseline_dir else sorted(dirs)
+    if exclude and os.path.abspath(base) == os.path.abspath(exclude):
+      continue
+    paths += [os.path.join(base, f) for f in files
+              if f.startswith("kernels") and f.endswith(".json")]
+  found = []
+  for path in paths:
+    try:
+      with open(path, encoding="utf-8") as f:
+        meta = json.load(f)["meta"]
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+    if meta.get("device") == device:
+      found.append((_table_date(path, meta), path))
+  return max(found)[1] if found else None
+
+
+def kernel_regressions(new_rows: list[dict], old_rows: list[dict], *,
+                       threshold: float = REGRESSION,
+                       ops=REGRESSION_OPS) -> tuple[list[dict], int]:
+  """The rows of ``ops`` in ``new_rows`` more than ``threshold`` slower
+  than the same row (dtype, op, implementation, n) of ``old_rows``.
+
+  Returns:
+    ``(regressions, compared)``: each regression the new row with
+    ``before`` (the old seconds) and ``slower`` (new / old - 1), slowest
+    first; ``compared`` the rows timed in both tables.
+  """
+  key = lambda r: (r.get("dtype"), r.get("op"), r.get("impl"), r.get("n"))
+  old = {key(r): r["seconds"] for r in old_rows
+         if r.get("op") in ops and r.get("seconds")}
+  out, compared = [], 0
+  for r in new_rows:
+    before = old.get(key(r))
+    if r.get("op") not in ops or not r.get("seconds") or not before:
+      continue
+    compared += 1
+    slower = r["seconds"] / before - 1
+    if slower > threshold:
+      out.append({**r, "before": before, "slower": slower})
+  return sorted(out, key=lambda r: -r["slower"]), compared
+
+
+def kernels_summary(run_dir: str, baseline_dir: str, root: str
+                    ) -> tuple[int, str, str]:
+  """What the summary shows of this run's ``kernels.json``: ``(rows,
+  markdown table, a line on the comparison with the latest earlier table
+  of the same device kind)``.
+
+  Raises:
+    OSError, ValueError, KeyError: no readable ``kernels.json`` in
+      ``run_dir``.
+  """
+  with open(os.path.join(run_dir, "kernels.json"), encoding="utf-8") as f:
+    data = json.load(f)
+  rows = data["rows"]
+  lines = ["| dtype | op | implementation | n | ms | GB/s | vs XLA reference |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    ms = "failed" if r["seconds"] is None else f"{r['seconds'] * 1e3:.3f}"
+    gbs = "" if r["seconds"] is None else f"{r['gb_per_s']:.1f}"
+    ref = r.get("ratio_ref")
+    lines.append(f"| {r['dtype']} | {r['op']} | {r['impl']} | {r['n']:,} | "
+                 f"{ms} | {gbs} | {'' if ref is None else f'{ref:.2f}x'} |")
+  device = data.get("meta", {}).get("device", "")
+  previous = previous_kernels_table(baseline_dir, device, exclude=run_dir)
+  if previous is None:
+    return len(rows), "\n".join(lines), (
+        f"no earlier kernels table of {device} under "
+        f"{os.path.relpath(baseline_dir, root)}")
+  with open(previous, encoding="utf-8") as f:
+    regressions, compared = kernel_regressions(rows, json.load(f)["rows"])
+  source = os.path.relpath(previous, root)
+  line = (f"top-k rows against {source}: {compared} compared, "
+          f"{len(regressions)} more than {REGRESSION:.0%} slower")
+  lines += ["", f"### Regressions: top-k rows more than {REGRESSION:.0%} "
+            f"slower than `{source}`", ""]
+  if regressions:
+    lines += ["| dtype | op | implementation | n | ms before | ms now | slower |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['dtype']} | {r['op']} | {r['impl']} | {r['n']:,} | "
+              f"{r['before'] * 1e3:.3f} | {r['seconds'] * 1e3:.3f} | "
+              f"{r['slower']:+.0%} |" for r in regressions]
+  else:
+    lines.append(f"None of the {compared} top-k rows timed in both tables.")
+  return len(rows), "\n".join(lines), line
+
+
 def _kernels(args, root, run_dir, timeout, compiled) -> Result:
-  del args
+  baseline_dir = args.baseline_dir or os.path.join(root, "benchmarks",
+                                                   "results")
   cmd = [sys.executable, "-m", "jaxcomp.bench", "kernels",
          "--json", os.path.join(run_dir, "kernels.json")]
   if compiled:
@@ -280,27 +409,17 @@ def _kernels(args, root, run_dir, timeout, compiled) -> Result:
   log = os.path.join(run_dir, "kernels.txt")
   code, seconds, out = _run(cmd, root=root, timeout=timeout, log=log)
   rows = out.count("\n") if code == 0 else 0
-  table = ""
+  table, compared = "", ""
   try:
-    with open(os.path.join(run_dir, "kernels.json"), encoding="utf-8") as f:
-      data = json.load(f)["rows"]
-    rows = len(data)
-    lines = ["| dtype | op | implementation | n | ms | GB/s | vs XLA reference |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in data:
-      ms = "failed" if r["seconds"] is None else f"{r['seconds'] * 1e3:.3f}"
-      gbs = "" if r["seconds"] is None else f"{r['gb_per_s']:.1f}"
-      ref = r.get("ratio_ref")
-      lines.append(f"| {r['dtype']} | {r['op']} | {r['impl']} | {r['n']:,} | "
-                   f"{ms} | {gbs} | {'' if ref is None else f'{ref:.2f}x'} |")
-    table = "\n".join(lines)
-  except (OSError, ValueError, KeyError):
+    rows, table, compared = kernels_summary(run_dir, baseline_dir, root)
+    compared = f"; {compared}"
+  except (OSError, ValueError, KeyError, TypeError):
     pass
   if code is None:
     return Result("kernels", "stopped: out of budget", seconds,
-                  f"{rows} rows (kernels.txt)", table)
+                  f"{rows} rows (kernels.txt){compared}", table)
   return Result("kernels", "done" if code == 0 else "failed", seconds,
-                f"{rows} rows (kernels.txt, kernels.json)", table)
+                f"{rows} rows (kernels.txt, kernels.json){compared}", table)
 
 
 def _example_commands(compressor: str, compiled: bool) -> list[tuple[str, list[str]]]:

@@ -11,8 +11,11 @@ three ratios, all measured in the same process on the same data:
   function of ``jaxcomp.kernels``).
 
 Top-k rows: ``xla`` is the sampled-threshold fast path, ``auto`` what the
-compressors call by default (``topk_auto``), ``pallas`` the radix-select
-kernels.
+compressors call by default (``topk_auto``), ``pallas`` the Pallas path (one
+mask kernel, the radix select in its fallback). With ``--topk-selection``
+the ``xla`` and ``pallas`` top-k rows are also timed under each named form
+of the sampled selection (``xla:sort``, ``pallas:partial``, ...:
+``TopKConfig.selection``).
 
 With ``--torch`` (and PyTorch importable) it also times ``torch.topk`` of
 ``|x|`` and ``x * 2`` in PyTorch on the same buffers (shared through DLPack),
@@ -30,14 +33,24 @@ dispatched one by one, cycling through the same copies.
 On a GPU the Pallas kernels are timed next to the XLA paths; elsewhere only
 the XLA paths are (interpret mode is a correctness tool, not a path).
 
-``--json PATH`` writes every row (with the device, JAX version and the
-arguments) so that later changes can be compared against a saved run.
+Every array a timed function reads is an argument of the program that is
+timed (the input copies, and the shared operands of an op: QSGD's uniform
+numbers, DGC's key), built before it and outside it; the function itself
+closes over no array, so the program holds no input-sized constant for XLA
+to fold while compiling (a closed-over uniform array, padded in the program,
+once took most of 200 s of compilation at 1e8 elements on a GPU).
+
+``--json PATH`` writes every row (with the device, date, JAX version and
+the arguments) so that later changes can be compared against a saved run
+(``python -m jaxcomp.bench device-check`` compares its top-k rows with the
+latest earlier table of the same device kind).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import statistics
@@ -49,7 +62,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.kernels import quantize
+from jaxcomp import kernels
+from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd
+from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -88,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "each config's default)")
   parser.add_argument("--radix-bits", type=int, nargs="+", default=None,
                       help="Pallas top-k radix_bits variants to time")
+  parser.add_argument("--topk-selection", nargs="+", choices=topk.SELECTIONS,
+                      default=None, help="also time the top-k paths under "
+                      "each of these forms of the sampled selection (rows "
+                      "xla:<form>, pallas:<form>)")
   parser.add_argument("--torch", action="store_true",
                       help="also time torch.topk and a PyTorch memory pass")
   parser.add_argument("--json", default=None, help="write the rows here")
@@ -97,22 +117,31 @@ def _on_gpu() -> bool:
   return jax.default_backend() in ("gpu", "cuda")
 
 
-def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
-               sync: Callable = jax.block_until_ready,
-               unrolled: bool = False) -> float:
-  """Median seconds per call of ``fn`` over ``inputs`` (see module doc).
+def timed_program(fn: Callable) -> Callable:
+  """The jitted program that applies ``fn`` to every input copy:
+  ``program(extra, *xs)`` returns ``tuple(fn(x, *extra) for x in xs)``.
+  The copies and ``extra`` are its arguments, so nothing input-sized is a
+  constant of the program."""
+  return jax.jit(lambda extra, *xs: tuple(fn(x, *extra) for x in xs))
 
-  ``unrolled``: one jitted program applies ``fn`` to every input (the calls
-  run back to back on the device, with no host dispatch between them), and
-  each trial runs that program ``calls`` times.
+
+def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
+               extra: tuple = (), sync: Callable = jax.block_until_ready,
+               unrolled: bool = False) -> float:
+  """Median seconds per call of ``fn(x, *extra)`` over the ``x`` in
+  ``inputs`` (see module doc).
+
+  ``unrolled``: one jitted program (:func:`timed_program`) applies ``fn`` to
+  every input (the calls run back to back on the device, with no host
+  dispatch between them), and each trial runs that program ``calls`` times.
   """
   if unrolled:
-    multi = jax.jit(lambda *xs: tuple(fn(x) for x in xs))
-    run, per_trial = (lambda: multi(*inputs)), calls * len(inputs)
+    multi = timed_program(fn)
+    run, per_trial = (lambda: multi(extra, *inputs)), calls * len(inputs)
   else:
     run, per_trial = None, calls
   for x in inputs:  # compile and warm up
-    sync(fn(x))
+    sync(fn(x, *extra))
   if run is not None:
     sync(run())
   per_call = []
@@ -121,16 +150,18 @@ def time_calls(fn: Callable, inputs: list, *, repeats: int, calls: int,
     if run is not None:
       outs = [run() for _ in range(calls)]
     else:
-      outs = [fn(inputs[i % len(inputs)]) for i in range(calls)]
+      outs = [fn(inputs[i % len(inputs)], *extra) for i in range(calls)]
     sync(outs)
     per_call.append((time.perf_counter() - start) / per_trial)
   return statistics.median(per_call)
 
 
-def _label(**knobs) -> str:
-  """``pallas`` or ``pallas:br256,rb4`` for the knobs that were set."""
-  parts = [f"{k}{v}" for k, v in knobs.items() if v is not None]
-  return "pallas" + (":" + ",".join(parts) if parts else "")
+def _label(impl: str = "pallas", **knobs) -> str:
+  """``pallas`` or ``pallas:br256,rb4`` for the knobs that were set (a
+  string knob by its value: ``xla:sort``)."""
+  parts = [v if isinstance(v, str) else f"{k}{v}"
+           for k, v in knobs.items() if v is not None]
+  return impl + (":" + ",".join(parts) if parts else "")
 
 
 def _replace(config, **knobs):
@@ -139,17 +170,91 @@ def _replace(config, **knobs):
 
 
 def _topk_variants(args) -> list[tuple[str, topk.TopKConfig]]:
-  """``(label, config)`` for every block_rows x radix_bits combination."""
-  return [(_label(br=br, rb=rb),
-           _replace(topk.DEFAULT_CONFIG, block_rows=br, radix_bits=rb))
+  """``(label, config)`` for every block_rows x radix_bits x selection
+  combination."""
+  return [(_label(br=br, rb=rb, sel=sel),
+           _replace(topk.DEFAULT_CONFIG, block_rows=br, radix_bits=rb,
+                    selection=sel))
           for br in args.block_rows or [None]
-          for rb in args.radix_bits or [None]]
+          for rb in args.radix_bits or [None]
+          for sel in [None, *(args.topk_selection or [])]]
 
 
-def _quantize_variants(args) -> list[tuple[str, quantize.QuantizeConfig]]:
+def _quantize_variants(args) -> list[tuple[str, kernels.QuantizeConfig]]:
   """``(label, config)`` for every block_rows (the only quantize knob)."""
-  return [(_label(br=br), _replace(quantize.DEFAULT_CONFIG, block_rows=br))
+  return [(_label(br=br), _replace(kernels.QuantizeConfig(), block_rows=br))
           for br in args.block_rows or [None]]
+
+
+@dataclasses.dataclass
+class OpCases:
+  """What the benchmark times for one op at one size.
+
+  Attributes:
+    nbytes: bytes the op must read and write at least.
+    reference: the op's XLA reference.
+    cases: label (``xla``, ``auto``, ``pallas[:knobs]``) -> function.
+    extra: the arrays every function takes after ``x``: each is called as
+      ``fn(x, *extra)``.
+  """
+  nbytes: int
+  reference: Callable
+  cases: dict[str, Callable]
+  extra: tuple = ()
+
+
+def op_cases(op: str, *, n: int, k: int, itemsize: int,
+             args: argparse.Namespace) -> OpCases:
+  """The functions timed for ``op`` at ``n`` elements (``k`` kept by the
+  top-k ops), each jitted, each taking every array it reads as an argument
+  (:attr:`OpCases.extra`, built here, outside them).
+
+  Raises:
+    ValueError: an unknown ``op``.
+  """
+  topk_bytes = n * itemsize + 8 * k
+  cases: dict[str, Callable] = {}
+  if op == "topk":
+    ref = jax.jit(lambda x: topk.topk_reference(x, k))
+    cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
+    cases["auto"] = jax.jit(lambda x: topk.topk_auto(x, k))
+    for form in args.topk_selection or []:
+      cfg = _replace(topk.DEFAULT_CONFIG, selection=form)
+      cases[_label("xla", sel=form)] = jax.jit(
+          lambda x, c=cfg: topk.topk_threshold_xla(x, k, config=c))
+    for label, tcfg in _topk_variants(args):
+      cases[label] = jax.jit(lambda x, c=tcfg: topk.topk(x, k, config=c))
+    return OpCases(topk_bytes, ref, cases)
+  if op == "sampled_topk":
+    ref = jax.jit(lambda x, key: topk.topk_reference(x, k))
+    cases["xla"] = jax.jit(lambda x, key: topk.sampled_topk(
+        x, k, key, sample_ratio=0.01, implementation="xla"))
+    for label, tcfg in _topk_variants(args):
+      cases[label] = jax.jit(lambda x, key, c=tcfg: topk.sampled_topk(
+          x, k, key, sample_ratio=0.01, implementation="pallas", config=c))
+    return OpCases(topk_bytes, ref, cases, (jax.random.key(2),))
+  if op == "sign":
+    for label, qcfg in _quantize_variants(args):
+      cases[label] = jax.jit(lambda x, c=qcfg: sign.sign_pack(x, config=c))
+    return OpCases(n * itemsize + n // 8, jax.jit(sign.sign_pack_reference),
+                   cases)
+  if op == "qsgd":
+    bits = qsgd.qsgd_bits(args.levels)
+    ref = jax.jit(lambda x, u: qsgd.qsgd_quantize_reference(
+        x, u, levels=args.levels, bucket_size=args.bucket_size))
+    for label, qcfg in _quantize_variants(args):
+      cases[label] = jax.jit(lambda x, u, c=qcfg: qsgd.qsgd_quantize(
+          x, u, levels=args.levels, bucket_size=args.bucket_size, config=c))
+    u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
+    return OpCases(n * itemsize + 4 * n + n * bits // 8, ref, cases, (u,))
+  if op == "int8":
+    ref = jax.jit(lambda x: int8_block.int8_block_quantize_reference(
+        x, block_size=args.bucket_size))
+    for label, qcfg in _quantize_variants(args):
+      cases[label] = jax.jit(lambda x, c=qcfg: int8_block.int8_block_quantize(
+          x, block_size=args.bucket_size, config=c))
+    return OpCases(n * itemsize + n, ref, cases)
+  raise ValueError(f"unknown op {op!r}; one of {OPS}")
 
 
 HEADER = (f"{'dtype':<5} {'op':<13} {'impl':<18} {'n':>11} {'ms':>9} "
@@ -180,6 +285,7 @@ def main(args: argparse.Namespace) -> int:
   meta = {"backend": jax.default_backend(),
           "device": getattr(device, "device_kind", str(device)),
           "jax": jax.__version__, "calls": calls, "repeats": args.repeats,
+          "date": datetime.date.today().isoformat(),
           "cache_bytes": cache_bytes, "density": args.density,
           "levels": args.levels, "bucket_size": args.bucket_size,
           "torch": None if torch is None else torch.__version__}
@@ -209,11 +315,11 @@ def main(args: argparse.Namespace) -> int:
           f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "
           f"{_fmt(row['ratio_torch']):>8}")
 
-  def measure(fn, inputs, sync=None):
+  def measure(fn, inputs, sync=None, extra=()):
     try:
       if sync is None:  # a JAX function
         return time_calls(fn, inputs, repeats=args.repeats, calls=calls,
-                          unrolled=gpu), None
+                          extra=extra, unrolled=gpu), None
       return time_calls(fn, inputs, repeats=args.repeats,
                         calls=calls * len(inputs), sync=sync), None
     except Exception as e:  # pylint: disable=broad-except
@@ -229,7 +335,6 @@ def main(args: argparse.Namespace) -> int:
                            math.ceil(cache_bytes / (n * itemsize))))
       xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32)
             .astype(dtype) for i in range(copies)]
-      u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
       k = max(1, int(n * args.density))
       base: dict[str, float | None] = {}
       t, err = measure(jax.jit(lambda x: x * 2), xs)
@@ -251,57 +356,17 @@ def main(args: argparse.Namespace) -> int:
           emit(dname, "torch.topk", "torch", n, t, topk_bytes, base, err)
         del txs
       for op in args.ops:
-        cases: dict[str, Callable] = {}
         tbase = dict(base) if op in TOPK_OPS else {"copy": base["copy"]}
-        if op == "topk":
-          nbytes = topk_bytes
-          ref = jax.jit(lambda x: topk.topk_reference(x, k))
-          cases["xla"] = jax.jit(lambda x: topk.topk_threshold_xla(x, k))
-          cases["auto"] = jax.jit(lambda x: topk.topk_auto(x, k))
-          for label, tcfg in _topk_variants(args):
-            cases[label] = jax.jit(
-                lambda x, c=tcfg: topk.topk(x, k, config=c))
-        elif op == "sampled_topk":
-          nbytes = topk_bytes
-          ref = jax.jit(lambda x: topk.topk_reference(x, k))
-          key = jax.random.key(2)
-          cases["xla"] = jax.jit(lambda x: topk.sampled_topk(
-              x, k, key, sample_ratio=0.01, implementation="xla"))
-          for label, tcfg in _topk_variants(args):
-            cases[label] = jax.jit(lambda x, c=tcfg: topk.sampled_topk(
-                x, k, key, sample_ratio=0.01, implementation="pallas",
-                config=c))
-        elif op == "sign":
-          nbytes = n * itemsize + n // 8
-          ref = jax.jit(quantize.sign_pack_reference)
-          for label, qcfg in _quantize_variants(args):
-            cases[label] = jax.jit(
-                lambda x, c=qcfg: quantize.sign_pack(x, config=c))
-        elif op == "qsgd":
-          bits = quantize.qsgd_bits(args.levels)
-          nbytes = n * itemsize + 4 * n + n * bits // 8
-          ref = jax.jit(lambda x: quantize.qsgd_quantize_reference(
-              x, u, levels=args.levels, bucket_size=args.bucket_size))
-          for label, qcfg in _quantize_variants(args):
-            cases[label] = jax.jit(lambda x, c=qcfg: quantize.qsgd_quantize(
-                x, u, levels=args.levels, bucket_size=args.bucket_size,
-                config=c))
-        else:  # int8
-          nbytes = n * itemsize + n
-          ref = jax.jit(lambda x: quantize.int8_block_quantize_reference(
-              x, block_size=args.bucket_size))
-          for label, qcfg in _quantize_variants(args):
-            cases[label] = jax.jit(
-                lambda x, c=qcfg: quantize.int8_block_quantize(
-                    x, block_size=args.bucket_size, config=c))
-        t, err = measure(ref, xs)
+        c = op_cases(op, n=n, k=k, itemsize=itemsize, args=args)
+        t, err = measure(c.reference, xs, extra=c.extra)
         tbase["ref"] = t
-        emit(dname, op, "reference", n, t, nbytes, tbase, err)
-        for label, fn in cases.items():
+        emit(dname, op, "reference", n, t, c.nbytes, tbase, err)
+        for label, fn in c.cases.items():
           if label.split(":")[0] not in impls + ["auto"]:
             continue
-          t, err = measure(fn, xs)
-          emit(dname, op, label, n, t, nbytes, tbase, err)
+          t, err = measure(fn, xs, extra=c.extra)
+          emit(dname, op, label, n, t, c.nbytes, tbase, err)
+        del c
       del xs
   if args.json:
     print(f"wrote {args.json}")

@@ -15,12 +15,14 @@ from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import dither
-from jaxcomp.kernels import quantize
+from jaxcomp import kernels
+from jaxcomp.kernels import fp8_block
+from jaxcomp.kernels import int8_block
 
 INT_BITS = (2, 4, 8)
 ROUNDINGS = ("nearest", "stochastic")
 # name: (dtype, largest finite value), from the kernels' table.
-FP8_FORMATS = {name: (f[4], f[2]) for name, f in quantize.FP8_FORMATS.items()}
+FP8_FORMATS = {name: (f[4], f[2]) for name, f in fp8_block.FP8_FORMATS.items()}
 
 
 def _check_block(block_size) -> None:
@@ -56,7 +58,7 @@ class _Rounded(Compressor):
 def _scales(x: jax.Array, block_size: int, top) -> jax.Array:
   """float32 ``(ceil(n / block_size),)``: ``max|x|`` of each block (the last
   one partial) over ``top``, read in place (no padded copy)."""
-  return quantize.group_reduce(x.astype(jnp.float32), block_size, "max",
+  return kernels.group_reduce(x.astype(jnp.float32), block_size, "max",
                                jnp.abs) / top
 
 
@@ -92,7 +94,7 @@ class IntBlock(_Rounded):
     rounding: ``"nearest"`` or ``"stochastic"``.
     max_bits: wire width when ``bits`` is scheduled (one of 2, 4, 8), or None.
     implementation: for 8 bits, ``"pallas"`` (the int8 block kernel of
-      :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
+      :mod:`jaxcomp.kernels.int8_block`; ``block_size`` a multiple of 32),
       ``"xla"`` (its reference), or None (XLA off NVIDIA GPUs, the path
       measured faster on one: :class:`jaxcomp.kernels.Autotuner`).
 
@@ -140,7 +142,7 @@ class IntBlock(_Rounded):
     n = x.shape[0]
     levels = self._levels()
     scales = _scales(x, self.block_size, levels)
-    y = x.astype(jnp.float32) / quantize.per_element(
+    y = x.astype(jnp.float32) / kernels.per_element(
         jnp.where(scales > 0, scales, 1.0), self.block_size, n)
     if self.rounding == "stochastic":
       q = jnp.floor(y + dither.uniform(key, n))
@@ -156,7 +158,7 @@ class IntBlock(_Rounded):
       # dither.uniform(key, n) from the seed where it is used (inside the
       # kernel on the Pallas path: no n-sized random array).
       seed = dither.seed_of(key) if self.rounding == "stochastic" else None
-      q8, scales = quantize.int8_block_quantize_auto(
+      q8, scales = int8_block.int8_block_quantize_auto(
           x, block_size=self.block_size, seed=seed,
           implementation=self.implementation)
       if self.block_size % 4 == 0:
@@ -179,7 +181,7 @@ class IntBlock(_Rounded):
     shift = jnp.int32(32 - w)  # sign-extend the w-bit field
     q = lax.shift_right_arithmetic(
         lax.shift_left(c.astype(jnp.int32), shift), shift)
-    return q.astype(jnp.float32) * quantize.per_element(
+    return q.astype(jnp.float32) * kernels.per_element(
         payload["scales"], self.block_size, n)
 
   def payload_bytes(self, n: int) -> int:
@@ -212,7 +214,7 @@ class FP8Block(_Rounded):
     block_size: elements per scale, >= 1.
     rounding: ``"nearest"`` or ``"stochastic"``.
     implementation: ``"pallas"`` (the one-pass fp8 block kernel of
-      :mod:`jaxcomp.kernels.quantize`; ``block_size`` a multiple of 32),
+      :mod:`jaxcomp.kernels.fp8_block`; ``block_size`` a multiple of 32),
       ``"xla"`` (its reference, the same codes bit for bit), or None (XLA
       off NVIDIA GPUs, the path measured faster on one:
       :class:`jaxcomp.kernels.Autotuner`).
@@ -245,7 +247,7 @@ class FP8Block(_Rounded):
     # same codes; stochastic rounding draws dither.uniform(key, n) from the
     # seed (inside the kernel on the Pallas path).
     seed = dither.seed_of(key) if self.rounding == "stochastic" else None
-    bits, scales = quantize.fp8_block_quantize_auto(
+    bits, scales = fp8_block.fp8_block_quantize_auto(
         x, block_size=self.block_size, format=self.format, seed=seed,
         implementation=self.implementation)
     return {"values": bits, "scales": scales}
@@ -256,7 +258,7 @@ class FP8Block(_Rounded):
     # encoder's float32 -> fp8 conversion in the same program, and XLA on a
     # GPU folds that round trip into the unrounded value.
     del key
-    return quantize.fp8_block_dequantize_reference(
+    return fp8_block.fp8_block_dequantize_reference(
         payload["values"], payload["scales"], block_size=self.block_size,
         n=n, format=self.format)
 

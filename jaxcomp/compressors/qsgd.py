@@ -12,12 +12,12 @@ from jaxcomp.compressors import _hparams
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import dither
-from jaxcomp.kernels import quantize
+from jaxcomp.kernels import qsgd as qsgd_kernel
 
 
 # Bits per element on the wire: 1 sign bit + ceil(log2(levels + 1)), rounded
 # up to 2, 4, 8 or 16 so that codes pack evenly into uint32 words.
-code_bits = quantize.qsgd_bits
+code_bits = qsgd_kernel.qsgd_bits
 
 
 @register
@@ -40,7 +40,7 @@ class QSGD(Compressor):
   ``(ceil(n / bucket_size),)``.
 
   Encoding runs the Pallas quantize-and-pack kernel or its ``jnp`` reference
-  (:mod:`jaxcomp.kernels.quantize`; the same words given the same norms,
+  (:mod:`jaxcomp.kernels.qsgd`; the same words given the same norms,
   and the kernel's norms within a few float32 ulp of the reference's);
   ``implementation=None`` takes the reference off NVIDIA GPUs and, on one,
   the path measured faster there for this size and bucket
@@ -127,18 +127,18 @@ class QSGD(Compressor):
     seed = dither.seed_of(key)
     levels = self._levels()
     if isinstance(levels, int) and self.bits == code_bits(levels):
-      codes, norms = quantize.qsgd_quantize_auto(
+      codes, norms = qsgd_kernel.qsgd_quantize_auto(
           x, levels=levels, bucket_size=self.bucket_size, seed=seed,
           implementation=self.implementation)
     else:  # scheduled levels: the reference, with max_levels' code width
-      codes, norms = quantize.qsgd_quantize_reference(
+      codes, norms = qsgd_kernel.qsgd_quantize_reference(
           x, levels=levels, bucket_size=self.bucket_size, bits=self.bits,
           seed=seed)
     return {"codes": codes, "norms": norms}
 
   def decode(self, payload, n, key):
     del key
-    return quantize.qsgd_dequantize_reference(
+    return qsgd_kernel.qsgd_dequantize_reference(
         payload["codes"], payload["norms"], n=n, levels=self._levels(),
         bucket_size=self.bucket_size, bits=self.bits)
 

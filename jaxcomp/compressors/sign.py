@@ -14,7 +14,7 @@ from jaxcomp import _parts
 from jaxcomp import wire
 from jaxcomp.compressors.base import Compressor, check_implementation, register
 from jaxcomp.kernels import bitpack
-from jaxcomp.kernels import quantize
+from jaxcomp.kernels import sign as sign_kernel
 
 
 def _sign_bits(x: jax.Array) -> jax.Array:
@@ -43,7 +43,7 @@ class ScaledSign(Compressor):
 
   Payload: ``signs`` uint32 ``(ceil(n / 32),)`` and ``scale`` float32 ``()``:
   ``4 * ceil(n / 32) + 4`` bytes. Wire format and reference:
-  :func:`jaxcomp.kernels.quantize.sign_pack_reference`; packing runs the
+  :func:`jaxcomp.kernels.sign.sign_pack_reference`; packing runs the
   Pallas kernel or the reference (``implementation="pallas" | "xla"``; None
   takes the reference off NVIDIA GPUs and the path measured faster on one,
   :class:`jaxcomp.kernels.Autotuner`: the earlier kernel was 1.8x faster on
@@ -68,13 +68,13 @@ class ScaledSign(Compressor):
 
   def encode(self, x, key):
     del key
-    words, scale = quantize.sign_pack_auto(
+    words, scale = sign_kernel.sign_pack_auto(
         x.astype(jnp.float32), implementation=self.implementation)
     return {"signs": words, "scale": scale}
 
   def decode(self, payload, n, key):
     del key
-    return quantize.sign_unpack_reference(payload["signs"], payload["scale"], n)
+    return sign_kernel.sign_unpack_reference(payload["signs"], payload["scale"], n)
 
   def payload_bytes(self, n: int) -> int:
     return 4 * bitpack.packed_words(n, 1) + 4

@@ -1,7 +1,12 @@
 """Pallas (Mosaic GPU) kernels of the compressors and their XLA references.
 
-One module per op family (:mod:`~jaxcomp.kernels.quantize`,
-:mod:`~jaxcomp.kernels.topk`), the selection primitive
+One module per op, each holding its Pallas kernel, its jitted wrapper, its
+``*_reference`` (plain ``jnp``, the XLA path) and its ``*_auto`` dispatch:
+:mod:`~jaxcomp.kernels.sign`, :mod:`~jaxcomp.kernels.qsgd`,
+:mod:`~jaxcomp.kernels.int8_block`, :mod:`~jaxcomp.kernels.fp8_block` and
+:mod:`~jaxcomp.kernels.topk`; what the quantizers share (per-group
+statistics, :class:`QuantizeConfig`, the one-pass kernel's layout and launch)
+is private (``_blocks``). Beside them: the selection primitive
 (:mod:`~jaxcomp.kernels.compact`), bit packing and counter-based random
 numbers. ``implementation=None`` picks the Pallas kernel or the XLA path per
 op and size by measurement on NVIDIA GPUs (:func:`autotune`,
@@ -22,4 +27,7 @@ from jaxcomp.kernels._autotune import measure_seconds
 from jaxcomp.kernels._autotune import resolve_implementation
 from jaxcomp.kernels._autotune import use_autotuner
 from jaxcomp.kernels._launch import Interpret
+from jaxcomp.kernels._blocks import QuantizeConfig
+from jaxcomp.kernels._blocks import group_reduce
+from jaxcomp.kernels._blocks import per_element
 from jaxcomp.kernels._launch import nvidia_gpu

@@ -17,6 +17,15 @@ sync all select this way:
    word's number scattered at its first output slot and carried forward by a
    running maximum, and a select-the-r-th-set-bit inside the word.
 
+Prefix sums and running maxima come in two forms of the same values, picked
+per backend (:func:`log_depth_scans`) or by the caller: log-depth scans of
+whole-array operations (``lax.associative_scan``) on CPU, where XLA lowers
+``jnp.cumsum`` / ``lax.cummax`` to a cascade of reduce-windows (2.5x slower
+over top-k's 58,000 mask words on this project's 2-core CPU), and XLA's own
+cumulative reductions elsewhere (XLA:GPU turns them into scan kernels; a
+log-depth scan is some 30 levels of slices, pads and adds there), which is
+what top-k's fast path ran when it was measured on an H100.
+
 Bit ``j`` of word ``i`` is element ``32 i + j`` (the layout of
 :mod:`jaxcomp.kernels.bitpack`). Pure ``jnp``; no sort over ``n``.
 """
@@ -65,19 +74,51 @@ def pack(x: jax.Array, pred) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def cumsum(c: jax.Array) -> jax.Array:
-  """Inclusive prefix sum of a 1-D int32 array: ``jnp.cumsum``'s values,
-  as a log-depth scan of whole-array adds (``lax.associative_scan``).
-  XLA:CPU lowers ``jnp.cumsum`` to a cascade of reduce-windows, 2.5x
-  slower over top-k's 58,000 mask words (0.55 ms against 0.21 ms on this
-  project's 2-core CPU; a blocked sum took 0.36 ms)."""
-  return jax.lax.associative_scan(jnp.add, c)
+# Backends on which prefix sums and running maxima are log-depth scans.
+LOG_DEPTH_SCAN_BACKENDS = ("cpu",)
 
 
-def cummax(c: jax.Array) -> jax.Array:
-  """Running maximum of a 1-D array: ``lax.cummax``'s values, as a
-  log-depth scan (on XLA:CPU 0.18 ms against 0.45 ms over 34,000 slots)."""
-  return jax.lax.associative_scan(jnp.maximum, c)
+def log_depth_scans() -> bool:
+  """Whether :func:`cumsum` and :func:`cummax` take the log-depth form on
+  the default backend (CPU), rather than XLA's cumulative reductions."""
+  return jax.default_backend() in LOG_DEPTH_SCAN_BACKENDS
+
+
+def cumsum(c: jax.Array, *, log_depth: bool | None = None) -> jax.Array:
+  """Inclusive prefix sum of a 1-D int32 array: ``jnp.cumsum``'s values.
+
+  Args:
+    c: int32 ``(m,)``.
+    log_depth: as a log-depth scan of whole-array adds
+      (``lax.associative_scan``: XLA:CPU lowers ``jnp.cumsum`` to a cascade
+      of reduce-windows, 2.5x slower over top-k's 58,000 mask words, 0.55
+      ms against 0.21 ms on this project's 2-core CPU), or ``jnp.cumsum``
+      itself; None: :func:`log_depth_scans`.
+
+  Returns:
+    int32 ``(m,)``, the same values either way.
+  """
+  if log_depth is None:
+    log_depth = log_depth_scans()
+  return jax.lax.associative_scan(jnp.add, c) if log_depth else jnp.cumsum(c)
+
+
+def cummax(c: jax.Array, *, log_depth: bool | None = None) -> jax.Array:
+  """Running maximum of a 1-D array: ``lax.cummax``'s values.
+
+  Args:
+    c: ``(m,)``.
+    log_depth: as a log-depth scan (on XLA:CPU 0.18 ms against 0.45 ms over
+      34,000 slots), or ``lax.cummax`` itself; None: :func:`log_depth_scans`.
+
+  Returns:
+    ``(m,)`` in ``c``'s dtype, the same values either way.
+  """
+  if log_depth is None:
+    log_depth = log_depth_scans()
+  if log_depth:
+    return jax.lax.associative_scan(jnp.maximum, c)
+  return jax.lax.cummax(c)
 
 
 def count(words: jax.Array) -> jax.Array:
@@ -97,13 +138,16 @@ def select_bit(w: jax.Array, r: jax.Array) -> jax.Array:
   return pos.astype(jnp.int32)
 
 
-def compact(words: jax.Array, capacity: int):
+def compact(words: jax.Array, capacity: int, *,
+            log_depth: bool | None = None):
   """The positions of the first ``capacity`` set bits of ``words``, in
   increasing order.
 
   Args:
     words: uint32 ``(w,)`` bit masks (:func:`pack`).
     capacity: output slots, a Python integer >= 0.
+    log_depth: the form of the prefix sum and running maximum
+      (:func:`cumsum`); None: :func:`log_depth_scans`.
 
   Returns:
     ``(indices, valid)``: int32 ``(capacity,)`` positions (0 in the slots
@@ -114,14 +158,14 @@ def compact(words: jax.Array, capacity: int):
     return (jnp.zeros((capacity,), jnp.int32),
             jnp.zeros((capacity,), jnp.bool_))
   counts = popcount(words)
-  incl = cumsum(counts)
+  incl = cumsum(counts, log_depth=log_depth)
   excl = incl - counts
   # Slot j belongs to the last word whose first slot is <= j: write each
   # non-empty word's number at its first slot, then a running maximum.
   first = jnp.where(counts > 0, excl, capacity)
   start = jnp.zeros((capacity,), jnp.int32).at[first].set(
       jnp.arange(words.shape[0], dtype=jnp.int32), mode="drop")
-  row = cummax(start)
+  row = cummax(start, log_depth=log_depth)
   j = jnp.arange(capacity, dtype=jnp.int32)
   bit = select_bit(words[row], j - excl[row])
   valid = j < incl[-1]

@@ -37,6 +37,14 @@ those candidates are compacted (same bit-mask machinery) into a fixed
 capacity, and ``T`` is their ``k``-th largest key. A second, higher sample
 threshold marks the candidates that are in for sure, so only the band
 between the two thresholds is sorted (about ``0.4 k`` keys at 1% density).
+The sample's thresholds and the compaction's prefix sums come in two forms
+of the same values (``TopKConfig.selection``, by default per backend,
+:data:`SELECTION`): ``"partial"`` on CPU, the sample's largest keys by
+XLA's top-k (a partial sort) and log-depth scans, which XLA:CPU runs
+faster; ``"sort"`` elsewhere, the sample's int32 keys sorted in full and
+XLA's own cumulative reductions, as when this path was measured on an H100
+(0.34 ms at 1e6 elements, 0.59 ms at 2.5e7, 1% kept; it has changed in
+other ways since).
 If ``T`` is the lower threshold itself (ties, e.g. mostly-zero gradients)
 the ``key > t`` mask gives the result; if the sample misled (fewer than
 ``k`` or more than the capacity pass) a branch finds ``T`` exactly over all
@@ -92,12 +100,18 @@ class TopKConfig:
       sets 14% larger: ``python benchmarks/topk_breakdown.py``).
     sample_margin: relative over-selection of the sampled threshold.
     capacity_factor: candidate capacity over the expected candidate count.
+    selection: how the sampled selection finds its thresholds and compacts
+      (:func:`selection`): ``"sort"`` (the sample's int32 keys sorted in
+      full, XLA's cumulative reductions) or ``"partial"`` (the sample's
+      largest keys by ``lax.top_k``, log-depth scans); the same indices
+      either way. None: :data:`SELECTION` of the default backend.
   """
   block_rows: int = 256
   radix_bits: int = 5
   sample_size: int | None = None
   sample_margin: float = 0.1
   capacity_factor: float = 1.25
+  selection: str | None = None
 
 
 DEFAULT_CONFIG = TopKConfig()
@@ -116,6 +130,33 @@ def sample_size(config: TopKConfig) -> int:
   if config.sample_size is not None:
     return config.sample_size
   return SAMPLE_SIZE.get(jax.default_backend(), 65536)
+
+
+# The sampled selection's form per backend ("sort" elsewhere). On this
+# project's 2-core CPU the partial sort of 16,384 sample keys took 0.06 ms
+# against 0.43 ms for their full int32 sort, and the log-depth prefix sum
+# over 58,000 mask words 0.21 ms against 0.55 ms for XLA:CPU's cumsum
+# (benchmarks/topk_breakdown.py). On GPUs the full sort and XLA's own
+# cumulative reductions are what the path ran when it was measured on an
+# H100 (benchmarks/results/kernels_h100_f32.json: 0.34 ms at 1e6 elements,
+# 0.59 ms at 2.5e7); the "partial" form there is unmeasured beside it
+# (benchmarks/results/NOTES.md says what to time).
+SELECTION = {"cpu": "partial"}
+SELECTIONS = ("sort", "partial")
+
+
+def selection(config: TopKConfig) -> str:
+  """The sampled selection's form under ``config`` on the default backend:
+  ``"sort"`` or ``"partial"``.
+
+  Raises:
+    ValueError: ``config.selection`` is neither (nor None).
+  """
+  form = config.selection or SELECTION.get(jax.default_backend(), "sort")
+  if form not in SELECTIONS:
+    raise ValueError(f"selection must be one of {SELECTIONS} or None, got "
+                     f"{config.selection!r}")
+  return form
 
 
 def _check_k(n: int, k: int) -> None:
@@ -148,6 +189,17 @@ def _largest_abs(flat: jax.Array, k: int) -> jax.Array:
 def _kth_largest_key(flat: jax.Array, k: int) -> jax.Array:
   """int32 key (see :func:`abs_key`) of the ``k``-th largest ``|flat|``."""
   return abs_key(_largest_abs(flat, k)[k - 1])
+
+
+def _sample_top_keys(sample: jax.Array, rank: int, form: str) -> jax.Array:
+  """int32 keys (:func:`abs_key`) of the ``rank`` largest ``|sample|``,
+  descending: by XLA's top-k of ``|sample|`` in float32 (``"partial"``),
+  or the last ``rank`` of the sample's keys sorted in full (``"sort"``).
+  The same keys either way (``|x|`` and its key order alike)."""
+  if form == "partial":
+    return abs_key(_largest_abs(sample, rank))
+  keys = jnp.sort(abs_key(sample))
+  return keys[keys.shape[0] - rank:][::-1]
 
 
 def _empty(x):
@@ -202,11 +254,12 @@ def _keep_lowest(w: jax.Array, a: jax.Array) -> jax.Array:
   return jnp.where(a > 0, w & below, jnp.uint32(0))
 
 
-def _exact_words(gt_words, eq_words, k: int):
-  """Words with exactly ``k`` bits: all of ``gt``, the lowest ties of ``eq``."""
+def _exact_words(gt_words, eq_words, k: int, log_depth: bool | None = None):
+  """Words with exactly ``k`` bits: all of ``gt``, the lowest ties of ``eq``
+  (``log_depth``: the prefix sum's form, :func:`compact.cumsum`)."""
   need = k - compact.count(gt_words)
   pc_eq = compact.popcount(eq_words)
-  eq_before = compact.cumsum(pc_eq) - pc_eq
+  eq_before = compact.cumsum(pc_eq, log_depth=log_depth) - pc_eq
   a = jnp.clip(need - eq_before, 0, pc_eq)
   return gt_words | _keep_lowest(eq_words, a)
 
@@ -268,11 +321,13 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   if k == 0:
     return _empty(flat)
 
+  log_depth = selection(config) == "partial"
+
   def exact_from_top_k():
     t = _kth_largest_key(flat, k)
     words = _exact_words(_words_xla(flat, lambda kk: kk > t),
-                         _words_xla(flat, lambda kk: kk == t), k)
-    idx, _ = compact.compact(words, k)
+                         _words_xla(flat, lambda kk: kk == t), k, log_depth)
+    idx, _ = compact.compact(words, k, log_depth=log_depth)
     return idx
 
   def masks(t):  # (>= t now, > t only where the ties branch asks)
@@ -295,6 +350,8 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   """
   n = flat.shape[0]
   s, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
+  form = selection(config)
+  log_depth = form == "partial"
   # Inside shard_map every branch must return indices typed as x is (a
   # branch computing from a kernel's or a constant's output may not be).
   typed = lambda idx: idx + _launch.zero_like(flat, jnp.int32)
@@ -303,9 +360,8 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
     return exact()
 
   stride = n // s
-  # The sample's rank largest, descending: their keys are the sorted
-  # sample's last rank (|x| and its key order alike).
-  top = abs_key(_largest_abs(flat[: s * stride : stride], rank))
+  # The sample's rank largest keys, descending.
+  top = _sample_top_keys(flat[: s * stride : stride], rank, form)
   t_lo = top[rank - 1]
   # One pass over x: the candidates' mask. Whether the k-th largest key is
   # t_lo itself (ties) is only asked when the candidates overflow.
@@ -313,7 +369,7 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   c_ge = compact.count(ge)
 
   def from_candidates():
-    cidx, valid = compact.compact(ge, cap)
+    cidx, valid = compact.compact(ge, cap, log_depth=log_depth)
     ckey = jnp.where(valid, abs_key(flat[cidx]), -1)
 
     def sort_all():
@@ -329,7 +385,7 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
 
       def sort_band():
         bpos, live = compact.compact(compact.pack(band, lambda v: v),
-                                     band_cap)
+                                     band_cap, log_depth=log_depth)
         bkey = jnp.where(live, ckey[bpos], -1)
         return jnp.sort(bkey)[band_cap - (k - c_above)]
 
@@ -340,15 +396,16 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
     # Exactly k candidates: all above t, the lowest-index ties at t (on
     # packed words: prefix sums over cap / 32 words, not over cap slots).
     words = _exact_words(compact.pack(ckey, lambda v: v > t),
-                         compact.pack(ckey, lambda v: v == t), k)
-    pos, _ = compact.compact(words, k)
+                         compact.pack(ckey, lambda v: v == t), k, log_depth)
+    pos, _ = compact.compact(words, k, log_depth=log_depth)
     return typed(cidx[pos])
 
   def ties_or_exact():  # c_ge > cap (or < k): the sample misled
     gt = gt_of()
 
     def at_t_lo():  # k-th largest key is t_lo itself.
-      idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k), k)
+      idx, _ = compact.compact(_exact_words(gt, ge & ~gt, k, log_depth), k,
+                               log_depth=log_depth)
       return typed(idx)
 
     return jax.lax.cond((compact.count(gt) < k) & (c_ge >= k), at_t_lo,
@@ -502,6 +559,7 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   if k == 0:
     return _empty(flat)
   rows, _ = _launch.to_rows(flat, config.block_rows)
+  log_depth = selection(config) == "partial"
 
   def exact_from_top_k():
     t = radix_select(rows, k, block_rows=config.block_rows,
@@ -509,7 +567,8 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
     gt, eq = threshold_masks(rows, t, block_rows=config.block_rows,
                              interpret=interpret)
     idx, _ = compact.compact(_exact_words(_live_words(gt, n),
-                                          _live_words(eq, n), k), k)
+                                          _live_words(eq, n), k, log_depth),
+                             k, log_depth=log_depth)
     return idx
 
   def masks(t):
@@ -590,7 +649,8 @@ def _sampled_topk(x, k, key, *, sample_ratio, config, implementation,
     words = gt | eq
   else:
     words = _words_xla(flat, lambda kk: kk >= t)
-  idx, valid = compact.compact(words, k)
+  idx, valid = compact.compact(words, k,
+                               log_depth=selection(config) == "partial")
   return _gather(flat, idx, valid), idx
 
 
