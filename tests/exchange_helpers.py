@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 
+import jaxcomp
 from jaxcomp import collectives
 from jaxcomp import to_varying
 
@@ -48,3 +50,18 @@ def exchange_fn(mesh, comp, n, steps=1, axis="data", shape=None):
     return f(jax.device_put(xs, NamedSharding(mesh, spec)), key)
 
   return run
+
+
+def exchange_traffic(collective, comp, n, p=8, axis="data"):
+  """The traffic (``jaxcomp.collective_traffic``) of the compiled program of
+  one ``collective.exchange_buffer`` of ``comp`` on an ``n``-element buffer,
+  under ``jax.shard_map`` on a mesh of the first ``p`` devices."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), (axis,))
+
+  def f(x):
+    return collective.exchange_buffer(comp, x, jax.random.key(0), axis,
+                                      collective.init_buffer(comp, n, axis))[0]
+
+  x = jax.device_put(jnp.ones((p * n,)), NamedSharding(mesh, P(axis)))
+  return jaxcomp.collective_traffic(jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=P(axis), out_specs=P())).lower(x).compile())

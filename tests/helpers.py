@@ -1,6 +1,9 @@
-"""Shared test helpers: run compressed_mean on stacked per-device gradients."""
+"""Shared test helpers: run a transform's update under ``jax.shard_map`` (or
+``jax.pmap``) on stacked per-device gradients."""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,24 +18,90 @@ def stacked(tree, mesh, axis="data"):
   return jax.device_put(tree, NamedSharding(mesh, P(axis)))
 
 
-def sharded_update(tx, params, mesh, axis="data"):
+def zeros_params(grads):
+  """Zero parameters for per-device ``grads``: each leaf without its
+  leading device axis."""
+  return jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+
+
+def sharded_update(tx, params, mesh, axis="data", *, ref=False,
+                   params_spec=None, updates_spec=P(), init=None):
   """``tx.update`` under ``jax.shard_map``, for per-device gradients.
 
   Returns ``(f, state, specs)``: ``f(grads, state) -> (updates, state)`` is
   jitted, takes gradients whose leaves have a leading device axis (sharded
-  over ``axis``, e.g. by :func:`stacked`) and returns replicated updates and
-  the state's global view; ``state`` is ``tx``'s initial state for
-  ``params``.
+  over ``axis``, a mesh axis or a tuple of them, e.g. by :func:`stacked`)
+  and returns the updates (placed by ``updates_spec``: replicated unless
+  told, e.g. ``P(axis)`` for ``output="shard"``) and the state's global
+  view; ``state`` is ``tx``'s initial state for ``params``
+  (``jaxcomp.init_sharded``), or ``init``, a ``(state, specs)`` made
+  elsewhere (e.g. by ``jaxcomp.fsdp.init``; ``params`` is then unused).
+
+  ``ref=True``: ``f`` also returns the pmean of the gradients (replicated),
+  ``(updates, mean, state)``. ``params_spec``: ``f(grads, state, params)``
+  hands ``params`` (placed by ``params_spec``) to ``tx.update``.
   """
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, axis)
+  state, specs = init or jaxcomp.init_sharded(tx, params, mesh, axis)
 
-  def body(g, s):
-    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
+  def body(g, s, *p):
+    g = jax.tree.map(lambda x: x[0], g)
+    u, s = tx.update(g, jaxcomp.to_local(s, specs), *p)
+    mean = (jax.tree.map(lambda x: lax.pmean(x, axis), g),) if ref else ()
+    return (u, *mean, jaxcomp.to_global(s, specs))
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis), specs),
-                            out_specs=(P(), specs)))
+  in_specs = (P(axis), specs) + (() if params_spec is None else (params_spec,))
+  out_specs = (updates_spec,) + ((P(),) if ref else ()) + (specs,)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                            out_specs=out_specs))
   return f, state, specs
+
+
+class Run(NamedTuple):
+  """What :func:`run_steps` returns."""
+
+  history: list  # (updates, state (global view)) after each step
+  ref: Any  # the pmean of the last step's gradients (ref=True), else None
+  specs: Any  # the state's specs
+  step: Any  # the jitted step, sharded_update's f
+  args: tuple  # what the last step ran on: (grads on the mesh[, params])
+
+  @property
+  def updates(self):
+    """The last step's updates."""
+    return self.history[-1][0]
+
+  @property
+  def state(self):
+    """The final state (global view)."""
+    return self.history[-1][1]
+
+  def compiled(self):
+    """The step compiled for the last step's arguments and the final state
+    (for ``jaxcomp.collective_traffic``)."""
+    grads, *params = self.args
+    return self.step.lower(grads, self.state, *params).compile()
+
+
+def run_steps(tx, grads, mesh, steps=1, axis="data", *, params=None, **kw):
+  """Applies ``tx.update`` ``steps`` times to per-device gradients, by
+  :func:`sharded_update` (``kw``: its keyword arguments).
+
+  ``grads``: pytree whose leaves have a leading axis of size ``p`` (one
+  gradient per device), or a list of such pytrees, one per step.
+  ``params``: what ``tx`` is initialised on (zeros of one device's
+  gradient's shapes by default) and, where ``kw`` names a ``params_spec``,
+  what each update is handed. Returns a :class:`Run`.
+  """
+  per_step = grads if isinstance(grads, list) else [grads] * steps
+  params = zeros_params(per_step[0]) if params is None else params
+  f, state, specs = sharded_update(tx, params, mesh, axis, **kw)
+  extra = () if kw.get("params_spec") is None else (params,)
+  history, mean = [], None
+  for g in per_step:
+    args = (stacked(g, mesh, axis), *extra)
+    u, *mean, state = f(args[0], state, *extra)
+    history.append((u, state))
+  return Run(history, mean[0] if mean else None, specs, f, args)
 
 
 def run_shard_map(tx, grads, mesh, steps=1, axis="data"):
@@ -43,20 +112,8 @@ def run_shard_map(tx, grads, mesh, steps=1, axis="data"):
   Returns (updates of the last step (replicated), pmean of the last step's
   grads, final state (global view), specs).
   """
-  per_step = grads if isinstance(grads, list) else [grads] * steps
-  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), per_step[0])
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, axis)
-
-  def body(g, s):
-    g = jax.tree.map(lambda x: x[0], g)
-    u, s = tx.update(g, jaxcomp.to_local(s, specs))
-    return u, jax.tree.map(lambda x: lax.pmean(x, axis), g), jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis), specs),
-                            out_specs=(P(), P(), specs)))
-  for g in per_step:
-    u, ref, state = f(stacked(g, mesh, axis), state)
-  return u, ref, state, specs
+  run = run_steps(tx, grads, mesh, steps, axis, ref=True)
+  return run.updates, run.ref, run.state, run.specs
 
 
 def run_pmap(tx, grads, axis="data"):

@@ -1,16 +1,16 @@
-from jaxcomp._parts import concat as concat_parts
 """Hierarchical collective on a ("hosts", "devices") = (2, 4) mesh: exactness,
 equality with the flat exchange, error feedback, traffic per axis, bad axes."""
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
 import jaxcomp
+from jaxcomp._parts import concat as concat_parts
 from jaxcomp.collectives import Hierarchical
+from tests.helpers import run_shard_map, run_steps
 
 AX = ("hosts", "devices")
 HOSTS, PER_HOST = 2, 4
@@ -29,26 +29,6 @@ def int_grads(seed, n=N):
   return {"w": jnp.asarray(rng.integers(-20, 21, (8, n)), jnp.float32)}
 
 
-def run(tx, grads, mesh, steps=1, ref=True):
-  """Returns (update, pmean of grads (or None), state, compiled step) after
-  ``steps`` updates."""
-  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:]), grads)
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, AX)
-
-  def body(g, s):
-    g = jax.tree.map(lambda x: x[0], g)
-    u, s = tx.update(g, jaxcomp.to_local(s, specs))
-    mean = jax.tree.map(lambda x: lax.pmean(x, AX), g) if ref else None
-    return u, mean, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX), specs),
-                            out_specs=(P(), P() if ref else None, specs)))
-  g = jax.device_put(grads, NamedSharding(mesh, P(AX)))
-  for _ in range(steps):
-    u, ref, state = f(g, state)
-  return u, ref, state, f.lower(g, state).compile()
-
-
 @pytest.mark.parametrize("coll", [
     Hierarchical(fast_axis="devices", slow_axis="hosts"),
     Hierarchical(fast_axis="devices", slow_axis="hosts", fast="reduce_scatter",
@@ -56,8 +36,8 @@ def run(tx, grads, mesh, steps=1, ref=True):
     "hierarchical"])
 def test_identity_equals_pmean(mesh, coll):
   g = int_grads(0)
-  u, ref, _, _ = run(jaxcomp.compressed_mean("identity", AX, collective=coll),
-                     g, mesh)
+  u, ref, _, _ = run_shard_map(
+      jaxcomp.compressed_mean("identity", AX, collective=coll), g, mesh, axis=AX)
   np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(ref["w"]))
 
 
@@ -65,10 +45,11 @@ def test_identity_equals_pmean(mesh, coll):
 @pytest.mark.parametrize("inner", ["allgather", "two_phase"])
 def test_exact_compressor_equals_flat(mesh, fast, inner):
   g = int_grads(1)
-  flat, _, _, _ = run(jaxcomp.compressed_mean("topk", AX, ratio=1.0), g, mesh)
-  hier, _, _, _ = run(jaxcomp.compressed_mean(
+  flat, _, _, _ = run_shard_map(jaxcomp.compressed_mean("topk", AX, ratio=1.0),
+                                g, mesh, axis=AX)
+  hier, _, _, _ = run_shard_map(jaxcomp.compressed_mean(
       "topk", AX, ratio=1.0,
-      collective=Hierarchical(inner=inner, fast=fast)), g, mesh)
+      collective=Hierarchical(inner=inner, fast=fast)), g, mesh, axis=AX)
   np.testing.assert_array_equal(np.asarray(hier["w"]), np.asarray(flat["w"]))
 
 
@@ -78,11 +59,12 @@ def topk_psum_run(mesh):
   tx = jaxcomp.compressed_mean(
       "topk", AX, ratio=0.1,
       collective=Hierarchical(fast_axis="devices", slow_axis="hosts"))
-  return g, run(tx, g, mesh, ref=False)
+  return g, run_steps(tx, g, mesh, axis=AX)
 
 
 def test_residual_is_the_host_error(topk_psum_run):
-  g, (u, _, state, _) = topk_psum_run
+  g, run = topk_psum_run
+  u, state = run.updates, run.state
   x = np.asarray(g["w"]).reshape(HOSTS, PER_HOST, N)
   e = np.asarray(concat_parts(state.feedback[0])).reshape(HOSTS, PER_HOST, N)
   host_mean = x.mean(axis=1)
@@ -103,8 +85,9 @@ def test_residual_is_the_host_error(topk_psum_run):
 def test_traffic_per_axis(topk_psum_run):
   """Operand bytes by replica-group size: the fast axis (groups of 4) carries
   the float32 buffer, the slow axis (groups of 2) only top-k payloads."""
-  _, (_, _, state, compiled) = topk_psum_run
-  traffic = jaxcomp.collective_traffic(compiled)
+  _, run = topk_psum_run
+  state = run.state
+  traffic = jaxcomp.collective_traffic(run.compiled())
   by_group = {}
   for op in traffic.ops:
     by_group[op.group_size] = by_group.get(op.group_size, 0) + op.operand_bytes
@@ -125,7 +108,8 @@ def test_reduce_scatter_mass_and_slow_bytes(mesh):
   tx = jaxcomp.compressed_mean(
       "topk", AX, ratio=0.25,
       collective=Hierarchical(fast="reduce_scatter", inner="allgather"))
-  u, _, state, compiled = run(tx, g, mesh)
+  run = run_steps(tx, g, mesh, axis=AX, ref=True)
+  u, state, compiled = run.updates, run.state, run.compiled()
   e = np.asarray(concat_parts(state.feedback[0]))
   np.testing.assert_allclose(8 * np.asarray(u["w"]),
                              (np.asarray(g["w"]) - e).sum(0), rtol=1e-5,

@@ -6,14 +6,14 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
 import jaxcomp
 from jaxcomp.collectives import AllGatherMean, Auto, TwoPhase
 from jaxcomp._parts import concat as concat_parts
-from tests.helpers import run_pmap, run_shard_map, stacked
+from tests.exchange_helpers import exchange_traffic
+from tests.helpers import run_pmap, run_shard_map, run_steps
 
 P_DEV = 8
 # 37 and 5 are not multiples of 8; 5 and 3 are smaller than the device count.
@@ -117,18 +117,10 @@ def test_two_phase_error_accounting(mesh8, name, kwargs):
   tx = jaxcomp.compressed_mean(name, "data", collective="two_phase",
                                error_feedback=True, **kwargs)
   steps = [real_grads(10 + t, ((n,),)) for t in range(3)]
-  params = {"l0": jnp.zeros((n,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
-
-  def body(g, s):
-    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
+  run = run_steps(tx, steps, mesh8)
+  state = run.state
   sent = np.zeros(n)
-  for g in steps:
-    u, state = f(stacked(g, mesh8), state)
+  for u, _ in run.history:
     sent += np.asarray(u["l0"], np.float64)
   g_total = sum(np.asarray(g["l0"], np.float64) for g in steps)
   e = np.asarray(concat_parts(state.feedback[0]), np.float64)
@@ -138,27 +130,12 @@ def test_two_phase_error_accounting(mesh8, name, kwargs):
   assert np.max(np.abs(r2)) > 0  # phase 2 did lose something
 
 
-def _exchange_traffic(collective, comp, p, n):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("data",))
-
-  def f(x):
-    mean, _, _ = collective.exchange_buffer(
-        comp, x, jax.random.key(0), "data",
-        collective.init_buffer(comp, n, "data"))
-    return mean
-
-  x = jax.device_put(jnp.ones((p * n,)), NamedSharding(mesh, P("data")))
-  lowered = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                  out_specs=P())).lower(x)
-  return jaxcomp.collective_traffic(lowered.compile())
-
-
 @pytest.fixture(scope="module")
 def qsgd_traffic():
   comp = jaxcomp.compressors.get("qsgd", levels=4)
   n = 4000  # not a multiple of 8 * 512: padded chunks and partial buckets
   return comp, n, {
-      (name, p): _exchange_traffic(coll, comp, p, n)
+      (name, p): exchange_traffic(coll, comp, n, p)
       for p in (2, 4, 8)
       for name, coll in (("two_phase", TwoPhase()),
                          ("allgather", AllGatherMean()))}
@@ -212,7 +189,7 @@ class TestDefaults:
 
   def test_qsgd_default_two_phase_in_hlo(self):
     comp = jaxcomp.compressors.get("qsgd")
-    t = _exchange_traffic(Auto(), comp, 8, 4096)
+    t = exchange_traffic(Auto(), comp, 4096, 8)
     assert set(t.by_kind()) == {"all-to-all", "all-gather"}
     assert t.ring_bytes == TwoPhase().ring_bytes(comp, ((4096,),), {"data": 8})
 

@@ -3,9 +3,7 @@ traffic against all-gather of (index, value) pairs and dense psum."""
 
 import math
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -13,7 +11,8 @@ import jaxcomp
 from jaxcomp.collectives import AllGatherMean, PsumMean, Zen
 from jaxcomp.collectives.zen import hash_index, hash_multiplier, unhash_index
 from jaxcomp._parts import concat as concat_parts
-from tests.helpers import stacked
+from tests.exchange_helpers import exchange_traffic
+from tests.helpers import run_steps
 
 P_DEV = 8
 VOCAB, DIM, BATCH = 512, 8, 32  # embedding table 512 x 8, 32 lookups/device
@@ -37,27 +36,14 @@ def embedding_grads(seed, p=P_DEV):
 ZEN = Zen(density=DENSITY, capacity_factor=2.0, gather_capacity_factor=2.5)
 
 
-def _step_fn(tx, mesh, n):
-  params = {"e": jnp.zeros((n,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
-  def body(g, s):
-    u, s = tx.update({"e": g[0]}, jaxcomp.to_local(s, specs))
-    return u["e"], jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
-  return f, state
-
-
 def test_equals_dense_psum_when_capacity_suffices(mesh8):
   g = embedding_grads(0)
   # The skew makes the rows shared: far fewer distinct than 8 * 16.
   rows = np.unique(np.nonzero(g.reshape(P_DEV, VOCAB, DIM))[1])
   assert len(rows) < P_DEV * BATCH / 2
-  f, state = _step_fn(jaxcomp.compressed_mean("identity", "data",
-                                              collective=ZEN), mesh8, N)
-  mean, state = f(stacked(jnp.asarray(g), mesh8), state)
+  run = run_steps(jaxcomp.compressed_mean("identity", "data", collective=ZEN),
+                  {"e": jnp.asarray(g)}, mesh8)
+  mean, state = run.updates["e"], run.state
   np.testing.assert_array_equal(np.asarray(mean), g.sum(0) / P_DEV)
   np.testing.assert_array_equal(np.asarray(state.exchange_state[0]), 0.0)
 
@@ -68,15 +54,13 @@ def test_overflow_is_never_lost(mesh8):
   (integer values, division by 8), and every unit arrives eventually."""
   tiny = Zen(density=DENSITY, capacity_factor=0.25, gather_capacity_factor=0.5)
   tx = jaxcomp.compressed_mean("identity", "data", collective=tiny)
-  f, state = _step_fn(tx, mesh8, N)
   g = embedding_grads(1)
-  zero = stacked(jnp.zeros_like(jnp.asarray(g)), mesh8)
+  zero = {"e": jnp.zeros_like(jnp.asarray(g))}
   delivered = np.zeros(N, np.float64)
-  steps = [stacked(jnp.asarray(g), mesh8)] * 2 + [zero] * 30
+  steps = [{"e": jnp.asarray(g)}] * 2 + [zero] * 30
   leftovers = []
-  for t, x in enumerate(steps):
-    mean, state = f(x, state)
-    delivered += P_DEV * np.asarray(mean, np.float64)
+  for t, (u, state) in enumerate(run_steps(tx, steps, mesh8).history):
+    delivered += P_DEV * np.asarray(u["e"], np.float64)
     o = np.asarray(state.exchange_state[0], np.float64)
     sent_in = g.sum(0) * min(t + 1, 2)
     np.testing.assert_array_equal(delivered + o.sum(0), sent_in)
@@ -93,8 +77,8 @@ def test_topk_then_zen_keeps_both_errors(mesh8):
   tx = jaxcomp.compressed_mean("topk", "data", ratio=DENSITY / 2,
                                collective=Zen(density=DENSITY / 2,
                                               capacity_factor=0.5))
-  f, state = _step_fn(tx, mesh8, N)
-  mean, state = f(stacked(jnp.asarray(g), mesh8), state)
+  run = run_steps(tx, {"e": jnp.asarray(g)}, mesh8)
+  mean, state = run.updates["e"], run.state
   e = np.asarray(concat_parts(state.feedback[0]), np.float64)
   o = np.asarray(state.exchange_state[0], np.float64)
   assert np.abs(e).sum() > 0 and np.abs(o).sum() > 0
@@ -123,27 +107,14 @@ def test_hash_matches_exact_arithmetic_for_large_tables():
   assert hash_multiplier(m, 0) != hash_multiplier(m, 1)  # re-hashing
 
 
-def _traffic(collective, comp, n):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:P_DEV]), ("data",))
-
-  def f(x):
-    return collective.exchange_buffer(comp, x, jax.random.key(0), "data",
-                                    collective.init_buffer(comp, n, "data"))[0]
-
-  x = jax.device_put(jnp.ones((P_DEV * n,)), NamedSharding(mesh, P("data")))
-  return jaxcomp.collective_traffic(
-      jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                            out_specs=P())).lower(x).compile())
-
-
 def test_traffic_zen_below_allgather_below_psum(mesh8):
   """Measure: Traffic.ring_bytes from the compiled HLO, 8 devices, the
   skewed embedding gradient above (capacities that carry it exactly)."""
   ident = jaxcomp.compressors.get("identity")
   pairs = jaxcomp.compressors.get("topk", ratio=DENSITY)  # k = NNZ pairs
-  zen = _traffic(ZEN, ident, N)
-  gather = _traffic(AllGatherMean(), pairs, N)
-  dense = _traffic(PsumMean(), ident, N)
+  zen = exchange_traffic(ZEN, ident, N, P_DEV)
+  gather = exchange_traffic(AllGatherMean(), pairs, N, P_DEV)
+  dense = exchange_traffic(PsumMean(), ident, N, P_DEV)
   assert zen.ring_bytes == ZEN.ring_bytes(ident, ((N,),), {"data": P_DEV})
   assert zen.operand_bytes == ZEN.payload_bytes(ident, ((N,),), {"data": P_DEV})
   assert gather.ring_bytes == (P_DEV - 1) * 8 * NNZ

@@ -195,12 +195,7 @@ def test_multi_steps_names_a_gradient_leaf_its_accumulator_cannot_hold(mesh8):
   # made for is refused at trace time, naming the leaf, not broadcast into
   # the sum.
   tx = jaxcomp.multi_steps(_chain("identity"), 2)
-  state, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
-
-  def body(s):
-    g = {"w": jnp.ones((D, 3)), "b": jnp.ones((1,))}
-    return tx.update(jax.tree.map(lambda x: jaxcomp.to_varying(x, "data"), g),
-                     jaxcomp.to_local(s, specs))[0]["w"]
-
+  f, state, _ = sharded_update(tx, _params(), mesh8)
+  g = stacked({"w": jnp.ones((8, D, 3)), "b": jnp.ones((8, 1))}, mesh8)
   with pytest.raises(ValueError, match=r"gradient leaf \['b'\] has shape \(1,\).*\(3,\)"):
-    jax.eval_shape(jax.shard_map(body, mesh=mesh8, in_specs=(specs,), out_specs=P()), state)
+    jax.eval_shape(f, g, state)

@@ -11,7 +11,7 @@ import jaxcomp
 from jaxcomp.compressors import RandomK, Threshold, TopK
 from jaxcomp._parts import concat as concat_parts
 from tests.exchange_helpers import exchange_fn
-from tests.helpers import run_shard_map, sharded_update, stacked
+from tests.helpers import run_shard_map, run_steps
 
 N = 1000
 
@@ -97,15 +97,11 @@ def test_inject_hyperparams_schedules_what_is_sent(mesh8, xs, name):
 
   sched = optax.exponential_decay(0.2, 1, 0.5)
   tx = optax.inject_hyperparams(make)(ratio=sched)
-  f, state, _ = sharded_update(tx, {"w": jnp.zeros((N,))}, mesh8)
-  g = stacked({"w": xs}, mesh8)
-  nnz = []
-  for _ in range(3):
-    u, state = f(g, state)
-    nnz.append(int(jnp.sum(u["w"] != 0)))
+  run = run_steps(tx, {"w": xs}, mesh8, steps=3)
+  nnz = [int(jnp.sum(u["w"] != 0)) for u, _ in run.history]
   assert nnz == [200, 100, 50]
   # The wire keeps the capacity: 4 * ceil(0.2 * N) bytes every step.
-  traffic = jaxcomp.collective_traffic(f.lower(g, state).compile())
+  traffic = jaxcomp.collective_traffic(run.compiled())
   assert traffic.operand_bytes == 4 * 200
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomp
 from jaxcomp import fsdp
 
-from tests.helpers import stacked
+from tests.helpers import run_steps, stacked
 
 SHAPES = {"w": (13, 7), "b": (7,), "v": (300,)}  # 91, 7 and 300 elements: padded
 
@@ -31,19 +31,10 @@ def _per_device_grads(seed, p=8):
 def _shard_update(tx, mesh, steps):
   """Runs tx.update on per-device whole gradients ``steps`` (a list) and
   returns (each step's global shards, final state)."""
-  shards, shapes, state, specs = fsdp.init(tx, _params(), mesh)
-
-  def body(g, s, w):
-    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs), w)
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs, P("data")),
-                            out_specs=(P("data"), specs)))
-  outs = []
-  for g in steps:
-    u, state = f(stacked(g, mesh), state, shards)
-    outs.append(u)
-  return outs, state, specs
+  shards, _, state, specs = fsdp.init(tx, _params(), mesh)
+  run = run_steps(tx, steps, mesh, params=shards, init=(state, specs),
+                  params_spec=P("data"), updates_spec=P("data"))
+  return [u for u, _ in run.history], run.state, specs
 
 
 def _padded_mean_shards(g, p=8):

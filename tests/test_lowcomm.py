@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomp
 from jaxcomp import lowcomm
 from tests import legacy_demo
+from tests.helpers import run_steps, sharded_update, stacked
 
 SHAPES = {"w": (13, 7), "b": (7,)}
 
@@ -321,26 +322,11 @@ def _demo_reference(g, lr, topk, chunk, decay=0.999, delta=None):
   return -lr * np.sign(out), new_delta
 
 
-def _demo_update(tx, g, mesh, steps=1):
-  params = {"w": jnp.zeros(g.shape[1:])}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-
-  def body(g, s):
-    u, s = tx.update({"w": g[0]}, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), specs),
-                            out_specs=(P(), specs)))
-  g = jax.device_put(g, NamedSharding(mesh, P("data")))
-  for _ in range(steps):
-    u, state = f(g, state)
-  return u, state, f, g
-
-
 def test_demo_matches_the_reference_step(mesh8):
   g = np.asarray(jax.random.normal(jax.random.key(11), (8, 12, 10)), np.float32)
   tx = jaxcomp.demo(0.1, compression_topk=3, compression_chunk=4)  # chunks 4 x 5
-  u, state, _, _ = _demo_update(tx, jnp.asarray(g), mesh8)
+  run = run_steps(tx, {"w": jnp.asarray(g)}, mesh8)
+  u, state = run.updates, run.state
   want_u, want_delta = _demo_reference(g.astype(np.float64), 0.1, 3, 4)
   np.testing.assert_array_equal(np.asarray(u["w"]), want_u.astype(np.float32))
   np.testing.assert_allclose(
@@ -364,21 +350,13 @@ def test_demo_is_the_earlier_implementation_bit_for_bit(mesh8, kwargs):
             for k, s in shapes.items()}
   runs = []
   for tx in (jaxcomp.demo(**kwargs), legacy_demo.demo(**kwargs)):
-    state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
-
-    def body(g, s, p, tx=tx, specs=specs):
-      u, s = tx.update(jax.tree.map(lambda x: x[0], g),
-                       jaxcomp.to_local(s, specs), p)
-      return u, jaxcomp.to_global(s, specs)
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs, P()),
-                              out_specs=(P(), specs)))
+    f, state, _ = sharded_update(tx, params, mesh8, params_spec=P())
     p = jax.device_put(params, NamedSharding(mesh8, P()))
     out = []
     for t in range(3):
       g = {k: jax.random.normal(jax.random.key(100 * t + i), (8,) + s)
            for i, (k, s) in enumerate(sorted(shapes.items()))}
-      u, state = f(jax.device_put(g, NamedSharding(mesh8, P("data"))), state, p)
+      u, state = f(stacked(g, mesh8), state, p)
       p = optax.apply_updates(p, u)
       delta = (state.delta if isinstance(state, legacy_demo.DeMoState)
                else lowcomm.demo_momentum(state, params))
@@ -391,7 +369,8 @@ def test_demo_is_the_earlier_implementation_bit_for_bit(mesh8, kwargs):
 def test_demo_keeping_every_coefficient_sends_the_whole_momentum(mesh8):
   g = jax.random.normal(jax.random.key(12), (8, 16))
   tx = jaxcomp.demo(0.5, compression_topk=16, compression_chunk=16)
-  u, state, _, _ = _demo_update(tx, g, mesh8)
+  run = run_steps(tx, {"w": g}, mesh8)
+  u, state = run.updates, run.state
   np.testing.assert_allclose(
       np.asarray(lowcomm.demo_momentum(state, {"w": g[0]})["w"]), 0.0,
       atol=1e-6)
@@ -402,8 +381,7 @@ def test_demo_keeping_every_coefficient_sends_the_whole_momentum(mesh8):
 def test_demo_traffic_from_hlo(mesh8):
   g = jax.random.normal(jax.random.key(13), (8, 256, 192))
   tx = jaxcomp.demo(0.1)
-  _, state, f, gg = _demo_update(tx, g, mesh8)
-  traffic = jaxcomp.collective_traffic(f.lower(gg, state).compile())
+  traffic = jaxcomp.collective_traffic(run_steps(tx, {"w": g}, mesh8).compiled())
   sent = sum(o.operand_bytes for o in traffic.ops if o.kind == "all-gather")
   assert sent == lowcomm.demo_bytes({"w": g[0]}) == 8 * 32 * (256 // 64) * (192 // 64)
   assert sent * 64 == 256 * 192 * 4  # 64x fewer than float32 at the defaults
@@ -430,7 +408,7 @@ def test_demo_trains_and_refuses_bad_input(mesh8):
 
 def test_demo_statistics(mesh8):
   g = jax.random.normal(jax.random.key(14), (8, 256, 192))
-  _, state, _, _ = _demo_update(jaxcomp.demo(0.1), g, mesh8)
+  state = run_steps(jaxcomp.demo(0.1), {"w": g}, mesh8).state
   stats = jaxcomp.get_stats(state)
   assert float(stats.bytes_sent) == lowcomm.demo_bytes({"w": g[0]})
   assert float(stats.compression_factor) == 64.0

@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from tests.helpers import run_shard_map
+from tests.helpers import run_shard_map, sharded_update, stacked
 
 
 def _loss(p, batch):
@@ -53,13 +53,9 @@ def test_axis_mismatch_names_both_axes():
 ])
 def test_state_of_another_model_names_the_leaf(mesh8, other, match):
   tx = jaxcomp.compressed_mean("topk", "data")
-  state, specs = jaxcomp.init_sharded(tx, other, mesh8, "data")
-  f = jax.jit(jax.shard_map(
-      lambda g, s: tx.update(g, jaxcomp.to_local(s, specs))[0], mesh=mesh8,
-      in_specs=(P("data"), specs), out_specs=P()))
-  g = jax.device_put({"w": jnp.ones((8, 4))}, NamedSharding(mesh8, P("data")))
+  f, state, _ = sharded_update(tx, other, mesh8)
   with pytest.raises(ValueError, match=match):
-    f(g, state)
+    f(stacked({"w": jnp.ones((8, 4))}, mesh8), state)
 
 
 @pytest.mark.parametrize("name,kwargs", [

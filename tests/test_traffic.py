@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
-import numpy as np
 import optax
 import pytest
 
 import jaxcomp
 from examples.fashion_mnist.train import CNN
+from tests.exchange_helpers import exchange_traffic
 
 
 def _train_step_traffic(mesh, compressor, lowered=False, **kwargs):
@@ -99,20 +99,9 @@ def test_bf16_payload_in_lowered_program(mesh8, identity_traffic):
 
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_allgather_ring_bytes_grow_with_devices(p):
-  devices = np.array(jax.devices()[:p])
-  mesh = jax.sharding.Mesh(devices, ("data",))
   comp = jaxcomp.compressors.get("topk", ratio=0.1)
   n = 1000
-
-  def f(x):
-    mean, _, _ = jaxcomp.collectives.AllGatherMean().exchange_buffer(
-        comp, x, jax.random.key(0), "data")
-    return mean
-
-  lowered = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                  out_specs=P())).lower(
-      jax.device_put(jnp.zeros((p * n,)), NamedSharding(mesh, P("data"))))
-  traffic = jaxcomp.collective_traffic(lowered.compile())
+  traffic = exchange_traffic(jaxcomp.collectives.AllGatherMean(), comp, n, p)
   assert traffic.operand_bytes == comp.payload_bytes(n) == 8 * 100
   assert traffic.ring_bytes == (p - 1) * comp.payload_bytes(n)
   for op in traffic.ops:
