@@ -299,8 +299,16 @@ class KernelOps:
 
   @property
   def per_input_element(self) -> float:
-    """Element operations per input element: work per byte read, roughly."""
+    """Element operations per input element (roughly the work per byte
+    read)."""
     return self.element_ops / max(1, self.block_input_elements)
+
+
+def _kernel_name(body) -> str:
+  """The kernel's name, from its body's debug info (``"name at file:line"``,
+  the function Pallas traced), else ``"kernel"``."""
+  info = getattr(getattr(body, "debug_info", None), "func_src_info", None)
+  return str(info).split(" at ")[0] if info else "kernel"
 
 
 def kernel_ops(fn, *args) -> list[KernelOps]:
@@ -330,14 +338,15 @@ def kernel_ops(fn, *args) -> list[KernelOps]:
 
   out = []
   for eqn, branch in calls(jax.make_jaxpr(fn)(*args).jaxpr):
+    body, = jax.extend.core.jaxprs_in_params(eqn.params)
     by = collections.Counter()
-    ops = count(eqn.params["jaxpr"], by)
-    gm = eqn.params["grid_mapping"]
-    size = max(math.prod(getattr(d, "block_size", d) for d in bm.block_shape)
-               for bm in gm.block_mappings[:gm.num_inputs])
-    name = eqn.params.get("name") or getattr(
-        eqn.params.get("name_and_src_info"), "name", "kernel")
-    out.append(KernelOps(name=name, ops=ops, element_ops=sum(by.values()),
+    ops = count(body, by)
+    # The body's first refs are the inputs' blocks (scalar-prefetch operands
+    # whole, then one block per input), one per operand of the call.
+    size = max(math.prod(getattr(v.aval, "shape", ()))
+               for v in body.invars[:len(eqn.invars)])
+    out.append(KernelOps(name=_kernel_name(body), ops=ops,
+                         element_ops=sum(by.values()),
                          block_input_elements=size, by_primitive=dict(by),
                          in_branch=branch))
   return out
