@@ -15,6 +15,10 @@ instead and run the step per device under ``jax.shard_map``:
   the optimizer in place. With ``Optimizer(..., fsdp=True)`` the model's
   parameters are flat shards (:mod:`jaxcomp.fsdp`), gathered inside the
   step; :func:`unsharded` gives a whole copy.
+* NNX in a ``jax.jit`` step over GSPMD-sharded parameters (model axes,
+  or FSDP x tensor parallelism as MaxText's NNX models shard them):
+  :class:`ValueAndGrad`, the :func:`jaxcomp.compressed_value_and_grad`
+  route for an ``nnx.Module``, beside a plain ``nnx.Optimizer``.
 * Linen: :func:`create_train_state` (a ``flax.training.train_state.
   TrainState`` with the state placed per device) and
   :func:`train_state_step`, which wraps a per-device ``step(state, batch)``
@@ -39,6 +43,7 @@ from flax.training import train_state as linen_train_state
 
 from jaxcomp import _mesh
 from jaxcomp import fsdp as fsdp_lib
+from jaxcomp import jit as jit_lib
 from jaxcomp import placement
 from jaxcomp import steps
 from jaxcomp.fsdp._layout import FSDP
@@ -440,3 +445,118 @@ def train_state_step(step_fn: Callable, *, mesh, opt_specs,
     return rest.replace(opt_state=opt_state), aux
 
   return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+
+class ValueAndGrad:
+  """``nnx.value_and_grad`` whose gradient is a compressed mean over the
+  data axes, for an NNX model whose parameters GSPMD shards: the
+  :class:`jaxcomp.CompressedValueAndGrad` route (model axes, or FSDP x
+  tensor parallelism, MaxText's ``("data", "fsdp", "tensor")`` mesh with
+  ``nnx.Param`` s annotated ``("fsdp", "tensor")``) on the model's ``wrt``
+  variables. The model is split with ``nnx.split(model, wrt, ...)``; the
+  loss runs on the model merged from them, each device on its share of the
+  batch; the gradient is an ``nnx.State`` placed like the parameters, for
+  a plain ``nnx.Optimizer``'s ``update(model, grads)``.
+
+  The model's other variables are read, not updated, by this route:
+  ``loss_fn`` may not change them (BatchNorm statistics in training mode,
+  an ``nnx.Rngs`` stream drawn for dropout); use :class:`Optimizer` with
+  :func:`train_step` for such models.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch) -> loss`` (this device's mean over
+      its share of the batch), or ``(loss, aux)`` with ``has_aux``.
+    transform: one :func:`jaxcomp.compressed_mean` over ``axis_name`` (or
+      a chain of them where no parameter is sharded over a data axis).
+    mesh: the device mesh (``AxisType.Auto`` model axes).
+    axis_name: the data-parallel axis or axes (FSDP x tensor parallelism:
+      ``("data", "fsdp")``).
+    wrt: the variables differentiated (default ``nnx.Param``).
+    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Raises:
+    ValueError: as :class:`jaxcomp.CompressedValueAndGrad` (bad axes,
+      parameters sharded over data axes in two dimensions, a transform
+      that cannot reduce-scatter such a leaf); when traced, a ``loss_fn``
+      that changes variables other than ``wrt``, naming them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp, jaxcomp.flax
+    >>> from flax import nnx
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> model = nnx.Linear(4, 1, use_bias=False, rngs=nnx.Rngs(0))
+    >>> def loss_fn(model, batch):
+    ...   return jnp.mean(model(batch) ** 2)
+    >>> grad_fn = jaxcomp.flax.ValueAndGrad(
+    ...     loss_fn, jaxcomp.compressed_mean("bf16", "data"), mesh)
+    >>> comp_state = grad_fn.init(model)
+    >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, comp_state, batch):
+    ...   (loss, grads), comp_state = grad_fn(model, comp_state, batch)
+    ...   optimizer.update(model, grads)
+    ...   return loss, comp_state
+    >>> batch = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> loss, comp_state = train_step(model, optimizer, comp_state, batch)
+    >>> model.kernel.value.shape
+    (4, 1)
+  """
+
+  def __init__(self, loss_fn: Callable, transform, mesh, *,
+               axis_name: AxisName = "data", wrt: Any = nnx.Param,
+               batch_spec: Any = None, has_aux: bool = False):
+    self.loss_fn, self.wrt = loss_fn, wrt
+    self._graphdef = None
+    self.batch_spec = P(axis_name) if batch_spec is None else batch_spec
+    self._functional = jit_lib.CompressedValueAndGrad(
+        self._loss, transform, mesh, axis_name=axis_name, has_aux=has_aux,
+        batch_spec=self.batch_spec)
+
+  def _loss(self, params, inputs):
+    """The functional loss: the model merged from ``params`` and the other
+    variables (which it may not change)."""
+    rest, batch = inputs
+    # Fresh variables at this trace level (those that came in belong to the
+    # caller's, where NNX would refuse a change as a TraceContextError).
+    rest = jax.tree.map(lambda x: x, rest)
+    before = dict(jax.tree_util.tree_leaves_with_path(rest))
+    graphdef = self._graphdef
+    assert graphdef is not None, "set by __call__ before the loss is traced"
+    model = nnx.merge(graphdef, params, rest)
+    out = self.loss_fn(model, batch)
+    _, _, after = nnx.split(model, self.wrt, ...)
+    changed = [jax.tree_util.keystr(k) for k, v in
+               jax.tree_util.tree_leaves_with_path(after)
+               if before.get(k) is not v]
+    if changed:
+      raise ValueError(
+          f"loss_fn changed the model's variables {changed[:4]} besides "
+          f"wrt={self.wrt!r}: jaxcomp.flax.ValueAndGrad reads those, it does "
+          "not update them (BatchNorm statistics, dropout's nnx.Rngs); train "
+          "such a model with jaxcomp.flax.Optimizer and jaxcomp.flax."
+          "train_step, or keep them out of the loss")
+    return out
+
+  def init(self, model):
+    """The transform's state for the model's ``wrt`` variables (read with
+    their ``NamedSharding`` s, which the step keeps); see
+    :meth:`jaxcomp.CompressedValueAndGrad.init`."""
+    _, params, _ = nnx.split(model, self.wrt, ...)
+    return self._functional.init(params)
+
+  def __call__(self, model, state, batch):
+    """``((loss, grads), state)``: the loss (and aux) averaged over the
+    devices, the compressed mean of the per-device gradients as an
+    ``nnx.State`` of the ``wrt`` variables, and the transform's new
+    state."""
+    graphdef, params, rest = nnx.split(model, self.wrt, ...)
+    # The loss reads the graph when traced; the other variables go in
+    # replicated over the data axes beside the batch.
+    self._graphdef = graphdef
+    self._functional.batch_spec = (jax.tree.map(lambda _: P(), rest),
+                                   self.batch_spec)
+    return self._functional(params, state, (rest, batch))
+

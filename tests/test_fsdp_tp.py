@@ -6,6 +6,7 @@ compressor, then averaged over ``data``; the parameters keep their
 shardings; compute, arguments, collectives and bytes are read from the
 compiled modules against the plain GSPMD step's."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -14,6 +15,7 @@ import optax
 import pytest
 
 import jaxcomp
+import jaxcomp.flax
 
 D, H = 64, 128
 DATA = ("data", "fsdp")
@@ -181,3 +183,84 @@ def test_a_transform_that_cannot_reduce_scatter_is_refused_by_name():
     grad_fn = jaxcomp.compressed_value_and_grad(_loss, tx, mesh, axis_name=DATA)
     with pytest.raises(ValueError, match=rf"sharded over the data axes \('fsdp',\).*{why}"):
       grad_fn.init(params)
+
+
+class _MLP(nnx.Module):
+  """The test's MLP as an NNX model whose parameters GSPMD shards as
+  MaxText's NNX models are sharded (FSDP x tensor)."""
+
+  def __init__(self, mesh):
+    for k, v in _params(mesh).items():
+      setattr(self, k, nnx.Param(v))
+    self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+  def __call__(self, x):
+    h = jax.nn.relu((x * self.scale[...][None]) @ self.w1[...])
+    return h @ self.w2[...] + self.b[...][None]
+
+
+def _nnx_loss(model, batch):
+  x, y = batch
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def _nnx_step(grad_fn):
+  @nnx.jit
+  def step(model, optimizer, comp_state, batch):
+    (loss, grads), comp_state = grad_fn(model, comp_state, batch)
+    optimizer.update(model, grads)
+    return loss, comp_state
+  return step
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("compressor", ["identity", "int8_block"])
+def test_nnx_route_is_the_functional_route(shape, compressor):
+  """jaxcomp.flax.ValueAndGrad on an nnx.Module with FSDP x tensor
+  parameters, stepped by a plain nnx.Optimizer in nnx.jit, gives the
+  functional route's parameters bit for bit (and with identity the plain
+  GSPMD step's); the parameters keep their shardings."""
+  mesh = _mesh(shape)
+  model = _MLP(mesh)
+  tx = jaxcomp.compressed_mean(compressor, DATA)
+  grad_fn = jaxcomp.flax.ValueAndGrad(_nnx_loss, tx, mesh, axis_name=DATA)
+  comp_state = grad_fn.init(model)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  step = _nnx_step(grad_fn)
+  functional = jaxcomp.compressed_value_and_grad(_loss, tx, mesh, axis_name=DATA)
+  params = _params(mesh)
+  f_state = functional.init(params)
+  f_step = _compressed(functional)
+  plain = _params(mesh)
+  for i in range(3):
+    b = _batch(mesh, seed=i)
+    loss, comp_state = step(model, optimizer, comp_state, b)
+    params, f_state, f_loss = f_step(params, f_state, b)
+    plain, _ = _plain(plain, b)
+    assert float(loss) == float(f_loss)
+  for k in SPECS:
+    got = getattr(model, k)[...]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(params[k]))
+    if compressor == "identity":
+      np.testing.assert_allclose(np.asarray(got), np.asarray(plain[k]),
+                                 rtol=1e-5, atol=1e-6)
+    assert got.sharding.is_equivalent_to(params[k].sharding, got.ndim), k
+
+
+def test_nnx_route_refuses_a_loss_that_changes_other_variables():
+  """The route reads the model's other variables; a loss that updates one
+  (a counter here, BatchNorm statistics in a real model) is refused when
+  traced, by name, instead of losing the update."""
+  mesh = _mesh(MESHES[0])
+  model = _MLP(mesh)
+
+  def counting(model, batch):
+    model.calls[...] += 1
+    return _nnx_loss(model, batch)
+
+  grad_fn = jaxcomp.flax.ValueAndGrad(
+      counting, jaxcomp.compressed_mean("identity", DATA), mesh, axis_name=DATA)
+  comp_state = grad_fn.init(model)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  with pytest.raises(ValueError, match=r"changed the model's variables.*calls"):
+    _nnx_step(grad_fn)(model, optimizer, comp_state, _batch(mesh))
