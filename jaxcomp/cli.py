@@ -191,7 +191,8 @@ def _print_table(header, rows, out):
 
 def _run_whatif(args) -> int:
   out = sys.stdout
-  profile = perfmodel.load_profile(args.profile, tflops=args.tflops)
+  profile = perfmodel.load_profile(args.profile, tflops=args.tflops).tensor_parallel(
+      args.tensor_parallel)
   network = _network(args)
   comps = _build_compressors(args.compressors)
   codecs, codec_note = _codecs(args, comps)
@@ -229,7 +230,11 @@ def _run_whatif(args) -> int:
            "islands": "; DiLoCo islands (exact data parallelism inside a node, "
            "pseudo-gradients compressed across nodes; dense: data parallelism)",
            "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
-           "of the pseudo-gradient across nodes; dense: HSDP)"}[output], file=out)
+           "of the pseudo-gradient across nodes; dense: HSDP)"}[output]
+        + (f"; tensor parallelism over {args.tensor_parallel} devices (each worker "
+           f"exchanges its 1/{args.tensor_parallel} of every tensor; the tensor axis's "
+           "activation collectives are not priced)" if args.tensor_parallel > 1 else ""),
+        file=out)
   print(codec_note, file=out)
   print(file=out)
   rows = []
@@ -352,6 +357,12 @@ def _add_whatif(sub):
                  "each compressor); islands (needs --algorithm hierarchical: DiLoCo "
                  "across nodes every --diloco-every steps, exact data parallelism "
                  "inside); islands-fsdp (the same with FSDP inside each node)")
+  p.add_argument("--tensor-parallel", type=_positive_int("tensor-parallel degree"), default=1,
+                 metavar="T",
+                 help="tensor parallelism over T devices besides the data-parallel "
+                 "--workers (FSDP x tensor with --sharding fsdp/hsdp, MaxText's mesh): "
+                 "each worker holds, computes and exchanges 1/T of every tensor; the "
+                 "tensor axis's activation collectives are not priced (default 1)")
   p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
                  help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,

@@ -96,6 +96,7 @@ def test_whatif_codec_file(tmp_path, capsys):
     (["--sharding", "hsdp"], "pass --algorithm hierarchical"),
     (["--sharding", "fsdp", "-c", "powersgd"], "cannot use 'powersgd'"),
     (["--sharding", "fsdp", "--diloco-every", "4"], "drop --sharding fsdp"),
+    (["--tensor-parallel", "0"], "tensor-parallel degree must be an integer >= 1"),
 ])
 def test_whatif_bad_input(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -247,3 +248,33 @@ def test_whatif_buckets_auto_is_compressed_means_default(capsys):
   big = [i for i, n in enumerate(prof.layer_sizes) if 4 * n >= 1_000_000]
   assert all([i] in plan for i in big)  # each large tensor alone
   assert len(plan) < len(prof.layer_sizes) // 2  # the small ones packed
+
+
+def test_whatif_prices_fsdp_by_tensor_parallelism(capsys):
+  # --tensor-parallel T with --sharding hsdp (MaxText's (data, fsdp, tensor)
+  # mesh: fsdp inside a node, data across): compare's rows for the profile
+  # each device holds (profile.tensor_parallel(T)); every worker exchanges
+  # half the bytes at T = 2.
+  args = ["whatif", "--profile", "gpt2-small", "-p", "16", "-b", "1", "--algorithm",
+          "hierarchical", "--workers-per-node", "8", "-c", "int8_block",
+          "--sharding", "hsdp", *FAST]
+  one, two = _table(cli_out(args)), _table(cli_out(args + ["--tensor-parallel", "2"]))
+  out = cli_out(args + ["--tensor-parallel", "2"])
+  assert "tensor parallelism over 2 devices" in out
+  net = pm.Network(16, pm.Link.from_bandwidth(1, 50e-6), "hierarchical", 8,
+                   pm.Link.from_bandwidth(1200, 5e-6))
+  from jaxcomp import compressors
+  profile = pm.builtin_profile("gpt2-small")
+  want = pm.compare(profile.tensor_parallel(2),
+                    {"int8_block": compressors.get("int8_block")}, net,
+                    buckets="mgwfbp", output="hsdp")
+  for name in ("dense", "int8_block"):
+    assert float(two[name]["step_ms"]) == pytest.approx(want[name].step_time * 1e3, abs=0.06)
+    assert float(two[name]["MB/worker"]) == pytest.approx(
+        float(one[name]["MB/worker"]) / 2, rel=0.01)
+  assert profile.tensor_parallel(1) is profile
+  tp = profile.tensor_parallel(3)
+  assert tp.layer_sizes == tuple(-(-n // 3) for n in profile.layer_sizes)
+  assert tp.compute_time == pytest.approx(profile.compute_time / 3)
+  with pytest.raises(ValueError, match="degree .* integer >= 1"):
+    profile.tensor_parallel(0)

@@ -233,6 +233,48 @@ class ModelProfile:
         forward_time=self.forward_time * factor,
         update_time=self.update_time * factor)
 
+  def tensor_parallel(self, degree: int) -> ModelProfile:
+    """The model as each device of a tensor-parallel group of ``degree``
+    devices holds it (Megatron-LM's layout, the ``tensor`` axis of
+    MaxText's ``(data, fsdp, tensor)`` mesh): every gradient tensor split
+    ``degree`` ways (``ceil(n / degree)`` elements per device) and the
+    compute times divided by ``degree``. The data-parallel exchange
+    (replicated, ``"shard"``, ``"hsdp"``) then prices one device's shard of
+    every tensor, as :class:`jaxcomp.CompressedValueAndGrad` compresses it.
+
+    The tensor axis's own collectives (the activations' all-reduces inside
+    the forward and backward passes, the same with and without
+    compression) are not priced: the real step is longer by them, so the
+    share of the step that compression can save is smaller than predicted
+    (an upper bound on its speedup). Tensors that are replicated over the
+    tensor axis (norm scales, biases) are split too.
+
+    Args:
+      degree: devices in the tensor-parallel group, an integer >= 1.
+
+    Raises:
+      ValueError: ``degree`` is not an integer >= 1.
+
+    Example:
+      >>> from jaxcomp import perfmodel
+      >>> p = perfmodel.ModelProfile("mlp", (1000, 10), (2e-3, 1e-4), 1e-3)
+      >>> tp = p.tensor_parallel(4)
+      >>> tp.layer_sizes, round(tp.compute_time * 1e3, 3)
+      ((250, 3), 0.775)
+    """
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+      raise ValueError(f"degree (tensor parallelism) must be an integer >= 1, "
+                       f"got {degree!r}")
+    if degree == 1:
+      return self
+    return dataclasses.replace(
+        self, name=f"{self.name} / tensor {degree}",
+        layer_sizes=tuple(-(-n // degree) for n in self.layer_sizes),
+        backward_times=tuple(t / degree for t in self.backward_times),
+        forward_time=self.forward_time / degree,
+        update_time=self.update_time / degree,
+        meta={**self.meta, "tensor_parallel": degree})
+
   def to_dict(self) -> dict:
     return {
         "name": self.name,
