@@ -140,3 +140,26 @@ def examples(fraction: float, least: int = 4) -> int:
   Hypothesis profile's (``tests/conftest.py``), at least ``least``."""
   from hypothesis import settings  # pylint: disable=g-import-not-at-top
   return max(least, round(settings().max_examples * fraction))
+
+
+def gspmd_sgd_steps(loss_fn, lr: float = 0.1):
+  """``(plain, compressed)``: the plain GSPMD SGD step of ``loss_fn``
+  (``plain(params, batch) -> (params, loss)``, jitted) and
+  ``compressed(grad_fn)``, the same step with the gradient line of a
+  :func:`jaxcomp.compressed_value_and_grad` (``step(params, comp_state,
+  batch) -> (params, comp_state, loss)``, jitted)."""
+  update = lambda params, grads: jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+  @jax.jit
+  def plain(params, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    return update(params, grads), loss
+
+  def compressed(grad_fn):
+    @jax.jit
+    def step(params, comp_state, batch):
+      (loss, grads), comp_state = grad_fn(params, comp_state, batch)
+      return update(params, grads), comp_state, loss
+    return step
+
+  return plain, compressed

@@ -16,6 +16,7 @@ import pytest
 
 import jaxcomp
 import jaxcomp.flax
+from tests.helpers import gspmd_sgd_steps
 
 D, H = 64, 128
 DATA = ("data", "fsdp")
@@ -59,19 +60,7 @@ def _batch(mesh, seed=1, n=32):
   return jax.device_put((x, jnp.tanh(x)), NamedSharding(mesh, P(DATA)))
 
 
-@jax.jit
-def _plain(params, batch):
-  loss, grads = jax.value_and_grad(_loss)(params, batch)
-  return optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, grads)), loss
-
-
-def _compressed(grad_fn):
-  @jax.jit
-  def step(params, comp_state, batch):
-    (loss, grads), comp_state = grad_fn(params, comp_state, batch)
-    return (optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, grads)),
-            comp_state, loss)
-  return step
+_plain, _compressed = gspmd_sgd_steps(_loss)
 
 
 def _cost(compiled):

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import numpy as np
-import optax
 import pytest
 
 import jaxcomp
+from tests.helpers import gspmd_sgd_steps
 from jaxcomp import compressors
 
 D, H = 64, 256
@@ -56,21 +56,7 @@ def _batch(mesh, data, n=64, seed=1):
   return jax.device_put((x, y), NamedSharding(mesh, P(data)))
 
 
-
-
-
-@jax.jit
-def _plain(params, batch):
-  loss, grads = jax.value_and_grad(_loss)(params, batch)
-  return optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, grads)), loss
-
-
-def _compressed(grad_fn):
-  @jax.jit
-  def step(params, comp_state, batch):
-    (loss, grads), comp_state = grad_fn(params, comp_state, batch)
-    return optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, grads)), comp_state, loss
-  return step
+_plain, _compressed = gspmd_sgd_steps(_loss)
 
 
 def _cost(compiled):
