@@ -21,6 +21,10 @@ _HOMES = {
     "to_local": placement, "to_varying": _mesh, "varying_axes": _mesh,
 }
 
+# jaxcomp re-exports each of these names but step_loss, which only its
+# home names (jaxcomp.steps.step_loss).
+_NOT_IN_JAXCOMP = frozenset({"step_loss"})
+
 __all__ = [
     "CompressedValueAndGrad", "compressed_value_and_grad", "init_sharded",
     "make_train_step", "per_device_grad", "per_device_value_and_grad",
@@ -33,7 +37,9 @@ def __getattr__(name: str):
   home = _HOMES.get(name)
   if home is None:
     raise AttributeError(f"module 'jaxcomp.sharding' has no attribute {name!r}")
+  use = (f"{home.__name__}.{name}" if name in _NOT_IN_JAXCOMP
+         else f"jaxcomp.{name}")
   warnings.warn(
-      f"jaxcomp.sharding is deprecated: use jaxcomp.{name} (defined in "
+      f"jaxcomp.sharding is deprecated: use {use} (defined in "
       f"{home.__name__})", DeprecationWarning, stacklevel=2)
   return getattr(home, name)

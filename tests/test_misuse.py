@@ -1,6 +1,9 @@
 """Misuse is caught at trace time or construction, with a message that
 names what to do ([integration] item 5)."""
 
+import importlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +134,15 @@ def test_the_sharding_module_is_deprecated_and_names_each_home():
   assert make_train_step is jaxcomp.make_train_step
   with pytest.raises(AttributeError, match="no attribute 'nothing'"):
     jaxcomp.sharding.nothing  # noqa: B018
+  # Each warning names a place where the name is found, the same object.
+  for name in jaxcomp.sharding.__all__:
+    with pytest.warns(DeprecationWarning) as caught:
+      old = getattr(jaxcomp.sharding, name)
+    found = re.search(r"use (\S+) \(", str(caught[0].message))
+    assert found, caught[0].message
+    use = found.group(1)
+    module, _, attr = use.rpartition(".")
+    assert getattr(importlib.import_module(module), attr) is old, use
 
 
 @pytest.mark.parametrize("kwargs", [

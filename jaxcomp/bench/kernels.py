@@ -266,6 +266,124 @@ def _fmt(v):
   return "-" if v is None else f"{v:.2f}"
 
 
+def _import_torch(args: argparse.Namespace):
+  """PyTorch where ``--torch`` asks for it and it is importable, else None."""
+  if not args.torch:
+    return None
+  try:
+    # Optional (--torch): not a dependency.
+    import torch  # pylint: disable=import-outside-toplevel  # pyright: ignore[reportMissingImports]
+  except ImportError:
+    print("--torch: PyTorch is not importable; skipping its baselines")
+    return None
+  return torch
+
+
+@dataclasses.dataclass
+class _Run:
+  """One run of the benchmark: its settings and the rows measured so far.
+
+  Attributes:
+    args: the command line.
+    gpu: whether the backend is a GPU (the calls are then unrolled).
+    calls: calls per trial (``--calls``, or its default).
+    meta: what the run is (device, date, JAX version, arguments), printed
+      first and written with the rows.
+    rows: one dict per row printed.
+  """
+  args: argparse.Namespace
+  gpu: bool
+  calls: int
+  meta: dict[str, Any]
+  rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+  def measure(self, fn, inputs, sync=None, extra=()):
+    """``(seconds per call, None)``, or ``(None, error)`` where ``fn``
+    fails (its traceback printed)."""
+    try:
+      if sync is None:  # a JAX function
+        return time_calls(fn, inputs, repeats=self.args.repeats,
+                          calls=self.calls, extra=extra,
+                          unrolled=self.gpu), None
+      return time_calls(fn, inputs, repeats=self.args.repeats,
+                        calls=self.calls * len(inputs), sync=sync), None
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      first = (str(e).splitlines() or [""])[0][:200]
+      return None, f"{type(e).__name__}: {first}"
+
+  def emit(self, dtype, op, impl, n, seconds, nbytes, base, error=None):
+    """Records, writes (``--json``) and prints one row; ``base`` holds the
+    baselines' seconds that the ratios divide by."""
+    row = {"dtype": dtype, "op": op, "impl": impl, "n": n,
+           "seconds": seconds, "bytes": nbytes, "error": error}
+    if seconds is not None:
+      row["gb_per_s"] = nbytes / seconds / 1e9
+      for key in ("copy", "top_k", "ref", "torch"):
+        b = base.get(key)
+        row[f"ratio_{key}"] = None if b is None else (
+            seconds / b if key == "copy" else b / seconds)
+    self.rows.append(row)
+    if self.args.json:  # after every row, so a run cut short keeps what it has
+      with open(self.args.json, "w", encoding="utf-8") as f:
+        json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+    if error is not None:
+      print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} FAILED: {error}")
+      return
+    assert seconds is not None  # measure() times or fails
+    print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} {seconds * 1e3:>9.3f} "
+          f"{row['gb_per_s']:>8.1f} {_fmt(row['ratio_copy']):>7} "
+          f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "
+          f"{_fmt(row['ratio_torch']):>8}")
+
+
+def _time_baselines(run: _Run, torch, dname: str, n: int, k: int, xs: list
+                    ) -> dict[str, float | None]:
+  """Times and prints the baselines at one dtype and size: the copy
+  ``x * 2``, ``lax.top_k`` (with top-k ops), and PyTorch's copy and
+  ``torch.topk`` (``--torch`` on a GPU). Returns their seconds by key
+  (``copy``, ``top_k``, ``torch``)."""
+  itemsize = jnp.dtype(DTYPES[dname]).itemsize
+  base: dict[str, float | None] = {}
+  t, err = run.measure(jax.jit(lambda x: x * 2), xs)
+  base["copy"] = t
+  run.emit(dname, "copy x*2", "xla", n, t, 2 * n * itemsize, base, err)
+  topk_bytes = n * itemsize + 8 * k
+  with_topk = bool(set(TOPK_OPS) & set(run.args.ops))
+  if with_topk:
+    t, err = run.measure(jax.jit(lambda x: jax.lax.top_k(jnp.abs(x), k)), xs)
+    base["top_k"] = t
+    run.emit(dname, "lax.top_k", "xla", n, t, topk_bytes, base, err)
+  if torch is not None and run.gpu:
+    txs = [torch.from_dlpack(x) for x in xs]
+    sync = lambda _: torch.cuda.synchronize()
+    t, err = run.measure(lambda x: x * 2, txs, sync)
+    run.emit(dname, "copy x*2", "torch", n, t, 2 * n * itemsize, base, err)
+    if with_topk:
+      t, err = run.measure(lambda x: torch.topk(x.abs(), k), txs, sync)
+      base["torch"] = t
+      run.emit(dname, "torch.topk", "torch", n, t, topk_bytes, base, err)
+    del txs
+  return base
+
+
+def _time_op(run: _Run, op: str, impls: list[str], dname: str, n: int,
+             k: int, xs: list, base: dict[str, float | None]) -> None:
+  """Times and prints ``op``'s reference and each of its cases whose
+  implementation is in ``impls`` (or ``auto``), against ``base``."""
+  tbase = dict(base) if op in TOPK_OPS else {"copy": base["copy"]}
+  itemsize = jnp.dtype(DTYPES[dname]).itemsize
+  c = op_cases(op, n=n, k=k, itemsize=itemsize, args=run.args)
+  t, err = run.measure(c.reference, xs, extra=c.extra)
+  tbase["ref"] = t
+  run.emit(dname, op, "reference", n, t, c.nbytes, tbase, err)
+  for label, fn in c.cases.items():
+    if label.split(":")[0] not in impls + ["auto"]:
+      continue
+    t, err = run.measure(fn, xs, extra=c.extra)
+    run.emit(dname, op, label, n, t, c.nbytes, tbase, err)
+
+
 def main(args: argparse.Namespace) -> int:
   gpu = _on_gpu()
   impls = {"auto": ["xla"] + (["pallas"] if gpu else []), "xla": ["xla"],
@@ -274,13 +392,7 @@ def main(args: argparse.Namespace) -> int:
   calls = args.calls or (3 if gpu else 1)
   cache_bytes = args.cache_bytes if args.cache_bytes is not None else (
       int(2e8) if gpu else 0)
-  torch = None
-  if args.torch:
-    try:
-      # Optional (--torch): not a dependency.
-      import torch  # pylint: disable=import-outside-toplevel  # pyright: ignore[reportMissingImports]
-    except ImportError:
-      print("--torch: PyTorch is not importable; skipping its baselines")
+  torch = _import_torch(args)
   device = jax.devices()[0]
   meta = {"backend": jax.default_backend(),
           "device": getattr(device, "device_kind", str(device)),
@@ -291,42 +403,7 @@ def main(args: argparse.Namespace) -> int:
           "torch": None if torch is None else torch.__version__}
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
   print(HEADER)
-  rows: list[dict[str, Any]] = []
-
-  def emit(dtype, op, impl, n, seconds, nbytes, base, error=None):
-    row = {"dtype": dtype, "op": op, "impl": impl, "n": n,
-           "seconds": seconds, "bytes": nbytes, "error": error}
-    if seconds is not None:
-      row["gb_per_s"] = nbytes / seconds / 1e9
-      for key in ("copy", "top_k", "ref", "torch"):
-        b = base.get(key)
-        row[f"ratio_{key}"] = None if b is None else (
-            seconds / b if key == "copy" else b / seconds)
-    rows.append(row)
-    if args.json:  # after every row, so a run cut short keeps what it has
-      with open(args.json, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    if error is not None:
-      print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} FAILED: {error}")
-      return
-    assert seconds is not None  # measure() times or fails
-    print(f"{dtype:<5} {op:<13} {impl:<18} {n:>11,d} {seconds * 1e3:>9.3f} "
-          f"{row['gb_per_s']:>8.1f} {_fmt(row['ratio_copy']):>7} "
-          f"{_fmt(row['ratio_top_k']):>9} {_fmt(row['ratio_ref']):>7} "
-          f"{_fmt(row['ratio_torch']):>8}")
-
-  def measure(fn, inputs, sync=None, extra=()):
-    try:
-      if sync is None:  # a JAX function
-        return time_calls(fn, inputs, repeats=args.repeats, calls=calls,
-                          extra=extra, unrolled=gpu), None
-      return time_calls(fn, inputs, repeats=args.repeats,
-                        calls=calls * len(inputs), sync=sync), None
-    except Exception as e:  # pylint: disable=broad-except
-      traceback.print_exc()
-      first = (str(e).splitlines() or [""])[0][:200]
-      return None, f"{type(e).__name__}: {first}"
-
+  run = _Run(args=args, gpu=gpu, calls=calls, meta=meta)
   for dname in args.dtype:
     dtype = DTYPES[dname]
     itemsize = jnp.dtype(dtype).itemsize
@@ -336,37 +413,9 @@ def main(args: argparse.Namespace) -> int:
       xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32)
             .astype(dtype) for i in range(copies)]
       k = max(1, int(n * args.density))
-      base: dict[str, float | None] = {}
-      t, err = measure(jax.jit(lambda x: x * 2), xs)
-      base["copy"] = t
-      emit(dname, "copy x*2", "xla", n, t, 2 * n * itemsize, base, err)
-      topk_bytes = n * itemsize + 8 * k
-      if set(TOPK_OPS) & set(args.ops):
-        t, err = measure(jax.jit(lambda x: jax.lax.top_k(jnp.abs(x), k)), xs)
-        base["top_k"] = t
-        emit(dname, "lax.top_k", "xla", n, t, topk_bytes, base, err)
-      if torch is not None and gpu:
-        txs = [torch.from_dlpack(x) for x in xs]
-        sync = lambda _: torch.cuda.synchronize()
-        t, err = measure(lambda x: x * 2, txs, sync)
-        emit(dname, "copy x*2", "torch", n, t, 2 * n * itemsize, base, err)
-        if set(TOPK_OPS) & set(args.ops):
-          t, err = measure(lambda x: torch.topk(x.abs(), k), txs, sync)
-          base["torch"] = t
-          emit(dname, "torch.topk", "torch", n, t, topk_bytes, base, err)
-        del txs
+      base = _time_baselines(run, torch, dname, n, k, xs)
       for op in args.ops:
-        tbase = dict(base) if op in TOPK_OPS else {"copy": base["copy"]}
-        c = op_cases(op, n=n, k=k, itemsize=itemsize, args=args)
-        t, err = measure(c.reference, xs, extra=c.extra)
-        tbase["ref"] = t
-        emit(dname, op, "reference", n, t, c.nbytes, tbase, err)
-        for label, fn in c.cases.items():
-          if label.split(":")[0] not in impls + ["auto"]:
-            continue
-          t, err = measure(fn, xs, extra=c.extra)
-          emit(dname, op, label, n, t, c.nbytes, tbase, err)
-        del c
+        _time_op(run, op, impls, dname, n, k, xs, base)
       del xs
   if args.json:
     print(f"wrote {args.json}")

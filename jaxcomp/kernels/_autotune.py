@@ -76,7 +76,19 @@ except ImportError:  # not POSIX: the atomic replace alone keeps the file whole
 logger = logging.getLogger("jaxcomp.kernels")
 
 IMPLEMENTATIONS = ("pallas", "xla")
+# Which implementation every kernel op with implementation=None takes, read
+# at trace time: "autotune" (the default, also when unset or empty: measured
+# per TuneKey on NVIDIA GPUs, XLA elsewhere), "xla" (autotuning off, XLA for
+# every op) or "pallas" (the Pallas kernels for every op whose parameters
+# they take, XLA for the others; a ValueError off NVIDIA GPUs). Case and
+# surrounding spaces are ignored; any other value is a ValueError. An
+# implementation named by the caller wins over it.
 ENV_KERNELS = "JAXCOMP_KERNELS"
+# The autotuning cache file's path ("~" expanded), read at each lookup:
+# unset or empty for the default ($XDG_CACHE_HOME/jaxcomp/autotune.json, else
+# ~/.cache/jaxcomp/autotune.json), or "none" (any case) for no file: the
+# decisions are kept in memory only. An Autotuner given its own cache_path
+# does not read it.
 ENV_CACHE = "JAXCOMP_AUTOTUNE_CACHE"
 MODES = ("autotune", "xla", "pallas")
 CACHE_FORMAT = 1
@@ -309,7 +321,12 @@ def measure_seconds(fn: Callable[..., Any], args: tuple, *, repeats: int = 5,
   take ``min_trial_seconds``, at most ``max_calls``) waited for together.
 
   Raises:
-    Whatever compiling or running ``fn`` raises.
+    jax.errors.JaxRuntimeError: compiling or running ``fn`` failed in XLA
+      (e.g. a Pallas kernel on a GPU that its lowering does not take).
+    Exception: any other error of tracing ``fn`` (``TypeError``,
+      ``ValueError``, ...). Nothing is caught here: each error reaches the
+      caller as ``fn`` raised it (:class:`Autotuner` counts a Pallas path
+      that raises as the slower one).
   """
   jitted = jax.jit(fn)
   jax.block_until_ready(jitted(*args))

@@ -59,7 +59,19 @@ _INIT_STREAM = 0xFFFFFFFF
 
 
 class CompressedMeanState(NamedTuple):
-  """State of :func:`compressed_mean`."""
+  """State of :func:`compressed_mean`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1)
+    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    ...                                 mesh, "data")
+    >>> isinstance(state, jaxcomp.CompressedMeanState)
+    True
+    >>> int(state.count), state.config.as_dict()["compressor"]["name"]
+    (0, 'topk')
+  """
 
   config: TransformConfig  # static (no array): the transform's configuration
   #                          (transform_configs reads it)
@@ -81,6 +93,21 @@ def transform_configs(state) -> dict[str, dict]:
   and compares on restore). Read from the state itself (static data of its
   tree structure), so a state restored in another process is described as
   well as the one built here.
+
+  Returns:
+    ``{path string: configuration}``, in tree order; each configuration a
+    dict of plain Python values (strings, numbers, None, nested dicts).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
+    ...                  optax.sgd(0.1))
+    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    ...                                 mesh, "data")
+    >>> configs = jaxcomp.transform_configs(state)
+    >>> list(configs), configs["[0]"]["compressor"]["ratio"]
+    (['[0]'], 0.1)
   """
   found = {}
 
