@@ -1,0 +1,145 @@
+"""One elastic DiLoCo island: a small regression model trained for ``H``
+inner steps per interval, synchronized with the other islands through
+:class:`jaxcomp.elastic.ElasticDiLoCo` (torchft underneath).
+
+Start the quorum service once, then one island per name::
+
+  python -m jaxcomp.elastic lighthouse --bind '[::]:29510' --min-replicas 2 &
+  for i in a b c; do
+    python examples/elastic/island.py --island $i \\
+        --lighthouse http://localhost:29510 --outer-steps 20 \\
+        --checkpoint-dir /tmp/elastic_ckpt --log /tmp/elastic.$i.jsonl &
+  done
+
+Kill one (``kill -9``) and start it again with the same command: it heals
+from a peer (or from ``--checkpoint-dir`` when every peer is gone).
+
+Each event is one JSON line in ``--log`` (``ready``, ``begin``, ``mid``,
+``sync``, ``done``) with the outer step, the islands in the quorum, the
+anchor's sha256 and the time, which ``tests/test_elastic.py`` reads.
+The data are a pure function of (island, outer step, inner step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp import elastic
+
+
+def parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--island", required=True)
+  p.add_argument("--lighthouse", required=True)
+  p.add_argument("--outer-steps", type=int, default=20,
+                 help="stop once this many outer steps are committed")
+  p.add_argument("--stop-file", default=None,
+                 help="a file holding the outer step to stop at, read at "
+                 "each interval (overrides --outer-steps once it exists)")
+  p.add_argument("--go-file", default=None,
+                 help="wait for this file before the first quorum")
+  p.add_argument("--sync-every", type=int, default=8, help="H")
+  p.add_argument("--step-delay", type=float, default=0.0,
+                 help="seconds slept per inner step (a slower island)")
+  p.add_argument("--dim", type=int, default=64, help="model width")
+  p.add_argument("--compressor", default="int8_block")
+  p.add_argument("--min-islands", type=int, default=1)
+  p.add_argument("--checkpoint-dir", default=None)
+  p.add_argument("--timeout", type=float, default=10.0)
+  p.add_argument("--quorum-timeout", type=float, default=60.0)
+  p.add_argument("--log", default=None)
+  p.add_argument("--output", default=None, help="final anchor, .npz")
+  return p.parse_args(argv)
+
+
+def _island_seed(name: str) -> int:
+  return sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31)
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  log = open(args.log, "a") if args.log else sys.stdout
+
+  def say(event, **kw):
+    log.write(json.dumps({"event": event, "island": args.island,
+                          "t": time.time(), **kw}) + "\n")
+    log.flush()
+
+  d = args.dim
+  w_true = jax.random.normal(jax.random.key(1), (d, 4))
+  params = {"w": jnp.zeros((d, 4), jnp.float32),
+            "b": jnp.zeros((4,), jnp.float32)}
+  inner = optax.adam(1e-2)
+  isl = elastic.ElasticDiLoCo(
+      params, island=args.island, lighthouse=args.lighthouse,
+      compressor=args.compressor, min_islands=args.min_islands,
+      checkpoint_dir=args.checkpoint_dir, timeout=args.timeout,
+      quorum_timeout=args.quorum_timeout,
+      config={"sync_every": args.sync_every, "inner": "adam(1e-2)"})
+  say("ready", step=isl.step, restored=isl.restored_step,
+      anchor=elastic.digest(isl.anchor))
+  if args.go_file:
+    while not os.path.exists(args.go_file):
+      time.sleep(0.05)
+
+  def loss_fn(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  @jax.jit
+  def train_step(p, s, x, y):
+    loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+    u, s = inner.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  seed = _island_seed(args.island)
+  inner_state = inner.init(params)
+  loss = jnp.float32(0)
+  while True:
+    stop = args.outer_steps
+    if args.stop_file and os.path.exists(args.stop_file):
+      stop = int(open(args.stop_file).read())
+    if isl.step >= stop:
+      break
+    p = isl.begin()
+    say("begin", step=isl.step, islands=isl.islands, healed=isl.healed,
+        anchor=elastic.digest(isl.anchor),
+        residual=elastic.digest(isl.residual))
+    if isl.healed:
+      inner_state = inner.init(p)
+    for i in range(args.sync_every):
+      k = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
+                                                isl.step), i)
+      x = jax.random.normal(k, (32, d))
+      y = x @ w_true
+      p, inner_state, loss = train_step(p, inner_state, x, y)
+      loss.block_until_ready()
+      if i == args.sync_every // 2:
+        say("mid", step=isl.step)
+      time.sleep(args.step_delay)
+    r = isl.sync(p)
+    say("sync", step=r.step, committed=r.committed, islands=r.islands,
+        anchor=elastic.digest(isl.anchor),
+        residual=elastic.digest(isl.residual), loss=float(loss),
+        seconds=r.seconds, bytes=r.bytes_sent,
+        error=None if r.error is None else repr(r.error)[:300])
+  if args.output:
+    np.savez(args.output, **{k: np.asarray(v) for k, v in isl.anchor.items()})
+  say("done", step=isl.step, anchor=elastic.digest(isl.anchor))
+  isl.close()
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
