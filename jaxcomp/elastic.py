@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 import optax
 
@@ -178,6 +179,24 @@ def _from_bytes(buf: np.ndarray, shape, dtype) -> np.ndarray:
   return np.frombuffer(buf.tobytes(), dtype=np.dtype(dtype)).reshape(shape)
 
 
+def _process_copy(x):
+  """This process's copy of a leaf replicated over the island's processes
+  (a global ``jax.Array`` of a multi-process island); other values as they
+  are.
+
+  Raises:
+    ValueError: a multi-process leaf that is not replicated (FSDP shards:
+      gather them before the sync).
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if not x.sharding.is_fully_replicated:
+      raise ValueError(
+          "sync needs the island's parameters replicated over its processes "
+          f"(sharding P()), got {x.sharding}: gather the shards first")
+    return x.addressable_data(0)
+  return x
+
+
 def digest(tree) -> str:
   """sha256 of a pytree's leaves' bytes (in ``jax.tree.leaves`` order):
   equal digests mean bitwise equal leaves."""
@@ -222,6 +241,13 @@ class ElasticDiLoCo:
     hostname: the address peers reach this island at (torchft's
       ``hostname``; in a network namespace, its veth address). Default:
       this machine's hostname.
+    store_host: where the island's other processes reach its process 0
+      (the TCP store its torchft managers meet in); default
+      ``"localhost"``, an island on one machine. An island of several JAX
+      processes (``jax.distributed``) runs one torchft manager per process
+      (torchft's group ranks); each exchanges the whole payload with the
+      same rank of the other islands, and the island commits only when
+      all of its processes do.
     seed: the compressor's shared randomness, ``fold_in(key(seed), step)``.
 
   Raises:
@@ -241,7 +267,7 @@ class ElasticDiLoCo:
                checkpoint_dir: str | None = None, config: dict | None = None,
                timeout: float = 30.0, quorum_timeout: float = 300.0,
                connect_timeout: float = 30.0, hostname: str | None = None,
-               seed: int = 0):
+               store_host: str = "localhost", seed: int = 0):
     if not island or "/" in island or ":" in island:
       raise ValueError(f"island must be a non-empty name without '/' or "
                        f"':', got {island=!r}")
@@ -276,17 +302,24 @@ class ElasticDiLoCo:
     restored = self._restore() if checkpoint_dir else None
 
     timeout_td = timedelta(seconds=timeout)
-    # This island's own store (torchft's managers meet in it).
-    self._store = tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-        "localhost", 0, is_master=True, wait_for_workers=False)
+    rank, size = jax.process_index(), jax.process_count()
+    # This island's own store, on its process 0 (its managers meet in it).
+    self._store = None
+    port = 0
+    if rank == 0:
+      self._store = tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+          store_host, 0, is_master=True, wait_for_workers=False)
+      port = self._store.port
+    if size > 1:
+      port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
     self._pg = torchft.ProcessGroupGloo(timeout=timeout_td)
     self._manager = torchft.Manager(
         pg=self._pg, load_state_dict=self._load_state_dict,
         state_dict=self._state_dict, min_replica_size=min_islands,
         use_async_quorum=False, timeout=timeout_td,
         quorum_timeout=timedelta(seconds=quorum_timeout),
-        connect_timeout=timedelta(seconds=connect_timeout), rank=0,
-        world_size=1, store_addr="localhost", store_port=self._store.port,
+        connect_timeout=timedelta(seconds=connect_timeout), rank=rank,
+        world_size=size, store_addr=store_host, store_port=port,
         lighthouse_addr=lighthouse, replica_id=island,
         hostname=hostname or socket.gethostname(), init_sync=True)
     if restored is not None:
@@ -409,8 +442,11 @@ class ElasticDiLoCo:
       self._ckpt = self._manager_for(os.path.join(self._ckpt_root,
                                                   self.island))
     ocp, mgr = self._ckpt
-    state = {"anchor": self._anchor, "outer_state": self._outer_state,
-             "residual": self._residual}
+    # Host values: the same on every process of the island (Orbax writes
+    # them once).
+    state = jax.tree.map(np.asarray, {
+        "anchor": self._anchor, "outer_state": self._outer_state,
+        "residual": self._residual})
     mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         meta=ocp.args.JsonSave({"fingerprint": self.fingerprint,
@@ -444,8 +480,9 @@ class ElasticDiLoCo:
           f"another model or configuration ("
           f"{_differences(self._description, meta['description'])}); use "
           "another checkpoint_dir or the same configuration")
-    template = {"anchor": self._anchor, "outer_state": self._outer_state,
-                "residual": self._residual}
+    template = jax.tree.map(np.asarray, {
+        "anchor": self._anchor, "outer_state": self._outer_state,
+        "residual": self._residual})
     state = mgr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(template)))["state"]
     self._anchor = jax.tree.map(jnp.asarray, state["anchor"])
@@ -540,7 +577,8 @@ class ElasticDiLoCo:
 
     Args:
       local: this island's parameters after the interval's inner steps,
-        the anchor's structure, shapes and dtypes.
+        the anchor's structure, shapes and dtypes (in a multi-process
+        island, global arrays replicated over its processes).
 
     Returns:
       A :class:`SyncResult`; continue from its ``params``.
@@ -551,6 +589,7 @@ class ElasticDiLoCo:
       QuorumError: no commit for ``quorum_timeout`` seconds.
     """
     t0 = time.monotonic()
+    local = jax.tree.map(_process_copy, local)
     islands = self.islands
     new, error, nbytes = None, None, 0
     if self._manager.errored() is None:

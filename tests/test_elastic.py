@@ -2,9 +2,10 @@
 JAX jobs, one SIGKILLed mid-interval, restarted, and a replacement after
 every island stopped. Skipped without the ``elastic`` extra.
 
-Three islands of one JAX process each, on localhost (no network
+Three islands of two JAX processes each (``jax.distributed`` over gloo
+inside an island, exact data parallelism), on localhost (no network
 namespaces): ``examples/elastic/island.py`` is the island program; each
-writes one JSON line per event, which these tests read.
+process writes one JSON line per event, which these tests read.
 """
 
 import glob
@@ -22,9 +23,11 @@ pytest.importorskip("torchft", reason="needs the elastic extra: pip install "
                     "'jaxcomp[elastic]' (torch and torchft)")
 
 from jaxcomp import elastic  # noqa: E402
+from jaxcomp import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISLAND = os.path.join(ROOT, "examples", "elastic", "island.py")
+PROCS = 2  # JAX processes per island
 HEARTBEAT_S = 2.0  # the Lighthouse's heartbeat timeout
 # An interval (6 steps x 0.05 s), the failed exchange's own detection, the
 # quorum and the sync, on a busy 2-core machine.
@@ -51,26 +54,42 @@ class _Islands:
     self.stop = os.path.join(self.tmp, "stop")
     self.procs = {}
 
-  def log(self, tag):
-    return os.path.join(self.tmp, f"{tag}.jsonl")
-
-  def start(self, name, tag=None, *extra):
+  def start(self, name, tag=None, *extra, procs=PROCS):
+    """Starts island ``name`` (``procs`` JAX processes); its logs and
+    outputs are ``<tag>.p<process>.*``."""
     tag = tag or name
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, ISLAND, "--island", name,
-           "--lighthouse", self.lighthouse, "--sync-every", "6",
-           "--step-delay", "0.05", "--dim", "32", "--timeout", "5",
-           "--quorum-timeout", "60", "--checkpoint-dir", self.ckpt,
-           "--log", self.log(tag), "--stop-file", self.stop,
-           "--output", os.path.join(self.tmp, f"{tag}.npz"), *extra]
-    out = open(os.path.join(self.tmp, f"{tag}.out"), "w")
-    self.procs[tag] = subprocess.Popen(cmd, env=env, stdout=out,
-                                       stderr=subprocess.STDOUT, cwd=ROOT)
-    return self.procs[tag]
+    port = launch.free_port()
+    for r in range(procs):
+      env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+             "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+      if procs > 1:
+        env.update(JAXCOMP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAXCOMP_NUM_PROCESSES=str(procs),
+                   JAXCOMP_PROCESS_ID=str(r))
+      cmd = [sys.executable, ISLAND, "--island", name,
+             "--lighthouse", self.lighthouse, "--sync-every", "6",
+             "--step-delay", "0.05", "--dim", "32", "--timeout", "5",
+             "--quorum-timeout", "60", "--checkpoint-dir", self.ckpt,
+             "--log", os.path.join(self.tmp, f"{tag}.p{{process}}.jsonl"),
+             "--stop-file", self.stop,
+             "--output", os.path.join(self.tmp, f"{tag}.p{{process}}.npz"),
+             *extra]
+      out = open(os.path.join(self.tmp, f"{tag}.p{r}.out"), "w")
+      self.procs[f"{tag}.p{r}"] = subprocess.Popen(
+          cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    return [self.procs[f"{tag}.p{r}"] for r in range(procs)]
 
-  def output(self, tag):
-    with open(os.path.join(self.tmp, f"{tag}.out")) as f:
+  def log(self, tag, process=0):
+    return os.path.join(self.tmp, f"{tag}.p{process}.jsonl")
+
+  def of(self, tags):
+    """The process keys of islands ``tags``."""
+    return [k for k in self.procs if k.split(".")[0] in tags]
+
+  def output(self, key):
+    if "." not in key:
+      key += ".p0"
+    with open(os.path.join(self.tmp, f"{key}.out")) as f:
       return f.read()[-3000:]
 
   def wait_for(self, what, pred, timeout=60.0, alive=()):
@@ -79,10 +98,10 @@ class _Islands:
       got = pred()
       if got:
         return got
-      for tag in alive:
-        if self.procs[tag].poll() is not None:
-          pytest.fail(f"island {tag} exited ({self.procs[tag].returncode}) "
-                      f"while waiting for {what}:\n{self.output(tag)}")
+      for key in self.of(alive):
+        if self.procs[key].poll() is not None:
+          pytest.fail(f"island {key} exited ({self.procs[key].returncode}) "
+                      f"while waiting for {what}:\n{self.output(key)}")
       time.sleep(0.05)
     pytest.fail(f"timed out after {timeout} s waiting for {what}; logs: "
                 + "; ".join(f"{t}: {self.output(t)[-600:]}" for t in self.procs))
@@ -112,15 +131,17 @@ def faulted_run(tmp_path_factory):
     for name in "abc":
       run.start(name, None, "--go-file", go)
     run.wait_for("three ready islands", lambda: all(
-        any(e["event"] == "ready" for e in _events(run.log(n)))
-        for n in "abc"), timeout=90, alive="abc")
+        any(e["event"] == "ready" for e in _events(run.log(n, r)))
+        for n in "abc" for r in range(PROCS)), timeout=90, alive="abc")
     open(go, "w").close()
     mid = run.wait_for("c in the middle of its third interval", lambda: [
         e for e in _events(run.log("c"))
         if e["event"] == "mid" and e["step"] >= 2], alive="abc")[0]
-    run.procs["c"].send_signal(signal.SIGKILL)
+    for key in run.of("c"):  # the whole island
+      run.procs[key].send_signal(signal.SIGKILL)
     t_kill = time.time()
-    run.procs["c"].wait()
+    for key in run.of("c"):
+      run.procs[key].wait()
     run.wait_for("a and b to commit with two islands", lambda: all(
         any(e["committed"] and e["islands"] == 2 and e["t"] > t_kill
             for e in _syncs(_events(run.log(n)))) for n in "ab"),
@@ -135,18 +156,21 @@ def faulted_run(tmp_path_factory):
     with open(run.stop + ".tmp", "w") as f:
       f.write(str(stop_at))
     os.replace(run.stop + ".tmp", run.stop)
-    for tag in ("a", "b", "c2"):
+    for key in run.of(("a", "b", "c2")):
       try:
-        run.procs[tag].wait(timeout=60)
+        run.procs[key].wait(timeout=60)
       except subprocess.TimeoutExpired:
-        pytest.fail(f"island {tag} did not stop:\n{run.output(tag)}")
-      assert run.procs[tag].returncode == 0, run.output(tag)
+        pytest.fail(f"island {key} did not stop:\n{run.output(key)}")
+      assert run.procs[key].returncode == 0, run.output(key)
   finally:
     run.kill_all()
     server.shutdown()
   return dict(run=run, t_kill=t_kill, t_restart=t_restart, mid=mid,
               stop_at=stop_at, seconds=time.monotonic() - t_start,
-              events={t: _events(run.log(t)) for t in ("a", "b", "c", "c2")})
+              events={t: _events(run.log(t)) for t in ("a", "b", "c", "c2")},
+              process_events={(t, r): _events(run.log(t, r))
+                              for t in ("a", "b", "c", "c2")
+                              for r in range(PROCS)})
 
 
 def test_survivors_discard_the_interrupted_interval(faulted_run):
@@ -198,18 +222,25 @@ def test_steps_monotonic_and_anchors_bitwise_equal(faulted_run):
   stop_at = faulted_run["stop_at"]
   finals = {}
   for tag in ("a", "b", "c2"):
-    done = [e for e in ev[tag] if e["event"] == "done"][0]
-    assert done["step"] == stop_at
-    with np.load(os.path.join(run.tmp, f"{tag}.npz")) as z:
-      finals[tag] = {k: z[k] for k in z.files}
-  for tag in ("b", "c2"):
-    for k, v in finals["a"].items():
-      assert v.tobytes() == finals[tag][k].tobytes(), (tag, k)
+    for r in range(PROCS):
+      done = [e for e in faulted_run["process_events"][tag, r]
+              if e["event"] == "done"][0]
+      assert done["step"] == stop_at
+      with np.load(os.path.join(run.tmp, f"{tag}.p{r}.npz")) as z:
+        finals[tag, r] = {k: z[k] for k in z.files}
+  assert len(finals) == 3 * PROCS
+  for key, final in finals.items():
+    assert final.keys() == finals["a", 0].keys()
+    for k, v in finals["a", 0].items():
+      assert v.tobytes() == final[k].tobytes(), (key, k)
   # The same training happened everywhere: every commit of a step carries
-  # the same anchor on every island.
+  # the same anchor on every process of every island, and the processes of
+  # an island commit (or not) together.
   by_step = {}
-  for tag in ("a", "b", "c", "c2"):
-    for e in _syncs(ev[tag]):
+  for (tag, _), pev in faulted_run["process_events"].items():
+    assert [(e["step"], e["committed"]) for e in _syncs(pev)] == [
+        (e["step"], e["committed"]) for e in _syncs(ev[tag])][:len(_syncs(pev))]
+    for e in _syncs(pev):
       if e["committed"]:
         by_step.setdefault(e["step"], set()).add(e["anchor"])
   assert all(len(v) == 1 for v in by_step.values()), by_step
@@ -243,9 +274,9 @@ def test_replacement_after_all_stopped_restores_from_checkpoint(faulted_run):
                               heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
   try:
     run.lighthouse = server.address()
-    p = run.start("d", None, "--outer-steps", str(stop_at + 1))
-    p.wait(timeout=90)
-    assert p.returncode == 0, run.output("d")
+    for p in run.start("d", None, "--outer-steps", str(stop_at + 1)):
+      p.wait(timeout=90)
+      assert p.returncode == 0, run.output("d")
   finally:
     run.kill_all()
     server.shutdown()

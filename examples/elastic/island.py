@@ -14,6 +14,13 @@ Start the quorum service once, then one island per name::
 Kill one (``kill -9``) and start it again with the same command: it heals
 from a peer (or from ``--checkpoint-dir`` when every peer is gone).
 
+An island of several JAX processes: start each with
+``JAXCOMP_COORDINATOR_ADDRESS``, ``JAXCOMP_NUM_PROCESSES`` and
+``JAXCOMP_PROCESS_ID`` (``python -m jaxcomp.launch -n 2 -- python
+examples/elastic/island.py ...`` sets them); its inner steps are exact data
+parallelism over the island's processes (gloo), and ``{process}`` in
+``--log`` and ``--output`` becomes the process index.
+
 Each event is one JSON line in ``--log`` (``ready``, ``begin``, ``mid``,
 ``sync``, ``done``) with the outer step, the islands in the quorum, the
 anchor's sha256 and the time, which ``tests/test_elastic.py`` reads.
@@ -30,10 +37,15 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxcomp import distributed
+
+distributed.initialize_from_env()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp import elastic
 
@@ -70,7 +82,10 @@ def _island_seed(name: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  log = open(args.log, "a") if args.log else sys.stdout
+  me = str(jax.process_index())
+  log = open(args.log.replace("{process}", me), "a") if args.log else sys.stdout
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  replicated = lambda tree: distributed.global_array(tree, mesh, P())
 
   def say(event, **kw):
     log.write(json.dumps({"event": event, "island": args.island,
@@ -104,7 +119,7 @@ def main(argv=None) -> int:
     return optax.apply_updates(p, u), s, loss
 
   seed = _island_seed(args.island)
-  inner_state = inner.init(params)
+  inner_state = replicated(inner.init(params))
   loss = jnp.float32(0)
   while True:
     stop = args.outer_steps
@@ -112,17 +127,18 @@ def main(argv=None) -> int:
       stop = int(open(args.stop_file).read())
     if isl.step >= stop:
       break
-    p = isl.begin()
+    p = replicated(isl.begin())
     say("begin", step=isl.step, islands=isl.islands, healed=isl.healed,
         anchor=elastic.digest(isl.anchor),
         residual=elastic.digest(isl.residual))
     if isl.healed:
-      inner_state = inner.init(p)
+      inner_state = replicated(inner.init(isl.anchor))
     for i in range(args.sync_every):
       k = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
                                                 isl.step), i)
       x = jax.random.normal(k, (32, d))
       y = x @ w_true
+      x, y = distributed.global_array((x, y), mesh, P("data"))
       p, inner_state, loss = train_step(p, inner_state, x, y)
       loss.block_until_ready()
       if i == args.sync_every // 2:
@@ -131,13 +147,16 @@ def main(argv=None) -> int:
     r = isl.sync(p)
     say("sync", step=r.step, committed=r.committed, islands=r.islands,
         anchor=elastic.digest(isl.anchor),
-        residual=elastic.digest(isl.residual), loss=float(loss),
+        residual=elastic.digest(isl.residual),
+        loss=float(loss.addressable_data(0)),
         seconds=r.seconds, bytes=r.bytes_sent,
         error=None if r.error is None else repr(r.error)[:300])
   if args.output:
-    np.savez(args.output, **{k: np.asarray(v) for k, v in isl.anchor.items()})
+    np.savez(args.output.replace("{process}", me),
+             **{k: np.asarray(v) for k, v in isl.anchor.items()})
   say("done", step=isl.step, anchor=elastic.digest(isl.anchor))
   isl.close()
+  distributed.shutdown()
   return 0
 
 
