@@ -58,6 +58,9 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -214,8 +217,10 @@ class ElasticDiLoCo:
       island: the same seed). Their structure, shapes and dtypes are part
       of the configuration every island must share.
     island: this island's name (torchft's ``replica_id``; also its
-      checkpoint folder). A restarted island keeps its name.
+      checkpoint folder). A restarted island keeps its name. Default:
+      ``JAXCOMP_ISLAND`` (set by ``python -m jaxcomp.elastic islands``).
     lighthouse: the Lighthouse's address, e.g. ``"http://host:29510"``.
+      Default: ``JAXCOMP_LIGHTHOUSE``.
     outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9,
       nesterov=True)`` (DiLoCo's).
     compressor: the pseudo-gradient's compressor, a name or instance as
@@ -259,7 +264,8 @@ class ElasticDiLoCo:
       ``quorum_timeout`` seconds.
   """
 
-  def __init__(self, params, *, island: str, lighthouse: str,
+  def __init__(self, params, *, island: str | None = None,
+               lighthouse: str | None = None,
                outer: optax.GradientTransformation | None = None,
                compressor: str | compressors.Compressor = "int8_block",
                compressor_kwargs: dict | None = None,
@@ -268,6 +274,12 @@ class ElasticDiLoCo:
                timeout: float = 30.0, quorum_timeout: float = 300.0,
                connect_timeout: float = 30.0, hostname: str | None = None,
                store_host: str = "localhost", seed: int = 0):
+    island = island or os.environ.get("JAXCOMP_ISLAND", "")
+    lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
+    if not lighthouse:
+      raise ValueError("lighthouse not given and JAXCOMP_LIGHTHOUSE not set: "
+                       "pass the Lighthouse's address, e.g. "
+                       "'http://host:29510'")
     if not island or "/" in island or ":" in island:
       raise ValueError(f"island must be a non-empty name without '/' or "
                        f"':', got {island=!r}")
@@ -644,9 +656,113 @@ def lighthouse(bind: str = "[::]:0", *, min_replicas: int = 1,
       quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 
+def _island_env(name: str, address: str) -> dict[str, str]:
+  return {**os.environ, "JAXCOMP_ISLAND": name,
+          "JAXCOMP_LIGHTHOUSE": address}
+
+
+def _pump(stream, prefix: str) -> None:
+  for line in iter(stream.readline, b""):
+    sys.stdout.write(f"{prefix} {line.decode(errors='replace')}")
+    sys.stdout.flush()
+
+
+def _start_island(name: str, command: Sequence[str], processes: int,
+                  address: str) -> subprocess.Popen:
+  argv = list(command)
+  if processes > 1:  # jaxcomp.launch: one JAX job of `processes` processes
+    argv = [sys.executable, "-m", "jaxcomp.launch", "-n", str(processes),
+            "--", *argv]
+  proc = subprocess.Popen(argv, env=_island_env(name, address),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]"),
+                   daemon=True).start()
+  return proc
+
+
+def run_islands(command: Sequence[str], islands: int, *, processes: int = 1,
+                min_replicas: int | None = None,
+                heartbeat_timeout_ms: int = 2000,
+                join_timeout_ms: int = 5000,
+                restart_delay: float | None = None,
+                max_restarts: int = 3) -> int:
+  """Starts the Lighthouse and ``islands`` islands of ``processes`` JAX
+  processes each on this machine, and waits for them.
+
+  Each island runs ``command`` with ``JAXCOMP_ISLAND`` (its name, ``i0``,
+  ``i1``, ...) and ``JAXCOMP_LIGHTHOUSE`` (the Lighthouse's address) in its
+  environment, which :class:`ElasticDiLoCo` reads when ``island`` and
+  ``lighthouse`` are not given; several processes per island go through
+  ``python -m jaxcomp.launch -n processes``. Output lines are prefixed
+  with ``[<island>]``.
+
+  Args:
+    command: the island program and its arguments.
+    islands: how many islands, >= 1.
+    processes: JAX processes per island, >= 1.
+    min_replicas: the Lighthouse's minimum quorum; default 2 when there are
+      several islands (a restarted island never forms a quorum alone), else 1.
+    heartbeat_timeout_ms, join_timeout_ms: the Lighthouse's (see
+      :func:`lighthouse`).
+    restart_delay: restart an island that exits non-zero (a SIGKILL
+      included) after this many seconds, at most ``max_restarts`` times per
+      island; None: do not restart.
+    max_restarts: restarts allowed per island.
+
+  Returns:
+    0 when every island exited 0, else the last failing island's exit
+    status (128 + signal number for a signal).
+
+  Raises:
+    ValueError: ``islands`` or ``processes`` below 1, an empty command.
+  """
+  if islands < 1 or processes < 1 or not command:
+    raise ValueError(f"need islands >= 1, processes >= 1 and a command, got "
+                     f"{islands=}, {processes=}, {command=}")
+  server = lighthouse("[::]:0", min_replicas=min_replicas or min(2, islands),
+                      join_timeout_ms=join_timeout_ms,
+                      heartbeat_timeout_ms=heartbeat_timeout_ms)
+  address = server.address()
+  print(f"[lighthouse] {address}", flush=True)
+  names = [f"i{k}" for k in range(islands)]
+  procs = {n: _start_island(n, command, processes, address) for n in names}
+  restarts = dict.fromkeys(names, 0)
+  due: dict[str, float] = {}
+  status = 0
+  try:
+    while procs or due:
+      for name, proc in list(procs.items()):
+        code = proc.poll()
+        if code is None:
+          continue
+        del procs[name]
+        code = 128 - code if code < 0 else code
+        print(f"[{name}] exited with status {code}", flush=True)
+        if code and restart_delay is not None and (
+            restarts[name] < max_restarts):
+          restarts[name] += 1
+          due[name] = time.monotonic() + restart_delay
+        elif code:
+          status = code
+      for name, at in list(due.items()):
+        if time.monotonic() >= at:
+          del due[name]
+          print(f"[{name}] restarting ({restarts[name]} of {max_restarts})",
+                flush=True)
+          procs[name] = _start_island(name, command, processes, address)
+      time.sleep(0.1)
+  finally:
+    for proc in procs.values():
+      proc.kill()
+    server.shutdown()
+  return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m jaxcomp.elastic lighthouse [--bind ...]``: runs the
-  Lighthouse until interrupted, printing its address."""
+  """The command line: ``python -m jaxcomp.elastic lighthouse`` runs the
+  Lighthouse until interrupted, printing its address; ``python -m
+  jaxcomp.elastic islands -n 3 -m 2 -- python island.py ...`` runs
+  :func:`run_islands`."""
   p = argparse.ArgumentParser(prog="python -m jaxcomp.elastic")
   sub = p.add_subparsers(dest="command", required=True)
   lh = sub.add_parser("lighthouse", help="run torchft's quorum service")
@@ -654,7 +770,28 @@ def main(argv: Sequence[str] | None = None) -> int:
   lh.add_argument("--min-replicas", type=int, default=1)
   lh.add_argument("--join-timeout-ms", type=int, default=5000)
   lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+  isl = sub.add_parser("islands", help="run the Lighthouse and N islands of "
+                       "M JAX processes each on this machine")
+  isl.add_argument("-n", "--islands", type=int, default=2)
+  isl.add_argument("-m", "--processes", type=int, default=1,
+                   help="JAX processes per island (jaxcomp.launch)")
+  isl.add_argument("--min-replicas", type=int, default=None)
+  isl.add_argument("--join-timeout-ms", type=int, default=5000)
+  isl.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+  isl.add_argument("--restart-delay", type=float, default=None,
+                   help="restart a failed island after this many seconds")
+  isl.add_argument("--max-restarts", type=int, default=3)
+  isl.add_argument("cmd", nargs=argparse.REMAINDER,
+                   help="-- then the island's command")
   args = p.parse_args(argv)
+  if args.command == "islands":
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return run_islands(cmd, args.islands, processes=args.processes,
+                       min_replicas=args.min_replicas,
+                       heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                       join_timeout_ms=args.join_timeout_ms,
+                       restart_delay=args.restart_delay,
+                       max_restarts=args.max_restarts)
   server = lighthouse(args.bind, min_replicas=args.min_replicas,
                       join_timeout_ms=args.join_timeout_ms,
                       heartbeat_timeout_ms=args.heartbeat_timeout_ms)

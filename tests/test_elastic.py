@@ -344,3 +344,28 @@ def test_jaxcomp_imports_without_torch():
                             "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert "ERR" in out.stdout and "jaxcomp[elastic]" in out.stdout, out.stdout
+
+
+def test_islands_launcher(tmp_path):
+  """``python -m jaxcomp.elastic islands -n 2 -m 2 -- island`` starts the
+  Lighthouse and two islands of two JAX processes; both commit together
+  and end with the same anchor."""
+  log = str(tmp_path / "{island}.p{process}.jsonl")
+  out = subprocess.run(
+      [sys.executable, "-m", "jaxcomp.elastic", "islands", "-n", "2", "-m",
+       "2", "--", sys.executable, ISLAND, "--outer-steps", "3",
+       "--sync-every", "4", "--dim", "16", "--log", log],
+      cwd=ROOT, capture_output=True, text=True, timeout=110,
+      env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+  assert "[lighthouse] http" in out.stdout
+  done = {}
+  for island in ("i0", "i1"):
+    for r in range(2):
+      ev = _events(str(tmp_path / f"{island}.p{r}.jsonl"))
+      assert any(e["event"] == "sync" and e["committed"]
+                 and e["islands"] == 2 for e in ev), ev
+      done[island, r] = [e for e in ev if e["event"] == "done"][0]
+  assert {d["step"] for d in done.values()} == {3}
+  assert len({d["anchor"] for d in done.values()}) == 1

@@ -19,7 +19,10 @@ An island of several JAX processes: start each with
 ``JAXCOMP_PROCESS_ID`` (``python -m jaxcomp.launch -n 2 -- python
 examples/elastic/island.py ...`` sets them); its inner steps are exact data
 parallelism over the island's processes (gloo), and ``{process}`` in
-``--log`` and ``--output`` becomes the process index.
+``--log`` and ``--output`` becomes the process index (``{island}`` the
+island's name). ``python -m jaxcomp.elastic islands -n 3 -m 2 -- python
+examples/elastic/island.py --log '/tmp/el.{island}.p{process}.jsonl'``
+starts the Lighthouse and all of it.
 
 Each event is one JSON line in ``--log`` (``ready``, ``begin``, ``mid``,
 ``sync``, ``done``) with the outer step, the islands in the quorum, the
@@ -53,8 +56,11 @@ from jaxcomp import elastic
 def parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--island", required=True)
-  p.add_argument("--lighthouse", required=True)
+  p.add_argument("--island", default=None,
+                 help="default: JAXCOMP_ISLAND (python -m jaxcomp.elastic "
+                 "islands sets it)")
+  p.add_argument("--lighthouse", default=None,
+                 help="default: JAXCOMP_LIGHTHOUSE")
   p.add_argument("--outer-steps", type=int, default=20,
                  help="stop once this many outer steps are committed")
   p.add_argument("--stop-file", default=None,
@@ -82,8 +88,11 @@ def _island_seed(name: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
+  args.island = args.island or os.environ["JAXCOMP_ISLAND"]
   me = str(jax.process_index())
-  log = open(args.log.replace("{process}", me), "a") if args.log else sys.stdout
+  fill = lambda path: path.replace("{process}", me).replace("{island}",
+                                                           args.island)
+  log = open(fill(args.log), "a") if args.log else sys.stdout
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   replicated = lambda tree: distributed.global_array(tree, mesh, P())
 
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
         seconds=r.seconds, bytes=r.bytes_sent,
         error=None if r.error is None else repr(r.error)[:300])
   if args.output:
-    np.savez(args.output.replace("{process}", me),
+    np.savez(fill(args.output),
              **{k: np.asarray(v) for k, v in isl.anchor.items()})
   say("done", step=isl.step, anchor=elastic.digest(isl.anchor))
   isl.close()
