@@ -369,3 +369,73 @@ def test_islands_launcher(tmp_path):
       done[island, r] = [e for e in ev if e["event"] == "done"][0]
   assert {d["step"] for d in done.values()} == {3}
   assert len({d["anchor"] for d in done.values()}) == 1
+
+
+def test_quorum_below_the_minimum_raises_quorum_error(tmp_path):
+  """An island alone where the Lighthouse wants two gets no quorum: after
+  ``quorum_timeout`` it raises QuorumError, its anchor and step intact."""
+  import jax.numpy as jnp
+
+  server = elastic.lighthouse("[::]:0", min_replicas=2)
+  try:
+    isl = elastic.ElasticDiLoCo({"w": jnp.ones((4,), jnp.float32)},
+                                island="alone", lighthouse=server.address(),
+                                quorum_timeout=1.5, connect_timeout=10)
+    before = elastic.digest(isl.anchor)
+    t0 = time.monotonic()
+    with pytest.raises(elastic.QuorumError, match="alone"):
+      isl.begin()
+    assert 1.0 < time.monotonic() - t0 < 30
+    assert elastic.digest(isl.anchor) == before and isl.step == 0
+    isl.close()
+  finally:
+    server.shutdown()
+
+
+def test_an_exchange_that_does_not_commit_changes_nothing(tmp_path):
+  """The exchange succeeded here but torchft says not to commit (another
+  process of the island failed): the outer step computed is dropped; the
+  anchor, outer state, residual and step stay, and no checkpoint is
+  written. The next interval commits and changes all of them."""
+  import jax
+  import jax.numpy as jnp
+
+  server = elastic.lighthouse("[::]:0", min_replicas=1)
+  ckpt = str(tmp_path / "ckpt")
+  try:
+    isl = elastic.ElasticDiLoCo(
+        {"w": jnp.zeros((300,), jnp.float32)}, island="solo",
+        lighthouse=server.address(), compressor="topk",
+        compressor_kwargs={"ratio": 0.1}, checkpoint_dir=ckpt,
+        connect_timeout=10)
+    local = {"w": jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)}
+    state = lambda: (elastic.digest(isl.anchor),
+                     elastic.digest(isl.outer_state),
+                     elastic.digest(isl.residual), isl.step)
+    isl.begin()
+    before = state()
+    real = isl._exchange
+
+    def exchange_then_fail(x):  # as when another process reports an error
+      out = real(x)
+      isl._manager.report_error(RuntimeError("another process failed"))
+      return out
+
+    isl._exchange = exchange_then_fail
+    r = isl.sync(local)
+    assert not r.committed and r.error is None and r.bytes_sent == 240
+    assert state() == before
+    assert not os.path.exists(os.path.join(ckpt, "solo", "1"))
+    isl._exchange = real
+    isl.begin()
+    r = isl.sync(local)
+    after = state()
+    assert r.committed and r.step == 1
+    assert all(a != b for a, b in zip(after[:3], before[:3]))
+    # top-k with error feedback: 30 of 300 values sent, the rest kept.
+    assert int(jnp.sum(isl.residual != 0)) == 270
+    assert sorted(os.listdir(os.path.join(ckpt, "solo"))) == ["1"]
+    assert jax.tree.leaves(r.params)[0].shape == (300,)
+    isl.close()
+  finally:
+    server.shutdown()
