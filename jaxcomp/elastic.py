@@ -20,7 +20,8 @@ outer step in JAX. Membership is torchft's (Lighthouse quorum, one
 * an island that comes back, or a replacement, heals at the quorum: it
   receives the *anchor* (outer parameters, outer-optimizer state, the step,
   the configuration's fingerprint) from a peer through torchft's
-  ``state_dict`` hooks (its HTTP checkpoint transport); its own
+  ``state_dict`` hooks (its process-group checkpoint transport, over the
+  same gloo group); its own
   error-feedback residual starts at zero (a residual is what *that*
   island has not sent yet: a donor's belongs to the donor);
 * the anchor is saved with Orbax at every commit (``checkpoint_dir/<island>``),
@@ -44,7 +45,7 @@ Example (one island; start one per island, and the Lighthouse once, e.g.
 References:
   Douillard et al., DiLoCo: Distributed Low-Communication Training of
   Language Models <https://arxiv.org/abs/2311.08105>, 2023; torchft
-  (Manager, Lighthouse, ProcessGroupGloo, HTTPTransport),
+  (Manager, Lighthouse, ProcessGroupGloo, PGTransport),
   <https://github.com/pytorch/torchft>, version 0.2.0; Jaghouar et al.,
   INTELLECT-1 Technical Report <https://arxiv.org/abs/2412.01152>, 2024
   (islands joining at outer steps).
@@ -79,6 +80,8 @@ try:
   import torch.distributed as tdist  # pyright: ignore[reportMissingImports]
   import torchft  # pyright: ignore[reportMissingImports]
   from torchft import coordination  # pyright: ignore[reportMissingImports]
+  from torchft.checkpointing.pg_transport import (  # pyright: ignore[reportMissingImports]
+      PGTransport)
   from torch.distributed.distributed_c10d import (  # pyright: ignore[reportMissingImports]
       AllgatherOptions)  # pyright: ignore[reportPrivateImportUsage]
 except ImportError as e:  # pragma: no cover - exercised without the extra
@@ -182,6 +185,17 @@ def _from_bytes(buf: np.ndarray, shape, dtype) -> np.ndarray:
   return np.frombuffer(buf.tobytes(), dtype=np.dtype(dtype)).reshape(shape)
 
 
+def _own_address() -> str:
+  """This machine's hostname resolved to an address (what peers dial): the
+  hostname itself would resolve to each peer's own address where every
+  network namespace maps it to its veth (``/etc/netns/NAME/hosts``)."""
+  name = socket.gethostname()
+  try:
+    return socket.gethostbyname(name)
+  except OSError:
+    return name
+
+
 def _process_copy(x):
   """This process's copy of a leaf replicated over the island's processes
   (a global ``jax.Array`` of a multi-process island); other values as they
@@ -245,14 +259,19 @@ class ElasticDiLoCo:
     connect_timeout: seconds to reach the Lighthouse and the managers.
     hostname: the address peers reach this island at (torchft's
       ``hostname``; in a network namespace, its veth address). Default:
-      this machine's hostname.
-    store_host: where the island's other processes reach its process 0
-      (the TCP store its torchft managers meet in); default
-      ``"localhost"``, an island on one machine. An island of several JAX
-      processes (``jax.distributed``) runs one torchft manager per process
-      (torchft's group ranks); each exchanges the whole payload with the
-      same rank of the other islands, and the island commits only when
-      all of its processes do.
+      this machine's hostname resolved to an address.
+    store_host: the address of the island's process 0 for its TCP store,
+      where the island's torchft managers meet and where the other islands
+      rendezvous for the process group when this island leads a quorum
+      (torchft passes the store's address in the quorum): it must be
+      reachable from every island. Default: this machine's hostname
+      resolved to an address (in a network namespace, map the hostname to
+      the veth address in ``/etc/netns/NAME/hosts``); ``"localhost"`` only
+      when every island runs on one machine. An island of several JAX processes
+      (``jax.distributed``) runs one torchft manager per process (torchft's
+      group ranks); each exchanges the whole payload with the same rank of
+      the other islands, and the island commits only when all of its
+      processes do.
     seed: the compressor's shared randomness, ``fold_in(key(seed), step)``.
 
   Raises:
@@ -273,7 +292,7 @@ class ElasticDiLoCo:
                checkpoint_dir: str | None = None, config: dict | None = None,
                timeout: float = 30.0, quorum_timeout: float = 300.0,
                connect_timeout: float = 30.0, hostname: str | None = None,
-               store_host: str = "localhost", seed: int = 0):
+               store_host: str | None = None, seed: int = 0):
     island = island or os.environ.get("JAXCOMP_ISLAND", "")
     lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
     if not lighthouse:
@@ -315,15 +334,24 @@ class ElasticDiLoCo:
 
     timeout_td = timedelta(seconds=timeout)
     rank, size = jax.process_index(), jax.process_count()
-    # This island's own store, on its process 0 (its managers meet in it).
+    # This island's own store, on its process 0 (its managers meet in it);
+    # its host and port go to the island's other processes.
     self._store = None
+    host = (store_host or _own_address()).encode()
     port = 0
     if rank == 0:
       self._store = tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-          store_host, 0, is_master=True, wait_for_workers=False)
+          host.decode(), 0, is_master=True, wait_for_workers=False)
       port = self._store.port
     if size > 1:
-      port = int(multihost_utils.broadcast_one_to_all(np.int32(port)))
+      if len(host) > 255:
+        raise ValueError(f"store_host longer than 255 bytes: {host!r}")
+      sent = np.zeros((257,), np.int32)  # port, length, bytes of the host
+      sent[0], sent[1] = port, len(host)
+      sent[2:2 + len(host)] = np.frombuffer(host, np.uint8)
+      got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
+      port = int(got[0])
+      host = bytes(got[2:2 + int(got[1])].astype(np.uint8))
     self._pg = torchft.ProcessGroupGloo(timeout=timeout_td)
     self._manager = torchft.Manager(
         pg=self._pg, load_state_dict=self._load_state_dict,
@@ -331,9 +359,14 @@ class ElasticDiLoCo:
         use_async_quorum=False, timeout=timeout_td,
         quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=connect_timeout), rank=rank,
-        world_size=size, store_addr=store_host, store_port=port,
+        world_size=size, store_addr=host.decode(), store_port=port,
         lighthouse_addr=lighthouse, replica_id=island,
-        hostname=hostname or socket.gethostname(), init_sync=True)
+        hostname=hostname or _own_address(), init_sync=True,
+        # The heal travels through the gloo group itself: no second
+        # address to advertise (torchft's HTTP transport advertises the
+        # hostname, which another network namespace resolves to itself).
+        checkpoint_transport=PGTransport(self._pg, timeout=timeout_td,
+                                         device=torch.device("cpu")))
     if restored is not None:
       self._manager.load_state_dict({"step": restored,
                                      "batches_committed": 0})

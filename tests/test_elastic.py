@@ -3,9 +3,12 @@ JAX jobs, one SIGKILLed mid-interval, restarted, and a replacement after
 every island stopped. Skipped without the ``elastic`` extra.
 
 Three islands of two JAX processes each (``jax.distributed`` over gloo
-inside an island, exact data parallelism), on localhost (no network
-namespaces): ``examples/elastic/island.py`` is the island program; each
-process writes one JSON line per event, which these tests read.
+inside an island, exact data parallelism), twice: on localhost, and each
+island in its own network namespace behind a 100 Mbit/s ``tc tbf`` link
+(``benchmarks/netns.py``; root, ip and tc needed, skipped otherwise), the
+Lighthouse in a fourth. ``examples/elastic/island.py`` is the island
+program; each process writes one JSON line per event, which these tests
+read.
 """
 
 import glob
@@ -15,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import shutil
 
 import numpy as np
 import pytest
@@ -27,6 +32,9 @@ from jaxcomp import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISLAND = os.path.join(ROOT, "examples", "elastic", "island.py")
+NAMESPACE = {"a": 1, "b": 2, "c": 3, "d": 1}  # island -> namespace (0: Lighthouse)
+NETNS_OK = (os.geteuid() == 0 and shutil.which("ip") is not None
+            and shutil.which("tc") is not None)
 PROCS = 2  # JAX processes per island
 HEARTBEAT_S = 2.0  # the Lighthouse's heartbeat timeout
 # An interval (6 steps x 0.05 s), the failed exchange's own detection, the
@@ -48,11 +56,57 @@ def _events(path):
 class _Islands:
   """The island processes of one run and their logs."""
 
-  def __init__(self, tmp, lighthouse):
-    self.tmp, self.lighthouse = str(tmp), lighthouse
+  def __init__(self, tmp, cluster=None):
+    self.tmp, self.cluster = str(tmp), cluster
     self.ckpt = os.path.join(self.tmp, "ckpt")
     self.stop = os.path.join(self.tmp, "stop")
     self.procs = {}
+    self.servers = []
+    self.lighthouse = None
+
+  def env(self, **more):
+    return {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **more}
+
+  def popen(self, namespace, cmd, out, env):
+    if self.cluster is None:
+      return subprocess.Popen(cmd, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, cwd=ROOT)
+    return self.cluster.popen(namespace, cmd, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, cwd=ROOT)
+
+  def start_lighthouse(self, min_replicas):
+    """A Lighthouse (in-process on localhost; in namespace 0 with a
+    cluster); sets and returns its address."""
+    hb = str(int(HEARTBEAT_S * 1000))
+    if self.cluster is None:
+      server = elastic.lighthouse("[::]:0", min_replicas=min_replicas,
+                                  join_timeout_ms=5000,
+                                  heartbeat_timeout_ms=int(hb))
+      self.servers.append(server)
+      self.lighthouse = server.address()
+      return self.lighthouse
+    port = 29510 + len(self.servers)
+    path = os.path.join(self.tmp, f"lighthouse{port}.out")
+    p = self.popen(0, [sys.executable, "-m", "jaxcomp.elastic", "lighthouse",
+                       "--bind", f"0.0.0.0:{port}", "--min-replicas",
+                       str(min_replicas), "--join-timeout-ms", "5000",
+                       "--heartbeat-timeout-ms", hb], open(path, "w"),
+                   self.env())
+    self.servers.append(p)
+    self.wait_for("the Lighthouse", lambda: os.path.exists(path) and "http"
+                  in open(path).read(), timeout=60)
+    self.lighthouse = f"http://{self.cluster.namespaces[0].address}:{port}"
+    return self.lighthouse
+
+  def stop_lighthouses(self):
+    for server in self.servers:
+      if isinstance(server, subprocess.Popen):
+        server.kill()
+        server.wait()
+      else:
+        server.shutdown()
+    self.servers.clear()
 
   def start(self, name, tag=None, *extra, procs=PROCS):
     """Starts island ``name`` (``procs`` JAX processes); its logs and
@@ -60,8 +114,7 @@ class _Islands:
     tag = tag or name
     port = launch.free_port()
     for r in range(procs):
-      env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-             "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+      env = self.env()
       if procs > 1:
         env.update(JAXCOMP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                    JAXCOMP_NUM_PROCESSES=str(procs),
@@ -71,12 +124,11 @@ class _Islands:
              "--step-delay", "0.05", "--dim", "32", "--timeout", "5",
              "--quorum-timeout", "60", "--checkpoint-dir", self.ckpt,
              "--log", os.path.join(self.tmp, f"{tag}.p{{process}}.jsonl"),
-             "--stop-file", self.stop,
+             "--stop-file", self.stop, "--outer-steps", "500",
              "--output", os.path.join(self.tmp, f"{tag}.p{{process}}.npz"),
              *extra]
       out = open(os.path.join(self.tmp, f"{tag}.p{r}.out"), "w")
-      self.procs[f"{tag}.p{r}"] = subprocess.Popen(
-          cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+      self.procs[f"{tag}.p{r}"] = self.popen(NAMESPACE[name], cmd, out, env)
     return [self.procs[f"{tag}.p{r}"] for r in range(procs)]
 
   def log(self, tag, process=0):
@@ -117,16 +169,27 @@ def _syncs(events):
   return [e for e in events if e["event"] == "sync"]
 
 
-@pytest.fixture(scope="module")
-def faulted_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["localhost", "netns"])
+def faulted_run(request, tmp_path_factory):
   """a, b, c train; c is SIGKILLed mid-interval, restarted as c2 once a and
   b committed without it; all stop two commits after c2's first."""
-  tmp = tmp_path_factory.mktemp("elastic")
-  server = elastic.lighthouse("[::]:0", min_replicas=2, join_timeout_ms=5000,
-                              heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
-  run = _Islands(tmp, server.address())
+  tmp = tmp_path_factory.mktemp(f"elastic_{request.param}")
+  if request.param == "netns":
+    if not NETNS_OK:
+      pytest.skip("network namespaces need root, ip and tc")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import netns  # benchmarks/netns.py
+    with netns.RateLimitedCluster(4) as cluster:
+      cluster.set_rate("100mbit")
+      yield from _faulted_run(_Islands(tmp, cluster))
+  else:
+    yield from _faulted_run(_Islands(tmp))
+
+
+def _faulted_run(run):
   t_start = time.monotonic()
   try:
+    run.start_lighthouse(min_replicas=2)
     go = os.path.join(run.tmp, "go")
     for name in "abc":
       run.start(name, None, "--go-file", go)
@@ -164,13 +227,13 @@ def faulted_run(tmp_path_factory):
       assert run.procs[key].returncode == 0, run.output(key)
   finally:
     run.kill_all()
-    server.shutdown()
-  return dict(run=run, t_kill=t_kill, t_restart=t_restart, mid=mid,
-              stop_at=stop_at, seconds=time.monotonic() - t_start,
-              events={t: _events(run.log(t)) for t in ("a", "b", "c", "c2")},
-              process_events={(t, r): _events(run.log(t, r))
-                              for t in ("a", "b", "c", "c2")
-                              for r in range(PROCS)})
+    run.stop_lighthouses()
+  yield dict(run=run, t_kill=t_kill, t_restart=t_restart, mid=mid,
+             stop_at=stop_at, seconds=time.monotonic() - t_start,
+             events={t: _events(run.log(t)) for t in ("a", "b", "c", "c2")},
+             process_events={(t, r): _events(run.log(t, r))
+                             for t in ("a", "b", "c", "c2")
+                             for r in range(PROCS)})
 
 
 def test_survivors_discard_the_interrupted_interval(faulted_run):
@@ -270,16 +333,14 @@ def test_replacement_after_all_stopped_restores_from_checkpoint(faulted_run):
   run, stop_at = faulted_run["run"], faulted_run["stop_at"]
   final = [e for e in faulted_run["events"]["a"] if e["event"] == "done"][0]
   os.remove(run.stop)
-  server = elastic.lighthouse("[::]:0", min_replicas=1,
-                              heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
   try:
-    run.lighthouse = server.address()
+    run.start_lighthouse(min_replicas=1)
     for p in run.start("d", None, "--outer-steps", str(stop_at + 1)):
       p.wait(timeout=90)
       assert p.returncode == 0, run.output("d")
   finally:
     run.kill_all()
-    server.shutdown()
+    run.stop_lighthouses()
   ev = _events(run.log("d"))
   ready = [e for e in ev if e["event"] == "ready"][0]
   assert ready["restored"] == stop_at and ready["step"] == stop_at
