@@ -326,6 +326,8 @@ class ElasticDiLoCo:
     self._residual = jnp.zeros((self._layout.n,), jnp.float32)
     self._jit()
     self.healed = False  # whether the last begin() healed from a peer
+    self.heal_seconds = 0.0  # the last heal's wall time, s
+    self.heal_bytes = 0  # the last heal's anchor and outer state, bytes
     self.restored_step: int | None = None  # step restored from Orbax at start
 
     self._ckpt_root = checkpoint_dir
@@ -552,14 +554,18 @@ class ElasticDiLoCo:
 
   def begin(self):
     """Starts an interval: torchft's quorum (blocking), which heals this
-    island from a peer if it is behind (:attr:`healed`). Returns the anchor
-    to start the interval's inner steps from.
+    island from a peer if it is behind (:attr:`healed`; then
+    :attr:`heal_seconds`, the quorum and transfer's wall time in seconds,
+    and :attr:`heal_bytes`, the anchor's and outer state's bytes
+    received). Returns the anchor to start the interval's inner steps
+    from.
 
     Raises:
       ElasticConfigError: the peer's anchor has another configuration.
       QuorumError: no quorum for ``quorum_timeout`` seconds.
     """
     self.healed = False
+    t0 = time.monotonic()
     try:
       self._manager.start_quorum()
     except ElasticConfigError:
@@ -567,6 +573,10 @@ class ElasticDiLoCo:
     except Exception as e:  # torchft raises the RPC's error on a timeout
       self._check_deadline()
       raise QuorumError(f"island {self.island!r}: no quorum: {e}") from e
+    if self.healed:
+      self.heal_seconds = time.monotonic() - t0
+      self.heal_bytes = sum(_to_bytes(x).size for x in jax.tree.leaves(
+          (self._anchor, self._outer_state)))
     return self._anchor
 
   @property

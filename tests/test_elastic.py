@@ -266,6 +266,9 @@ def test_restarted_island_heals_and_commits_with_three(faulted_run):
   assert ready["restored"] is not None and ready["restored"] >= 2, ready
   begins = [e for e in c2 if e["event"] == "begin"]
   assert begins[0]["healed"], begins[0]  # behind the survivors: healed
+  # The anchor (32 x 4 + 4 float32) and Nesterov's momentum (the same).
+  assert begins[0]["heal_bytes"] == 2 * (32 * 4 + 4) * 4, begins[0]
+  assert 0 < begins[0]["heal_seconds"] < 30
   assert begins[0]["step"] > ready["restored"]
   # Its healed anchor is the survivors' anchor at that step.
   a_at = {e["step"]: e["anchor"] for e in ev["a"] if e["event"] == "begin"}

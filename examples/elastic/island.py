@@ -138,6 +138,8 @@ def main(argv=None) -> int:
       break
     p = replicated(isl.begin())
     say("begin", step=isl.step, islands=isl.islands, healed=isl.healed,
+        heal_seconds=isl.heal_seconds if isl.healed else None,
+        heal_bytes=isl.heal_bytes if isl.healed else None,
         anchor=elastic.digest(isl.anchor),
         residual=elastic.digest(isl.residual))
     if isl.healed:
