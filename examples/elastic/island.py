@@ -37,6 +37,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -72,6 +74,14 @@ def parse(argv=None):
   p.add_argument("--step-delay", type=float, default=0.0,
                  help="seconds slept per inner step (a slower island)")
   p.add_argument("--dim", type=int, default=64, help="model width")
+  p.add_argument("--model", choices=["regression", "char_lm"],
+                 default="regression",
+                 help="char_lm: examples/char_lm's transformer on the "
+                 "standard library's source (--dim is its d_model)")
+  p.add_argument("--batch-size", type=int, default=32,
+                 help="per island, split over its processes")
+  p.add_argument("--train-bytes", type=int, default=500_000,
+                 help="char_lm: bytes of the training stream")
   p.add_argument("--compressor", default="int8_block")
   p.add_argument("--min-islands", type=int, default=1)
   p.add_argument("--checkpoint-dir", default=None)
@@ -80,6 +90,55 @@ def parse(argv=None):
   p.add_argument("--log", default=None)
   p.add_argument("--output", default=None, help="final anchor, .npz")
   return p.parse_args(argv)
+
+
+class Model(NamedTuple):
+  params: Any
+  inner: optax.GradientTransformation
+  inner_name: str
+  loss: Callable  # (params, x, y) -> scalar
+  batch: Callable  # (island seed, outer step, inner step) -> (x, y)
+  valid_loss: Callable  # anchor -> float, held-out loss (nats)
+
+
+def make_model(args) -> Model:
+  """The regression model (synthetic data) or the character LM."""
+  b = args.batch_size
+  if args.model == "regression":
+    d = args.dim
+    w_true = jax.random.normal(jax.random.key(1), (d, 4))
+    loss = lambda p, x, y: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    def batch(seed, step, i):
+      k = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), i)
+      x = jax.random.normal(k, (b, d))
+      return x, x @ w_true
+
+    xv = jax.random.normal(jax.random.key(2), (256, d))
+    return Model({"w": jnp.zeros((d, 4), jnp.float32),
+                  "b": jnp.zeros((4,), jnp.float32)}, optax.adam(1e-2),
+                 "adam(1e-2)", loss, batch,
+                 lambda p: float(jax.jit(loss)(p, xv, xv @ w_true)))
+  from examples.char_lm import data as data_lib
+  from examples.char_lm import train as train_lib
+  from examples.char_lm.config import Config
+  config = Config(d_model=args.dim, context=64, num_layers=2, num_heads=4)
+  net, params = train_lib.init_model(config)
+  corpus = data_lib.load(max_train_bytes=args.train_bytes)
+  length = config.context + 1
+  valid = data_lib.fixed_windows(corpus.valid, 64, length)
+
+  def loss(p, x, y):
+    logits = net.apply({"params": p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def batch(seed, step, i):
+    w = data_lib.random_windows(corpus.train, b, length,
+                                np.random.default_rng([seed, step, i]))
+    return w[:, :-1], w[:, 1:]
+
+  return Model(params, optax.adam(3e-3), "adam(3e-3)", loss, batch,
+               lambda p: float(jax.jit(loss)(p, valid[:, :-1], valid[:, 1:])))
 
 
 def _island_seed(name: str) -> int:
@@ -93,7 +152,8 @@ def main(argv=None) -> int:
   fill = lambda path: path.replace("{process}", me).replace("{island}",
                                                            args.island)
   log = open(fill(args.log), "a") if args.log else sys.stdout
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
   replicated = lambda tree: distributed.global_array(tree, mesh, P())
 
   def say(event, **kw):
@@ -101,29 +161,25 @@ def main(argv=None) -> int:
                           "t": time.time(), **kw}) + "\n")
     log.flush()
 
-  d = args.dim
-  w_true = jax.random.normal(jax.random.key(1), (d, 4))
-  params = {"w": jnp.zeros((d, 4), jnp.float32),
-            "b": jnp.zeros((4,), jnp.float32)}
-  inner = optax.adam(1e-2)
+  model = make_model(args)
+  params = model.params
+  inner = model.inner
   isl = elastic.ElasticDiLoCo(
       params, island=args.island, lighthouse=args.lighthouse,
       compressor=args.compressor, min_islands=args.min_islands,
       checkpoint_dir=args.checkpoint_dir, timeout=args.timeout,
       quorum_timeout=args.quorum_timeout,
-      config={"sync_every": args.sync_every, "inner": "adam(1e-2)"})
+      config={"sync_every": args.sync_every, "model": args.model,
+              "inner": model.inner_name})
   say("ready", step=isl.step, restored=isl.restored_step,
       anchor=elastic.digest(isl.anchor))
   if args.go_file:
     while not os.path.exists(args.go_file):
       time.sleep(0.05)
 
-  def loss_fn(p, x, y):
-    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
-
   @jax.jit
   def train_step(p, s, x, y):
-    loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+    loss, g = jax.value_and_grad(model.loss)(p, x, y)
     u, s = inner.update(g, s, p)
     return optax.apply_updates(p, u), s, loss
 
@@ -145,10 +201,7 @@ def main(argv=None) -> int:
     if isl.healed:
       inner_state = replicated(inner.init(isl.anchor))
     for i in range(args.sync_every):
-      k = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
-                                                isl.step), i)
-      x = jax.random.normal(k, (32, d))
-      y = x @ w_true
+      x, y = model.batch(seed, isl.step, i)
       x, y = distributed.global_array((x, y), mesh, P("data"))
       p, inner_state, loss = train_step(p, inner_state, x, y)
       loss.block_until_ready()
@@ -162,10 +215,12 @@ def main(argv=None) -> int:
         loss=float(loss.addressable_data(0)),
         seconds=r.seconds, bytes=r.bytes_sent,
         error=None if r.error is None else repr(r.error)[:300])
+  valid = model.valid_loss(isl.anchor)
   if args.output:
     np.savez(fill(args.output),
              **{k: np.asarray(v) for k, v in isl.anchor.items()})
-  say("done", step=isl.step, anchor=elastic.digest(isl.anchor))
+  say("done", step=isl.step, anchor=elastic.digest(isl.anchor),
+      valid_loss=valid)
   isl.close()
   distributed.shutdown()
   return 0
