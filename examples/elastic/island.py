@@ -119,6 +119,10 @@ def make_model(args) -> Model:
                   "b": jnp.zeros((4,), jnp.float32)}, optax.adam(1e-2),
                  "adam(1e-2)", loss, batch,
                  lambda p: float(jax.jit(loss)(p, xv, xv @ w_true)))
+  # The repository's root, for examples.char_lm (run as a script, only
+  # this file's folder is on the path).
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
   from examples.char_lm import data as data_lib
   from examples.char_lm import train as train_lib
   from examples.char_lm.config import Config
