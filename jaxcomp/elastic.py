@@ -601,6 +601,7 @@ class ElasticDiLoCo:
     header = np.concatenate([
         np.frombuffer(bytes.fromhex(self.fingerprint), np.uint8),
         np.array([buf.size], np.int64).view(np.uint8)])
+    assert header.size == _HEADER_BYTES, header.size
     headers = self._allgather(header, islands)
     bad = [i for i, h in enumerate(headers)
            if h[:32].tobytes().hex() != self.fingerprint]
