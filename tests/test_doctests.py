@@ -3,6 +3,7 @@ and prints what it says (on the 8 simulated CPU devices of conftest)."""
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 
 import pytest
@@ -13,8 +14,12 @@ import jaxcomp
 def _modules():
   names = ["jaxcomp"]
   for info in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp."):
-    if not info.name.endswith("__main__"):  # entry points run on import
-      names.append(info.name)
+    if info.name.endswith("__main__"):  # entry points run on import
+      continue
+    if (info.name == "jaxcomp.elastic"
+        and importlib.util.find_spec("torchft") is None):
+      continue  # the elastic extra (torch, torchft) is not installed
+    names.append(info.name)
   return names
 
 

@@ -99,3 +99,23 @@ def test_the_design_page_draws_the_contract():
   drawn = [re.split(r"\s{2,}", line.strip())[0]
            for line in block.strip().splitlines()]
   assert drawn == layers
+
+
+def test_torch_imports_stay_in_the_elastic_module():
+  """Only jaxcomp/elastic.py imports torchft, or torch at module level (the
+  ``elastic`` extra); the rest of jaxcomp installs and runs without them
+  (``jaxcomp.bench.kernels`` imports torch inside the one function that
+  times PyTorch beside us, the ``bench`` extra)."""
+  pattern = re.compile(r"^(\s*(from|import)\s+torchft\b|(from|import)\s+torch\b)")
+  found = []
+  for base, _, files in os.walk(os.path.join(ROOT, "jaxcomp")):
+    for f in files:
+      path = os.path.join(base, f)
+      if not f.endswith(".py") or path == os.path.join(ROOT, "jaxcomp",
+                                                      "elastic.py"):
+        continue
+      with open(path) as fh:
+        for i, line in enumerate(fh, 1):
+          if pattern.match(line):
+            found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+  assert not found, "\n".join(found)

@@ -1,0 +1,216 @@
+"""Elastic DiLoCo islands on the character LM: a fault-free run and one in
+which an island is SIGKILLed mid-interval and restarted, side by side.
+
+Three islands of two JAX processes each (``examples/elastic/island.py
+--model char_lm``: examples/char_lm's transformer, Adam 3e-3 inside an
+island, int8 blocks with error feedback across, outer Nesterov 0.7 / 0.9),
+each island in its own network namespace behind a ``tc tbf`` link
+(``benchmarks/netns.py``, needs root), the Lighthouse in a fourth. Both
+runs stop at the same outer step; the faulted one kills island ``c`` (both
+processes) in the middle of an interval once ``--kill-after`` outer steps
+are committed and restarts it ``--restart-after`` seconds later. Per run:
+wall time, the final validation loss (64 held-out windows, nats per
+character, island ``a``'s anchor), and for the faulted run the intervals
+the survivors discarded, the inner steps the killed island lost, seconds
+from the kill to the survivors' next commit, and the heal's bytes and
+seconds. Goodput: island-intervals committed over island-intervals run
+(the killed island's interval, the survivors' discarded one, and the
+intervals the dead island did not run count as lost)::
+
+  sudo python benchmarks/elastic_char_lm.py --out benchmarks/results/elastic_char_lm.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import netns  # noqa: E402
+
+from jaxcomp import launch  # noqa: E402
+
+ISLAND = os.path.join(ROOT, "examples", "elastic", "island.py")
+
+
+def _events(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _wait(pred, timeout, what):
+  t0 = time.monotonic()
+  while time.monotonic() - t0 < timeout:
+    got = pred()
+    if got:
+      return got
+    time.sleep(0.05)
+  raise RuntimeError(f"timed out waiting for {what}")
+
+
+def run(args, cluster, tmp: str, faulted: bool) -> dict:
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  port = 29510
+  lh_out = os.path.join(tmp, "lighthouse.out")
+  cluster.popen(0, [sys.executable, "-m", "jaxcomp.elastic", "lighthouse",
+                    "--bind", f"0.0.0.0:{port}", "--min-replicas", "2",
+                    "--heartbeat-timeout-ms", str(args.heartbeat_ms)],
+                env=env, stdout=open(lh_out, "w"), stderr=subprocess.STDOUT)
+  _wait(lambda: "http" in open(lh_out).read(), 60, "the Lighthouse")
+  lighthouse = f"http://{cluster.namespaces[0].address}:{port}"
+  procs: dict[str, list] = {}
+  go = os.path.join(tmp, "go")
+
+  def start(name, tag, ns):
+    coord = launch.free_port()
+    procs[tag] = []
+    for r in range(args.processes):
+      e = {**env, "JAXCOMP_COORDINATOR_ADDRESS": f"127.0.0.1:{coord}",
+           "JAXCOMP_NUM_PROCESSES": str(args.processes),
+           "JAXCOMP_PROCESS_ID": str(r)}
+      cmd = [sys.executable, ISLAND, "--island", name, "--lighthouse",
+             lighthouse, "--model", "char_lm", "--dim", str(args.d_model),
+             "--batch-size", str(args.batch_size), "--sync-every",
+             str(args.sync_every), "--outer-steps", str(args.outer_steps),
+             "--compressor", args.compressor, "--timeout", "30",
+             "--quorum-timeout", "300", "--checkpoint-dir",
+             os.path.join(tmp, "ckpt"), "--go-file", go,
+             "--log", os.path.join(tmp, f"{tag}.p{{process}}.jsonl")]
+      procs[tag].append(cluster.popen(
+          ns, cmd, env=e, cwd=ROOT, stdout=open(
+              os.path.join(tmp, f"{tag}.p{r}.out"), "w"),
+          stderr=subprocess.STDOUT))
+
+  for k, name in enumerate("abc"):
+    start(name, name, k + 1)
+  log = lambda tag: _events(os.path.join(tmp, f"{tag}.p0.jsonl"))
+  _wait(lambda: all(any(e["event"] == "ready" for e in log(n)) for n in "abc"),
+        300, "three ready islands")
+  t0 = time.time()
+  open(go, "w").close()
+  out: dict = {"faulted": faulted}
+  if faulted:
+    mid = _wait(lambda: [e for e in log("c") if e["event"] == "mid"
+                         and e["step"] >= args.kill_after], 600, "c's interval")
+    for p in procs["c"]:
+      p.send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    for p in procs["c"]:
+      p.wait()
+    time.sleep(args.restart_after)
+    start("c", "c2", 3)
+    out["killed_at_step"] = mid[0]["step"]
+  for tag, ps in procs.items():
+    if tag == "c" and faulted:
+      continue
+    for p in ps:
+      p.wait(timeout=1800)
+      if p.returncode:
+        raise RuntimeError(f"island {tag} failed ({p.returncode}); see {tmp}")
+  a = log("a")
+  done = [e for e in a if e["event"] == "done"][0]
+  syncs = [e for e in a if e["event"] == "sync"]
+  out.update(seconds=done["t"] - t0, steps=done["step"],
+             valid_loss=done["valid_loss"], final_loss=syncs[-1]["loss"])
+  if faulted:
+    failed = [e for e in syncs if not e["committed"] and e["t"] > t_kill]
+    nxt = [e for e in syncs if e["committed"] and e["t"] > t_kill][0]
+    heal = [e for e in log("c2") if e["event"] == "begin" and e["healed"]]
+    c_last = [e for e in log("c") if e["event"] == "sync" and e["committed"]]
+    c2_first = [e for e in log("c2") if e["event"] == "sync"
+                and e["committed"]][0]
+    out.update(
+        discarded_intervals=len(failed),
+        killed_inner_steps_lost=(mid[0]["step"] - c_last[-1]["step"])
+        * args.sync_every + args.sync_every // 2 + 1,
+        seconds_to_next_commit=nxt["t"] - t_kill,
+        next_commit_islands=nxt["islands"],
+        heal_bytes=heal[0]["heal_bytes"] if heal else None,
+        heal_seconds=heal[0]["heal_seconds"] if heal else None,
+        rejoined_at_step=c2_first["step"],
+        restored_step=[e for e in log("c2") if e["event"] == "ready"][0]
+        ["restored"])
+    # Island-intervals: 3 per outer step; lost: the killed island's, the
+    # survivors' discarded ones, and those c did not run while down.
+    total = 3 * (out["steps"] + len(failed))
+    lost = 2 * len(failed) + 1 + max(0, c2_first["step"] - 1 - mid[0]["step"])
+    out["goodput"] = (total - lost) / total
+  else:
+    out["goodput"] = 1.0
+  cluster.kill_all()
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--rate", default="100mbit", help="tc rate of every link")
+  p.add_argument("--processes", type=int, default=2, help="per island")
+  p.add_argument("--outer-steps", type=int, default=30)
+  p.add_argument("--sync-every", type=int, default=10, help="H")
+  p.add_argument("--d-model", type=int, default=64)
+  p.add_argument("--batch-size", type=int, default=16, help="per island")
+  p.add_argument("--compressor", default="int8_block")
+  p.add_argument("--kill-after", type=int, default=4,
+                 help="kill island c in its interval after this many commits")
+  p.add_argument("--restart-after", type=float, default=2.0)
+  p.add_argument("--heartbeat-ms", type=int, default=2000)
+  p.add_argument("--runs", nargs="+", default=["fault-free", "faulted"],
+                 choices=["fault-free", "faulted"])
+  p.add_argument("--keep", default=None,
+                 help="keep the runs' logs in this folder")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  results = []
+  for name in args.runs:
+    tmp = (os.path.join(args.keep, name) if args.keep
+           else tempfile.mkdtemp(prefix=f"elastic_{name}_"))
+    os.makedirs(tmp, exist_ok=True)
+    with netns.RateLimitedCluster(4) as cluster:
+      cluster.set_rate(args.rate)
+      results.append(run(args, cluster, tmp, name == "faulted"))
+      print(json.dumps(results[-1]), flush=True)
+  if len(results) < 2:
+    return 0
+  clean, fault = results
+  lines = [
+      f"# python benchmarks/elastic_char_lm.py (3 islands x {args.processes} "
+      f"JAX processes, netns links {args.rate}, H={args.sync_every}, "
+      f"{args.outer_steps} outer steps, {args.compressor}, d_model "
+      f"{args.d_model}, batch {args.batch_size} per island)",
+      "| run | wall s | outer steps | valid loss | goodput | discarded "
+      "intervals | killed island's inner steps lost | s to next commit | "
+      "heal bytes | heal s |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, r in (("fault-free", clean), ("island c killed", fault)):
+    f = lambda k, fmt="{}": fmt.format(r[k]) if k in r and r[k] is not None else "-"
+    lines.append(
+        f"| {name} | {r['seconds']:.1f} | {r['steps']} | {r['valid_loss']:.4f} "
+        f"| {r['goodput']:.3f} | {f('discarded_intervals')} | "
+        f"{f('killed_inner_steps_lost')} | "
+        f"{f('seconds_to_next_commit', '{:.2f}')} | {f('heal_bytes')} | "
+        f"{f('heal_seconds', '{:.2f}')} |")
+  diff = (fault["valid_loss"] - clean["valid_loss"]) / clean["valid_loss"]
+  lines.append(f"valid loss, faulted vs fault-free: {100 * diff:+.2f}%")
+  text = "\n".join(lines)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as fh:
+      json.dump({"args": vars(args), "runs": results}, fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
