@@ -812,3 +812,23 @@ def test_islands_layout_is_the_islands_step_plus_a_share_of_the_sync():
       pm.predict(prof, pm.DenseCompressor(), net).step_time)
   with pytest.raises(ValueError, match="hierarchical"):
     pm.predict(prof, comp, pm.Network(8, inter), output="islands")
+
+
+def test_goodput_counts_the_lost_island_seconds():
+  """perfmodel.goodput: elastic islands lose the survivors' interval and
+  heartbeat wait plus the failed island's interval, restart and half an
+  interval; one job loses every island's half interval and restart."""
+  n, i, r, t = 4, 100.0, 600.0, 5.0
+  elastic = pm.island_seconds_lost(n, i, r, heartbeat_timeout=t)
+  assert elastic == pytest.approx(3 * (i + t) + i + r + i / 2)
+  assert pm.island_seconds_lost(n, i, r, elastic=False) == pytest.approx(n * (i / 2 + r))
+  assert pm.goodput(n, i, 0.0, r) == 1.0
+  assert pm.goodput(n, i, 2.0, r, heartbeat_timeout=t) == pytest.approx(
+      1 - 2.0 * elastic / 3600)
+  assert pm.goodput(n, i, 100.0, r) == 0.0  # failures faster than recovery
+  with pytest.raises(ValueError, match="islands must be >= 2"):
+    pm.goodput(1, i, 1.0, r)
+  with pytest.raises(ValueError, match="interval_seconds must be > 0"):
+    pm.goodput(n, 0.0, 1.0, r)
+  with pytest.raises(ValueError, match="failures_per_hour"):
+    pm.goodput(n, i, -1.0, r)

@@ -18,6 +18,8 @@ from jaxcomp.perfmodel.costs import ring_time
 from jaxcomp.perfmodel.costs import transfer_time
 from jaxcomp.bucketing import mgwfbp_plan
 from jaxcomp.bucketing import wfbp_finish_time
+from jaxcomp.perfmodel.goodput import goodput
+from jaxcomp.perfmodel.goodput import island_seconds_lost
 from jaxcomp.perfmodel.model import CodecCost
 from jaxcomp.perfmodel.model import PricedCompressor
 from jaxcomp.perfmodel.model import bucket_transfers
