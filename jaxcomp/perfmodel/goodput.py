@@ -68,9 +68,12 @@ def goodput(islands: int, interval_seconds: float, failures_per_hour: float,
   """Expected goodput at ``failures_per_hour`` failures per island.
 
   Args:
-    islands, interval_seconds, restart_seconds, heartbeat_timeout,
-      elastic: as in :func:`island_seconds_lost`.
+    islands: ``N``, as in :func:`island_seconds_lost`.
+    interval_seconds: ``I``, one outer interval, seconds.
     failures_per_hour: failures per island per hour, >= 0.
+    restart_seconds: ``R``, seconds until the island (or job) runs again.
+    heartbeat_timeout: ``T``, seconds the survivors wait (elastic only).
+    elastic: islands that go on (``True``) or one job that restarts.
 
   Returns:
     The fraction of island-intervals committed, in ``[0, 1]`` (0 where
