@@ -25,7 +25,7 @@ these grows beyond its bound: RSS by more than ``--rss-slack`` MiB; live
 buffers or their bytes at all; compilations at all; more than ``keep``
 steps kept, or the directory above ``keep + 1`` times its largest step (the
 Orbax files are compressed, so a step's size follows its contents), or the
-largest step over the last half of the run above 1.5 times the largest
+largest step over the last half of the run above 2 times the largest
 over the first half; the residual norm or the state norm over the last
 half above twice its largest value over the first half, or, with at least 8
 samples after the warm-up, drifting up over that last half: its
@@ -316,7 +316,11 @@ def check(samples, args) -> list[str]:
                       f"largest step ({s['ckpt_step_bytes']})")
       break
   half = after[len(after) // 2]["step"]
-  for key, factor in (("ckpt_step_bytes", 1.5), ("residual_norm", 2.0),
+  # A step's folder is compressed on disk (zstd), so its size follows the
+  # state's entropy as well as its size: PowerSGD's grew 1.52x between two
+  # samples of a sound run on JAX 0.12 (CI, 2026-11-28); a leak into the
+  # checkpoint doubles it within the run.
+  for key, factor in (("ckpt_step_bytes", 2.0), ("residual_norm", 2.0),
                       ("state_norm", 2.0)):
     first = [s[key] for s in after if s["step"] < half]
     last = [s[key] for s in after if s["step"] >= half]
