@@ -55,19 +55,26 @@ def _shape_bytes(text: str) -> int:
   return int(sum(b for _, b in _elements_and_bytes(text)))
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  """XLA's iota device list ``[dims]T(perm)`` (``dims`` and ``perm`` as
+  written, comma-separated), flat: ``arange`` reshaped to ``dims`` and
+  transposed by ``perm``."""
+  shape = [int(v) for v in dims.split(",")]
+  ids = np.arange(int(np.prod(shape))).reshape(shape)
+  if perm:
+    ids = ids.transpose([int(v) for v in perm.split(",")])
+  return ids.reshape(-1)
+
+
 def _device_ids(text: str | None, n: int) -> np.ndarray:
   """The device ids of a mesh form's ``device_ids=(...)``, in mesh order:
-  ``[dims]T(perm)`` is an iota reshaped and transposed, else the ids listed;
-  none given is 0..n-1."""
+  ``[dims]T(perm)`` is an iota (:func:`_iota`), else the ids listed; none
+  given is 0..n-1."""
   if not text:
     return np.arange(n)
   m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
   if m:
-    dims = [int(v) for v in m.group(1).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(2):
-      ids = ids.transpose([int(v) for v in m.group(2).split(",")])
-    return ids.reshape(-1)
+    return _iota(m.group(1), m.group(2))
   return np.array([int(v) for v in text.split(",") if v.strip()])
 
 
@@ -76,11 +83,7 @@ def _parse_groups(attrs: str, num_devices: int | None) -> list[list[int]]:
                 attrs)
   if m:
     g, s = (int(v) for v in m.group(1).split(","))
-    dims = [int(v) for v in m.group(2).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(3):
-      ids = ids.transpose([int(v) for v in m.group(3).split(",")])
-    return ids.reshape(g, s).tolist()
+    return _iota(m.group(2), m.group(3)).reshape(g, s).tolist()
   # The mesh form XLA writes for collectives over mesh axes:
   # replica_groups=mesh['a'=4,'b'=1,'c'=2] {'a'}: one group per combination
   # of the other axes, the devices numbered in the mesh's row-major order,

@@ -107,10 +107,9 @@ def _check(islands, interval_seconds, restart_seconds, heartbeat_timeout,
   if elastic and islands < 2:
     raise ValueError("islands must be >= 2 for elastic islands (one island "
                      "has no other to go on): pass elastic=False")
-  for name, v in (("interval_seconds", interval_seconds),
-                  ("restart_seconds", restart_seconds),
+  if not interval_seconds > 0:
+    raise ValueError(f"interval_seconds must be > 0, got {interval_seconds!r}")
+  for name, v in (("restart_seconds", restart_seconds),
                   ("heartbeat_timeout", heartbeat_timeout)):
     if not v >= 0:
       raise ValueError(f"{name} must be seconds >= 0, got {v!r}")
-  if not interval_seconds > 0:
-    raise ValueError(f"interval_seconds must be > 0, got {interval_seconds!r}")
