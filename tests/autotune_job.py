@@ -31,6 +31,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
 import jaxcomp  # pylint: disable=g-import-not-at-top
 from jaxcomp import kernels  # pylint: disable=g-import-not-at-top
+from jaxcomp.inspect import kernel_structure as structure  # pylint: disable=g-import-not-at-top
 
 OUT = sys.argv[1]
 ME = jax.process_index()
@@ -71,17 +72,18 @@ def programs(t: kernels.Autotuner) -> str:
       c = jaxcomp.compressors.get(name, **CASES[name])
       for n in SIZES:
         f = lambda x, k, c=c: c.encode(x, jax.random.wrap_key_data(k))
-        text = jax.export.export(jax.jit(f), platforms=["cuda"])(
-            jax.ShapeDtypeStruct((n,), jnp.float32),
+        text = structure.export_cuda(
+            f, jax.ShapeDtypeStruct((n,), jnp.float32),
             jax.ShapeDtypeStruct((2,), jnp.uint32)).mlir_module()
         # Source locations aside (they name the calling line), and a Mosaic
         # GPU kernel's serialized module and its hash (jax >= 0.11 lowers
         # Pallas through Mosaic GPU; the module names its body with a
         # per-process counter such as ``body_10``): the kernel is then told
-        # apart by its custom call's target, operands and results.
+        # apart by its custom call's target, operands and results (a Triton
+        # kernel's serialized IR, ``ir``, likewise).
         text = re.sub(r"^#loc.*$|\sloc\((?:[^()]|\([^()]*\))*\)", "", text,
                       flags=re.M)
-        text = re.sub(r'(kernel_hash|module) = "[^"]*"', r"\1", text)
+        text = re.sub(r'(kernel_hash|module|ir) = "[^"]*"', r"\1", text)
         digest.update(text.encode())
   return digest.hexdigest()
 

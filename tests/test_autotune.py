@@ -29,6 +29,7 @@ from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd as qsgd_kernel
 from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
+from jaxcomp.inspect import kernel_structure as structure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = jax.ShapeDtypeStruct
@@ -76,10 +77,11 @@ def _fresh(fn):
 
 
 def _uses_kernel(fn, *args) -> bool:
-  """Whether ``jax.jit(fn)`` exported for CUDA calls a Mosaic GPU kernel."""
-  text = jax.export.export(jax.jit(_fresh(fn)), platforms=["cuda"])(
-      *args).mlir_module()
-  return "stablehlo.custom_call @mosaic_gpu" in text
+  """Whether ``jax.jit(fn)`` exported for CUDA calls a Pallas kernel
+  (Mosaic GPU's, or one lowered by Triton)."""
+  text = structure.export_cuda(_fresh(fn), *args).mlir_module()
+  return any(f"stablehlo.custom_call @{t}" in text
+             for t in structure.KERNEL_TARGETS)
 
 
 def qsgd(x):

@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from jaxcomp.inspect import kernel_structure as structure
 from jaxcomp.bench import device_check
 from jaxcomp.bench import kernels as bench_kernels
 
@@ -112,11 +113,11 @@ def test_kernel_benchmark_times_programs_without_input_sized_constants():
     c = bench_kernels.op_cases(op, n=n, k=n // 100, itemsize=4, args=args)
     for label, fn in {"reference": c.reference, **c.cases}.items():
       program = bench_kernels.timed_program(fn)
-      text = jax.export.export(program, platforms=["cuda"])(
-          c.extra, x).mlir_module()
+      text = structure.export_cuda(program, c.extra, x).mlir_module()
       assert _largest_constant(text) < n // 32, (op, label)
       checked.append(f"{op} {label}")
   assert "qsgd pallas" in checked and "sampled_topk xla" in checked, checked
+  assert "int8 pallas:triton" in checked and "fp8 pallas:triton" in checked
   # The check sees an input-sized array that a timed function closes over.
   u = jnp.zeros((n,), jnp.float32)
   closure = bench_kernels.timed_program(jax.jit(lambda v: v + u))

@@ -7,8 +7,9 @@ targets hold: ``x`` is read once, by the kernel; no ``n``-sized XLA op runs
 before or after it (no transpose of the codes, no pad, no concatenate, no
 reduction for norms / scales, no multiplier vector); no random numbers are
 materialized; bfloat16 and float16 inputs of whole tiles are read in place
-too. Inputs that are not whole tiles pay one conversion / padding copy; the test prints what remains for them (run with
-``-s``) and checks that it is only that copy.
+too. Inputs that are not whole tiles pay one conversion / padding copy on the
+Mosaic GPU kernels (none on the kernels lowered by Triton); the test prints
+what remains for them (run with ``-s``) and checks that it is only that copy.
 """
 
 import jax
@@ -68,6 +69,13 @@ def _paths(n, dtype=jnp.float32):
   }
 
 
+# The block compressors' ``pallas`` path is the kernel lowered by Triton
+# (jaxcomp.kernels._triton): one masked pass that reads partial tiles and
+# 16-bit inputs in place, launched as one program per 8 blocks (no
+# persistent grid).
+TRITON_PATHS = {"IntBlock.encode_stochastic", "FP8Block.encode_stochastic"}
+
+
 def _structure(name, n, dtype=jnp.float32):
   fn, args = _paths(n, dtype)[name]
   return structure.export_structure(fn, *args)
@@ -112,6 +120,10 @@ def test_partial_tiles_pay_one_padding_copy(name, dtype):
   print(info)
   assert s.kernels == 1 and s.kernel_reads_of_x == 1, info
   assert s.random == [] and s.other_kernel_operands == 0, info
+  if name in TRITON_PATHS:  # masked loads: no copy of x at all
+    assert s.x_reads == [] and s.before == [], info
+    assert set(s.after) <= {"stablehlo.slice"}, info
+    return
   assert set(s.x_reads) <= {"stablehlo.convert", "stablehlo.pad"}, info
   assert s.count("x_reads", "pad") == 1, info
   allowed_after = {"stablehlo.slice"}
@@ -220,7 +232,7 @@ N_LARGE = 1 << 24  # 2,048 blocks of 8,192 elements: many per SM
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("name", sorted(_paths(N_LARGE)))
+@pytest.mark.parametrize("name", sorted(set(_paths(N_LARGE)) - TRITON_PATHS))
 def test_many_blocks_run_on_a_persistent_pipelined_grid(name, dtype):
   """More blocks than SMs: the kernel launches one CUDA block per SM (an
   H100's 132 when exported on a CPU), each looping over its blocks with

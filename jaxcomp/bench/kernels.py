@@ -63,13 +63,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp import kernels
+from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd
 from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-OPS = ("topk", "sampled_topk", "sign", "qsgd", "int8")
+OPS = ("topk", "sampled_topk", "sign", "qsgd", "int8", "fp8")
 TOPK_OPS = ("topk", "sampled_topk")
 
 
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
   parser.add_argument("--levels", type=int, default=15, help="QSGD levels")
   parser.add_argument("--bucket-size", type=int, default=512,
-                      help="QSGD bucket / int8 block size")
+                      help="QSGD bucket / int8 and fp8 block size")
   parser.add_argument("--implementation", choices=("auto", "xla", "pallas",
                                                     "both"), default="auto",
                       help="auto: pallas too when the backend is a GPU")
@@ -253,6 +254,21 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
     for label, qcfg in _quantize_variants(args):
       cases[label] = jax.jit(lambda x, c=qcfg: int8_block.int8_block_quantize(
           x, block_size=args.bucket_size, config=c))
+    if kernels.triton_supported_block(args.bucket_size):
+      cases["pallas:triton"] = jax.jit(
+          lambda x: int8_block.int8_block_quantize_triton(
+              x, block_size=args.bucket_size))
+    return OpCases(n * itemsize + n, ref, cases)
+  if op == "fp8":
+    ref = jax.jit(lambda x: fp8_block.fp8_block_quantize_reference(
+        x, block_size=args.bucket_size))
+    for label, qcfg in _quantize_variants(args):
+      cases[label] = jax.jit(lambda x, c=qcfg: fp8_block.fp8_block_quantize(
+          x, block_size=args.bucket_size, config=c))
+    if kernels.triton_supported_block(args.bucket_size):
+      cases["pallas:triton"] = jax.jit(
+          lambda x: fp8_block.fp8_block_quantize_triton(
+              x, block_size=args.bucket_size))
     return OpCases(n * itemsize + n, ref, cases)
   raise ValueError(f"unknown op {op!r}; one of {OPS}")
 

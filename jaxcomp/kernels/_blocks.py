@@ -228,6 +228,16 @@ def floor_to_int(v: jax.Array) -> jax.Array:
   return t - (t.astype(jnp.float32) > v).astype(jnp.int32)
 
 
+def round_half_even_to_int(v: jax.Array) -> jax.Array:
+  """int32 ``round(v)``, ties to even, with truncating conversions only
+  (Pallas' Triton lowering has no ``lax.round``): ``v - floor(v)`` is exact
+  for ``|v| < 2**23``; equal to ``jnp.round(v).astype(jnp.int32)`` there."""
+  f = floor_to_int(v)
+  d = v - f.astype(jnp.float32)
+  up = (d > 0.5) | ((d == 0.5) & ((f & 1) == 1))
+  return f + up.astype(jnp.int32)
+
+
 # Shared memory the one-pass kernel's (block_groups, group) float32 input
 # blocks may take: x, plus the uniform numbers when they come as an array.
 # 64 groups (one WGMMA row tile) of 16 rows of x are 128 KiB; Mosaic GPU

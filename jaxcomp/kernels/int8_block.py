@@ -9,7 +9,12 @@ int8 of length ``num_blocks * block_size`` (padding included). Decode: ``q *
 scale``. A block holding an infinity gets an infinite scale; one holding a
 NaN but no infinity is unspecified (XLA's maximum may skip the NaN).
 
-The kernel (:func:`int8_block_quantize`) reads ``x`` once: each block is
+Two Pallas kernels. :func:`int8_block_quantize_triton`, lowered by Triton,
+is the one the ``pallas`` implementation runs (block sizes that are powers
+of two): one masked pass over ``x`` in its own dtype, the partial last
+block included (:mod:`jaxcomp.kernels._triton`); on an NVIDIA H200 it took
+0.149 ms for 1e8 float32 against XLA's 0.253 ms. The Mosaic GPU kernel
+(:func:`int8_block_quantize`) takes the other multiples of 32. It reads ``x`` once: each block is
 one row of its view of ``x``, its scale reduced in registers, the codes
 packed 4 per uint32 (the same bytes as the int8 array, bit-cast back for
 free). Scales are maxima, the same in any order: the kernel matches
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 from . import _autotune
 from . import _blocks
 from . import _launch
+from . import _triton
 from ._blocks import DEFAULT_CONFIG
 from ._blocks import QuantizeConfig
 from ._blocks import group_reduce
@@ -145,6 +151,74 @@ def int8_block_quantize(
 
 
 # ----------------------------------------------------------------------------
+# Pallas kernel lowered by Triton.
+# ----------------------------------------------------------------------------
+
+
+def _int8_codes(y: jax.Array, u: jax.Array | None) -> jax.Array:
+  """int8 codes of ``y = x * m``: nearest even, or ``floor(y + u)``."""
+  q = (_blocks.round_half_even_to_int(y) if u is None
+       else _blocks.floor_to_int(y + u))
+  return jnp.clip(q, -127, 127).astype(jnp.int8)
+
+
+def int8_block_quantize_triton(
+    x: jax.Array, *, block_size: int,
+    stochastic_uniform: jax.Array | None = None,
+    seed: jax.Array | None = None,
+    rows: int | None = None, num_warps: int = _triton.DEFAULT_WARPS,
+    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Pallas int8 block quantization lowered by Triton: the ``(q, scales)``
+  of :func:`int8_block_quantize_reference` bit for bit, in one pass over
+  ``x`` (:mod:`jaxcomp.kernels._triton`).
+
+  Args:
+    x: float32, bfloat16 or float16 array of ``n`` elements (read in its
+      own dtype, flat).
+    block_size: elements per scale, a power of two >= 32.
+    stochastic_uniform: ``n`` floats in [0, 1) or uint32 bits, or None.
+    seed: uint32 ``(2,)``: stochastic rounding with the numbers hashed in
+      the kernel (``dither.to_unit(dither.hash_bits(seed, i))``), or None.
+    rows: blocks per program (None: 8, fewer for blocks over 1,024).
+    num_warps: warps per program (1, 2, 4, 8 or 16).
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(q int8 (num_blocks * block_size,), scales float32 (num_blocks,))``.
+
+  Raises:
+    ValueError: ``block_size`` not a power of two >= 32 (use
+      :func:`int8_block_quantize` or the reference), bad ``rows`` or
+      ``num_warps``, both ``stochastic_uniform`` and ``seed``, a bad
+      ``seed``.
+  """
+  _blocks.check_size("block_size", block_size)
+  if seed is not None:
+    seed = _blocks.check_seed(seed)
+  if x.size == 0:
+    return int8_block_quantize_reference(
+        x, block_size=block_size, stochastic_uniform=stochastic_uniform,
+        seed=seed)
+  return _triton.block_quantize_call(
+      x, _int8_codes, block_size=block_size, top=127.0, code_dtype=jnp.int8,
+      padded=True, name="jaxcomp_int8_triton", uniform=stochastic_uniform,
+      seed=seed, rows=rows, num_warps=num_warps, interpret=bool(interpret))
+
+
+def int8_block_quantize_pallas(x, *, block_size, stochastic_uniform=None,
+                               seed=None, interpret=False):
+  """The ``pallas`` implementation: the Triton kernel where ``block_size``
+  is a power of two, else the Mosaic GPU kernel (any multiple of 32)."""
+  if _triton.supported_block(block_size):
+    return int8_block_quantize_triton(
+        x, block_size=block_size, stochastic_uniform=stochastic_uniform,
+        seed=seed, interpret=bool(interpret))
+  return int8_block_quantize(x, block_size=block_size,
+                             stochastic_uniform=stochastic_uniform, seed=seed,
+                             interpret=interpret)
+
+
+# ----------------------------------------------------------------------------
 # Dispatch by implementation.
 # ----------------------------------------------------------------------------
 
@@ -170,9 +244,9 @@ def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
     def f(v, *r):
       u, s = _blocks.split_rounding(rounding, r)
       if impl == "pallas":
-        return int8_block_quantize(v, block_size=block_size,
-                                   stochastic_uniform=u, seed=s,
-                                   interpret=interpret)
+        return int8_block_quantize_pallas(v, block_size=block_size,
+                                          stochastic_uniform=u, seed=s,
+                                          interpret=interpret)
       return int8_block_quantize_reference(v, block_size=block_size,
                                            stochastic_uniform=u, seed=s)
     return f
@@ -181,8 +255,9 @@ def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
                                   rounding=rounding, run=run)
   if _autotune.resolve_implementation(implementation,
                                       tunable=tunable) == "pallas":
-    return int8_block_quantize(x, block_size=block_size,
-                               stochastic_uniform=stochastic_uniform, seed=seed)
+    return int8_block_quantize_pallas(x, block_size=block_size,
+                                      stochastic_uniform=stochastic_uniform,
+                                      seed=seed)
   return int8_block_quantize_reference(x, block_size=block_size,
                                        stochastic_uniform=stochastic_uniform,
                                        seed=seed)
