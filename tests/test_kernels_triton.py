@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from jaxcomp.kernels import _launch
-from jaxcomp.kernels import _triton
 from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.inspect import kernel_structure as structure
@@ -169,18 +168,14 @@ def test_pallas_path_takes_triton_for_powers_of_two(monkeypatch):
   assert calls == [("triton", 256)] * 2 + [("mosaic", 96)] * 2
 
 
-def _export(fn, *args):
-  return structure.export_cuda(fn, *args)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cuda_export_reads_x_once_in_its_dtype(dtype):
   n = 100_003  # not a multiple of the block: no padded copy all the same
   x = jax.ShapeDtypeStruct((n,), dtype)
-  text = _export(lambda v: int8_block.int8_block_quantize_triton(
+  text = structure.export_cuda(lambda v: int8_block.int8_block_quantize_triton(
       v, block_size=256), x).mlir_module()
   calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
-  assert len(calls) == 1 and calls[0] in _triton.CUSTOM_CALL_TARGETS, calls
+  assert calls == [structure.TRITON_TARGET], calls
   for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.convert",
              "stablehlo.slice", "stablehlo.reduce"):
     assert op not in text, op
@@ -199,5 +194,5 @@ def test_cuda_export_inside_shard_map():
   arg = jax.ShapeDtypeStruct((8, 3001), jnp.float32,
                              sharding=NamedSharding(mesh, P("data")))
   with jax.sharding.use_abstract_mesh(mesh):
-    text = _export(f, arg).mlir_module()
-  assert any(t in text for t in _triton.CUSTOM_CALL_TARGETS)
+    text = structure.export_cuda(f, arg).mlir_module()
+  assert f"stablehlo.custom_call @{structure.TRITON_TARGET}" in text

@@ -72,6 +72,15 @@ from jaxcomp.kernels import topk
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 OPS = ("topk", "sampled_topk", "sign", "qsgd", "int8", "fp8")
 TOPK_OPS = ("topk", "sampled_topk")
+# The block quantizers: (XLA reference, Mosaic GPU kernel, Triton kernel).
+BLOCK_OPS = {
+    "int8": (int8_block.int8_block_quantize_reference,
+             int8_block.int8_block_quantize,
+             int8_block.int8_block_quantize_triton),
+    "fp8": (fp8_block.fp8_block_quantize_reference,
+            fp8_block.fp8_block_quantize,
+            fp8_block.fp8_block_quantize_triton),
+}
 
 
 def _size(text: str) -> int:
@@ -248,27 +257,15 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
           x, u, levels=args.levels, bucket_size=args.bucket_size, config=c))
     u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
     return OpCases(n * itemsize + 4 * n + n * bits // 8, ref, cases, (u,))
-  if op == "int8":
-    ref = jax.jit(lambda x: int8_block.int8_block_quantize_reference(
-        x, block_size=args.bucket_size))
+  if op in BLOCK_OPS:
+    reference, mosaic, triton = BLOCK_OPS[op]
+    size = args.bucket_size
+    ref = jax.jit(lambda x: reference(x, block_size=size))
     for label, qcfg in _quantize_variants(args):
-      cases[label] = jax.jit(lambda x, c=qcfg: int8_block.int8_block_quantize(
-          x, block_size=args.bucket_size, config=c))
-    if kernels.triton_supported_block(args.bucket_size):
-      cases["pallas:triton"] = jax.jit(
-          lambda x: int8_block.int8_block_quantize_triton(
-              x, block_size=args.bucket_size))
-    return OpCases(n * itemsize + n, ref, cases)
-  if op == "fp8":
-    ref = jax.jit(lambda x: fp8_block.fp8_block_quantize_reference(
-        x, block_size=args.bucket_size))
-    for label, qcfg in _quantize_variants(args):
-      cases[label] = jax.jit(lambda x, c=qcfg: fp8_block.fp8_block_quantize(
-          x, block_size=args.bucket_size, config=c))
-    if kernels.triton_supported_block(args.bucket_size):
-      cases["pallas:triton"] = jax.jit(
-          lambda x: fp8_block.fp8_block_quantize_triton(
-              x, block_size=args.bucket_size))
+      cases[label] = jax.jit(lambda x, c=qcfg: mosaic(x, block_size=size,
+                                                      config=c))
+    if kernels.triton_supported_block(size):
+      cases["pallas:triton"] = jax.jit(lambda x: triton(x, block_size=size))
     return OpCases(n * itemsize + n, ref, cases)
   raise ValueError(f"unknown op {op!r}; one of {OPS}")
 

@@ -55,7 +55,9 @@ _CALLEE_RE = re.compile(r"@([\w$.\-]+)")
 VIEWS = ("stablehlo.reshape", "stablehlo.bitcast_convert",
          "sdy.sharding_constraint")
 RANDOM = ("stablehlo.rng_bit_generator", "stablehlo.rng")
-KERNEL_TARGETS = ("mosaic_gpu", "tpu_custom_call", "__gpu$xla.gpu.triton")
+# The custom call target of a Pallas kernel lowered by Triton.
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+KERNEL_TARGETS = ("mosaic_gpu", "tpu_custom_call", TRITON_TARGET)
 
 
 @dataclasses.dataclass
@@ -278,14 +280,13 @@ def export_cuda(fn, *args) -> jax.export.Exported:
   """``jax.export`` of ``jax.jit(fn)`` for CUDA with ``args``
   (ShapeDtypeStructs), on a machine with or without a GPU.
 
-  Triton kernel calls (``__gpu$xla.gpu.triton``) carry no export
+  Triton kernel calls (:data:`TRITON_TARGET`) carry no export
   compatibility guarantee: the check is disabled, as this export is read,
   not stored. Where JAX cannot find a GPU to lower a Triton kernel for, the
   export is retried under an abstract mesh of one :data:`EXPORT_GPU` (an
   H100, sm_90), JAX's public way to name a target device.
   """
-  checks = [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in KERNEL_TARGETS if "triton" in t]
+  checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
 
   def export():
     return jax.export.export(jax.jit(fn), platforms=["cuda"],

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from . import _blocks
 from . import _launch
 from . import dither
 
@@ -49,9 +50,6 @@ DEFAULT_WARPS = 4
 # registers, and 32 KiB of float32 per program of 4 warps is where register
 # pressure starts to spill.
 MAX_SPAN = 8192
-
-# The custom call Pallas' Triton lowering emits (for structure checks).
-CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 
 
 def check_launch(block_size: int, rows: int, num_warps: int) -> None:
@@ -96,9 +94,7 @@ def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
   x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
   x = x.astype(jnp.float32).reshape(rows, block_size)
   scale = jnp.max(jnp.abs(x), axis=1) / jnp.float32(top)
-  safe = jnp.where(scale > 0, scale, jnp.float32(1))
-  m = jnp.where(scale > 0, jnp.float32(1) / safe, jnp.float32(0))
-  y = x * m[:, None]
+  y = x * _blocks.inverse_scales(scale)[:, None]
   u = None
   if rounding == "seed":
     assert r_ref is not None
@@ -108,11 +104,7 @@ def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
   elif rounding == "array":
     assert r_ref is not None
     raw = plt.load(r_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
-    if jnp.issubdtype(raw.dtype, jnp.unsignedinteger):
-      u = dither.to_unit(raw.astype(jnp.uint32))
-    else:
-      u = raw.astype(jnp.float32)
-    u = u.reshape(rows, block_size)
+    u = _blocks.uniform_f32(raw).reshape(rows, block_size)
   q = codes(y, u)
   plt.store(q_ref.at[pl.ds(start, span)], q.reshape(span),
             mask=offs < code_len)

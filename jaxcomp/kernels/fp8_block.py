@@ -342,7 +342,7 @@ def fp8_block_quantize_pallas(x, *, block_size, format="e4m3", seed=None,  # pyl
     return fp8_block_quantize_triton(
         x, block_size=block_size, format=format,
         stochastic_uniform=stochastic_uniform, seed=seed,
-        interpret=bool(interpret))
+        interpret=interpret)
   return fp8_block_quantize(x, block_size=block_size, format=format,
                             stochastic_uniform=stochastic_uniform, seed=seed,
                             interpret=interpret)

@@ -212,7 +212,7 @@ def int8_block_quantize_pallas(x, *, block_size, stochastic_uniform=None,
   if _triton.supported_block(block_size):
     return int8_block_quantize_triton(
         x, block_size=block_size, stochastic_uniform=stochastic_uniform,
-        seed=seed, interpret=bool(interpret))
+        seed=seed, interpret=interpret)
   return int8_block_quantize(x, block_size=block_size,
                              stochastic_uniform=stochastic_uniform, seed=seed,
                              interpret=interpret)
