@@ -13,7 +13,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from tests.helpers import run_shard_map, sharded_update, stacked
+from tests.helpers import (ZERO_SIZE_ARGS_CRASH, run_shard_map, sharded_update,
+                           stacked)
 
 
 def _loss(p, batch):
@@ -150,6 +151,9 @@ def test_the_sharding_module_is_deprecated_and_names_each_home():
     dict(plan=[[0, 1]]), dict(plan=[[0], [1]]), dict(plan=[[0, 1, 2]]),
     dict(bucketing="whole", output="shard")])
 @pytest.mark.parametrize("with_data", [False, True])
+@pytest.mark.skipif(ZERO_SIZE_ARGS_CRASH,
+                    reason="JAX 0.11's XLA crashes on any shard_map with a "
+                    "zero-size argument and a collective (test_jax_bugs.py)")
 def test_zero_size_leaves_of_mixed_dtypes_give_zero_size_updates(
     mesh8, kwargs, with_data):
   """Zero-size leaves (of different dtypes, alone or beside a leaf with

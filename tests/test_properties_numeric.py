@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import compressors
-from tests.helpers import examples
+from tests.helpers import ZERO_SIZE_ARGS_CRASH, examples
 
 # Sizes where blocks, words and chunks begin and end (one compile each).
 SIZES = st.sampled_from([1, 2, 3, 5, 7, 31, 32, 33, 127, 128, 129, 257,
@@ -243,9 +243,11 @@ def _run(tx, grads, mesh, axis, *, sequence=None, history=False):
 LOSSLESS = [("identity", {}), ("topk", {"ratio": 1.0}),
             ("random_k", {"ratio": 1.0}), ("random_block", {"ratio": 1.0}),
             ("threshold", {"threshold": 0.0, "capacity_ratio": 1.0})]
-# Leaf shapes (zero-size ones too: nothing to compress) and dtypes (a
-# bucket of mixed dtypes travels in float32, one of bfloat16 in bfloat16).
-SHAPES = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=2)
+# Leaf shapes (zero-size ones too: nothing to compress; not on JAX 0.11,
+# whose XLA crashes on them, tests/test_jax_bugs.py) and dtypes (a bucket of
+# mixed dtypes travels in float32, one of bfloat16 in bfloat16).
+MIN_SIDE = 1 if ZERO_SIZE_ARGS_CRASH else 0
+SHAPES = st.lists(st.lists(st.integers(MIN_SIDE, 6), min_size=0, max_size=2)
                   .map(tuple), min_size=1, max_size=3)
 DTYPES = st.lists(st.sampled_from(["float32", "float32", "bfloat16"]),
                   min_size=3, max_size=3)
@@ -282,6 +284,8 @@ def test_lossless_exchange_is_the_mean_on_any_device_count(
   is the whole sum (its stated conservation); with ``density=1`` it is the
   mean."""
   name, kwargs = lossless
+  if ZERO_SIZE_ARGS_CRASH:  # the explicit zero-size example
+    assume(all(math.prod(s) for s in shapes))
   axis = ("hosts", "devices") if collective == "hierarchical" else "data"
   coll = (jaxcomp.collectives.Zen(density=1.0, capacity_factor=1.0)
           if collective == "zen_dense" else collective)
@@ -476,7 +480,7 @@ def _build(spec, rng):
     return {k: _build(v, rng) for k, v in spec.items()}
   if spec == "none":
     return None
-  shape = (8, int(rng.integers(0, 5)))  # zero-size leaves too
+  shape = (8, int(rng.integers(MIN_SIDE, 5)))  # zero-size leaves too
   if spec == "i32":
     return jnp.asarray(rng.integers(-5, 5, shape), jnp.int32)
   return jnp.asarray(rng.standard_normal(shape),
