@@ -12,7 +12,9 @@ three ratios, all measured in the same process on the same data:
 
 Top-k rows: ``xla`` is the sampled-threshold fast path, ``auto`` what the
 compressors call by default (``topk_auto``), ``pallas`` the Pallas path (one
-mask kernel, the radix select in its fallback). With ``--topk-selection``
+mask kernel, the radix select in its fallback), ``pallas:triton`` the same
+selection compacted by two Triton-lowered kernels (``topk_triton``;
+``--triton-spans`` times other elements-per-program). With ``--topk-selection``
 the ``xla`` and ``pallas`` top-k rows are also timed under each named form
 of the sampled selection (``xla:sort``, ``pallas:partial``, ...:
 ``TopKConfig.selection``).
@@ -118,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       default=None, help="also time the top-k paths under "
                       "each of these forms of the sampled selection (rows "
                       "xla:<form>, pallas:<form>)")
+  parser.add_argument("--triton-spans", type=int, nargs="+", default=None,
+                      help="Triton top-k span variants to time (elements "
+                      "per program; rows pallas:triton,span<N>)")
   parser.add_argument("--torch", action="store_true",
                       help="also time torch.topk and a PyTorch memory pass")
   parser.add_argument("--json", default=None, help="write the rows here")
@@ -234,6 +239,10 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
           lambda x, c=cfg: topk.topk_threshold_xla(x, k, config=c))
     for label, tcfg in _topk_variants(args):
       cases[label] = jax.jit(lambda x, c=tcfg: topk.topk(x, k, config=c))
+    for span in args.triton_spans or [None]:
+      cases[_label("pallas", t="triton", span=span)] = jax.jit(
+          lambda x, sp=span or topk.TRITON_SPAN: topk.topk_triton(
+              x, k, span=sp))
     return OpCases(topk_bytes, ref, cases)
   if op == "sampled_topk":
     ref = jax.jit(lambda x, key: topk.topk_reference(x, k))

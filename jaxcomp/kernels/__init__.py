@@ -9,7 +9,10 @@ statistics, :class:`QuantizeConfig`, the one-pass kernel's layout and launch)
 is private (``_blocks``). The int8 and fp8 blocks' ``pallas`` path is a
 kernel lowered by Triton (``_triton``: one masked pass, measured 1.7x faster
 than XLA and 4x faster than the Mosaic GPU kernel on an H200) for block
-sizes that are powers of two (:func:`triton_supported_block`). Beside them: the selection primitive
+sizes that are powers of two (:func:`triton_supported_block`); top-k has a
+Triton-lowered compaction too (``topk.topk_triton``, ``_triton_select``),
+not yet timed on a GPU and picked by no ``implementation``. Beside them:
+the selection primitive
 (:mod:`~jaxcomp.kernels.compact`), bit packing and counter-based random
 numbers. ``implementation=None`` picks the Pallas kernel or the XLA path per
 op and size by measurement on NVIDIA GPUs (:func:`autotune`,

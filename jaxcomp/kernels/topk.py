@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 
 from . import _autotune
 from . import _launch
+from . import _triton_select
 from . import compact
 
 ROW = _launch.ROW
@@ -338,6 +339,46 @@ def topk_threshold_xla(x: jax.Array, k: int, *,
   return _gather(flat, idx), idx
 
 
+def _among_candidates(cidx: jax.Array, valid: jax.Array, ckey: jax.Array,
+                      top: jax.Array, k: int, config: TopKConfig, *, n: int,
+                      log_depth: bool, band_only: bool = True) -> jax.Array:
+  """int32 ``(k,)`` positions in ``x`` of the exact top-k, ascending, from
+  the candidates ``cidx`` (ascending indices; ``valid`` marks the filled
+  slots, ``ckey`` their keys, -1 elsewhere) that hold every element with
+  ``key >= top[rank - 1]`` (at least ``k``); ``top``: the sample's largest
+  keys, descending. ``band_only``: sort only the keys below the sample's upper
+  threshold (fewer keys sorted, a few more kernels) instead of all."""
+  _, rank, rank_hi, cap, band_cap = _sample_plan(n, k, config)
+
+  def sort_all():
+    return jnp.sort(ckey)[cap - k]
+
+  if band_only and 1 <= rank_hi < rank and band_cap < cap:
+    # Keys above the upper sample threshold are in for sure; only the band
+    # below it needs sorting.
+    t_hi = top[rank_hi - 1]
+    c_above = jnp.sum(ckey > t_hi)
+    band = valid & (ckey <= t_hi)
+    band_count = jnp.sum(band)
+
+    def sort_band():
+      bpos, live = compact.compact(compact.pack(band, lambda v: v),
+                                   band_cap, log_depth=log_depth)
+      bkey = jnp.where(live, ckey[bpos], -1)
+      return jnp.sort(bkey)[band_cap - (k - c_above)]
+
+    t = jax.lax.cond((c_above < k) & (band_count <= band_cap), sort_band,
+                     sort_all)
+  else:
+    t = sort_all()
+  # Exactly k candidates: all above t, the lowest-index ties at t (on
+  # packed words: prefix sums over cap / 32 words, not over cap slots).
+  words = _exact_words(compact.pack(ckey, lambda v: v > t),
+                       compact.pack(ckey, lambda v: v == t), k, log_depth)
+  pos, _ = compact.compact(words, k, log_depth=log_depth)
+  return cidx[pos]
+
+
 def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
                     exact_from_top_k) -> jax.Array:
   """The sampled-threshold selection shared by the XLA and Pallas paths:
@@ -371,34 +412,8 @@ def _sampled_select(flat: jax.Array, k: int, config: TopKConfig, masks,
   def from_candidates():
     cidx, valid = compact.compact(ge, cap, log_depth=log_depth)
     ckey = jnp.where(valid, abs_key(flat[cidx]), -1)
-
-    def sort_all():
-      return jnp.sort(ckey)[cap - k]
-
-    if 1 <= rank_hi < rank and band_cap < cap:
-      # Keys above the upper sample threshold are in for sure; only the band
-      # below it needs sorting.
-      t_hi = top[rank_hi - 1]
-      c_above = jnp.sum(ckey > t_hi)
-      band = valid & (ckey <= t_hi)
-      band_count = jnp.sum(band)
-
-      def sort_band():
-        bpos, live = compact.compact(compact.pack(band, lambda v: v),
-                                     band_cap, log_depth=log_depth)
-        bkey = jnp.where(live, ckey[bpos], -1)
-        return jnp.sort(bkey)[band_cap - (k - c_above)]
-
-      t = jax.lax.cond((c_above < k) & (band_count <= band_cap), sort_band,
-                       sort_all)
-    else:
-      t = sort_all()
-    # Exactly k candidates: all above t, the lowest-index ties at t (on
-    # packed words: prefix sums over cap / 32 words, not over cap slots).
-    words = _exact_words(compact.pack(ckey, lambda v: v > t),
-                         compact.pack(ckey, lambda v: v == t), k, log_depth)
-    pos, _ = compact.compact(words, k, log_depth=log_depth)
-    return typed(cidx[pos])
+    return typed(_among_candidates(cidx, valid, ckey, top, k, config,
+                                   n=n, log_depth=log_depth))
 
   def ties_or_exact():  # c_ge > cap (or < k): the sample misled
     gt = gt_of()
@@ -578,6 +593,84 @@ def topk(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
     return gt | _live_words(eq, n), lambda: gt
 
   idx = _sampled_select(flat, k, config, masks, exact_from_top_k)
+  return _gather(flat, idx), idx
+
+
+# ----------------------------------------------------------------------------
+# Triton-lowered selection.
+# ----------------------------------------------------------------------------
+
+
+TRITON_SPAN = _triton_select.DEFAULT_SPAN
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config", "span",
+                                             "num_warps", "interpret"))
+def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
+                span: int = TRITON_SPAN,
+                num_warps: int = _triton_select.DEFAULT_WARPS,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of ``|x|`` whose selection is two Triton-lowered kernels.
+
+  The XLA fast path's selection (:func:`topk_threshold_xla`: the lower
+  threshold ``t`` of an evenly spaced sample, the candidates ``key >= t``
+  compacted in index order into a fixed capacity, the ``k``-th largest key
+  found among them) with the compaction done by
+  :func:`jaxcomp.kernels._triton_select.select_at_least`: a count pass and
+  a compact pass over ``x``, which also returns the candidates' keys, in
+  place of the packed masks, prefix sums, scatter and running maximum over
+  ``n / 32`` words. The candidates' keys are sorted whole (one sort, not the
+  band's compaction and sort). When the sample misleads (fewer than ``k``
+  or more than the capacity pass, e.g. ties at ``t`` in a mostly-zero
+  gradient) a branch runs :func:`topk_threshold_xla`. Same set as
+  :func:`topk_reference`, in ascending index order.
+
+  Written for NVIDIA GPUs and checked there only by its CUDA export (two
+  Triton calls reading ``x``): not yet timed on one, so no ``implementation``
+  picks it; ``python -m jaxcomp.bench kernels --ops topk`` times it (row
+  ``triton``).
+
+  Args:
+    x: float array (any shape; flattened), ``n`` elements; float32,
+      bfloat16 or float16.
+    k: ``0 <= k <= n``.
+    config: the sample's knobs (:class:`TopKConfig`).
+    span: elements per Triton program (a power of two in [32, 8192]).
+    num_warps: warps per Triton program.
+    interpret: run the kernels in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``, ascending index.
+
+  Raises:
+    ValueError: bad ``k``, ``span`` or ``num_warps``.
+  """
+  _triton_select.check_launch(span, num_warps)
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _check_k(n, k)
+  if k == 0:
+    return _empty(flat)
+  s, rank, _, cap, _ = _sample_plan(n, k, config)
+  if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
+    return topk_threshold_xla(flat, k, config=config)
+  form = selection(config)
+  stride = n // s
+  top = _sample_top_keys(flat[: s * stride : stride], rank, form)
+  cidx, ckey, count = _triton_select.select_at_least(
+      flat, top[rank - 1], capacity=cap, span=span, num_warps=num_warps,
+      interpret=interpret)
+  typed = lambda idx: idx + _launch.zero_like(flat, jnp.int32)
+
+  def from_candidates():
+    return typed(_among_candidates(
+        cidx, jnp.arange(cap) < count, ckey, top, k, config, n=n,
+        log_depth=form == "partial", band_only=False))
+
+  def misled():
+    return typed(topk_threshold_xla(flat, k, config=config)[1])
+
+  idx = jax.lax.cond((count >= k) & (count <= cap), from_candidates, misled)
   return _gather(flat, idx), idx
 
 

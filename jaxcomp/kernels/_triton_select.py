@@ -1,0 +1,174 @@
+"""Triton-lowered selection by threshold: which elements of ``x`` have
+``|x| >= t``, compacted in index order into a fixed capacity, in two
+passes over ``x`` (:func:`select_at_least`).
+
+1. **Count** (:func:`count_at_least`): each Pallas program takes ``span``
+   consecutive elements with one masked load and writes how many of them
+   have ``key >= t`` (``key``: the bit pattern of ``|x|`` as float32, the
+   order :func:`jaxcomp.kernels.topk.abs_key` defines). Reads ``n *
+   itemsize`` bytes, writes 4 per program.
+2. An exclusive prefix sum of the programs' counts (XLA, over ``n / span``
+   int32): each program's first output slot.
+3. **Compact**: each program loads its span again, ranks its selected
+   elements by an in-register prefix sum, and scatters their indices and
+   keys to ``offset + rank`` (slots ``>= capacity`` are dropped). Reads ``n
+   * itemsize`` bytes again, writes 8 bytes per selected element.
+
+This replaces the selection the XLA path builds from packed bit masks:
+popcounts, a prefix sum over ``n / 32`` words, a scatter, a running maximum
+and a select-the-r-th-bit (:mod:`jaxcomp.kernels.compact`), a dozen XLA
+kernels. On an H200 the XLA path's top-k took 0.44-0.61 ms at 2.5e7
+elements, 1% kept, where one read of ``x`` at the copy's rate takes 0.03 ms
+(``benchmarks/results/nvidia-h200-2026-11-28``): its time is not ``x``'s
+bytes. Here the selection is two kernels and one small prefix sum.
+
+Why Triton: the scatter's addresses depend on the data, which Mosaic GPU's
+tiled shared-memory stores and TMA copies do not express; Triton's masked
+pointer stores do. Untimed on a GPU so far: :func:`jaxcomp.kernels.topk.
+topk_triton` is reached only by asking for it (``bench kernels``' ``triton``
+top-k row), not by ``implementation=None``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from . import _launch
+
+# Elements per program: 4096 float32 is 16 KiB, half of the int8 kernel's
+# register budget (_triton.MAX_SPAN), leaving room for the in-register
+# prefix sum's int32 ranks.
+DEFAULT_SPAN = 4096
+DEFAULT_WARPS = 4
+MAX_SPAN = 8192
+
+
+def check_launch(span: int, num_warps: int) -> None:
+  """Raises ValueError naming the parameter when a launch cannot compile:
+  ``span`` a power of two in [32, MAX_SPAN] (Triton tiles are powers of
+  two), ``num_warps`` in 1, 2, 4, 8, 16."""
+  if not 32 <= span <= MAX_SPAN or span & (span - 1):
+    raise ValueError(f"span={span} must be a power of two in [32, "
+                     f"{MAX_SPAN}] (elements per Triton program)")
+  if num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"num_warps={num_warps} must be 1, 2, 4, 8 or 16")
+
+
+def _hits(t_ref, x_ref, *, n: int, span: int):
+  """This program's element indices and their ``key >= t`` mask (elements
+  past ``n`` never selected), with their keys."""
+  start = pl.program_id(0) * span
+  offs = start + jnp.arange(span, dtype=jnp.int32)
+  live = offs < n
+  x = plt.load(x_ref.at[pl.ds(start, span)], mask=live, other=0)
+  key = (jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+         & jnp.int32(0x7FFFFFFF))
+  return offs, key, (key >= t_ref[0]) & live
+
+
+def _count_kernel(t_ref, x_ref, counts_ref, *, n: int, span: int):
+  _, _, hit = _hits(t_ref, x_ref, n=n, span=span)
+  count = jnp.sum(hit.astype(jnp.int32))
+  plt.store(counts_ref.at[pl.ds(pl.program_id(0), 1)], count[None])
+
+
+def _compact_kernel(t_ref, offsets_ref, x_ref, idx_ref, key_ref, *, n: int,
+                    span: int, capacity: int):
+  offs, key, hit = _hits(t_ref, x_ref, n=n, span=span)
+  hit32 = hit.astype(jnp.int32)
+  slot = offsets_ref[pl.program_id(0)] + jnp.cumsum(hit32) - hit32
+  keep = hit & (slot < capacity)
+  # Lanes that store nothing point past the capacity, each at its own slot:
+  # a masked store skips them on a GPU, and interpret mode, which writes
+  # their old values back, then cannot clobber a selected element's slot.
+  slot = jnp.where(keep, slot, capacity + jnp.arange(span, dtype=jnp.int32))
+  plt.store(idx_ref.at[slot], offs, mask=keep)
+  plt.store(key_ref.at[slot], key, mask=keep)
+
+
+def _programs(n: int, span: int) -> int:
+  return max(1, -(-n // span))
+
+
+@functools.partial(jax.jit, static_argnames=("span", "num_warps",
+                                             "interpret"))
+def count_at_least(flat: jax.Array, t: jax.Array, *, span: int = DEFAULT_SPAN,
+                   num_warps: int = DEFAULT_WARPS,
+                   interpret: bool = False) -> jax.Array:
+  """Per program of ``span`` elements: how many have ``key >= t``.
+
+  Args:
+    flat: float ``(n,)`` (float32, bfloat16 or float16; read in its dtype).
+    t: int32 scalar key threshold.
+    span: elements per program.
+    num_warps: warps per program.
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    int32 ``(ceil(n / span),)``.
+  """
+  check_launch(span, num_warps)
+  n = flat.shape[0]
+  return pl.pallas_call(
+      functools.partial(_count_kernel, n=n, span=span),
+      out_shape=_launch.out_struct((_programs(n, span),), jnp.int32, flat),
+      grid=(_programs(n, span),),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jaxcomp_select_count",
+  )(jnp.reshape(t, (1,)).astype(jnp.int32), flat)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "span", "num_warps",
+                                             "interpret"))
+def select_at_least(flat: jax.Array, t: jax.Array, *, capacity: int,
+                    span: int = DEFAULT_SPAN, num_warps: int = DEFAULT_WARPS,
+                    interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The elements with ``key >= t``, in ascending index order, cut to
+  ``capacity``: two Triton-lowered passes over ``flat``.
+
+  Args:
+    flat: float ``(n,)`` (float32, bfloat16 or float16; read in its dtype).
+    t: int32 scalar key threshold (``key``: the bit pattern of ``|x|`` as
+      float32; NaN ranks above infinity).
+    capacity: output slots (static, >= 1).
+    span: elements per program (a power of two in [32, 8192]).
+    num_warps: warps per program.
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(indices int32 (capacity,), keys int32 (capacity,), count int32
+    scalar)``: the first ``min(count, capacity)`` slots hold the selected
+    elements' flat indices and keys in ascending index order; ``count`` is
+    how many were selected (it may exceed ``capacity``). Slots past it hold
+    index 0 and key -1.
+
+  Raises:
+    ValueError: ``capacity < 1``; a launch that cannot compile
+      (:func:`check_launch`).
+  """
+  if capacity < 1:
+    raise ValueError(f"capacity={capacity} must be >= 1")
+  check_launch(span, num_warps)
+  n = flat.shape[0]
+  t = jnp.reshape(t, (1,)).astype(jnp.int32)
+  counts = count_at_least(flat, t, span=span, num_warps=num_warps,
+                          interpret=interpret)
+  offsets = jnp.cumsum(counts) - counts
+  count = jnp.sum(counts)
+  idx, key = pl.pallas_call(
+      functools.partial(_compact_kernel, n=n, span=span, capacity=capacity),
+      out_shape=(_launch.out_struct((capacity + span,), jnp.int32, flat),
+                 _launch.out_struct((capacity + span,), jnp.int32, flat)),
+      grid=(_programs(n, span),),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jaxcomp_select_compact",
+  )(t, offsets, flat)
+  live = jnp.arange(capacity) < count
+  return (jnp.where(live, idx[:capacity], 0),
+          jnp.where(live, key[:capacity], -1), count)
