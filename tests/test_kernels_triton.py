@@ -18,6 +18,8 @@ import pytest
 from jaxcomp.kernels import _launch
 from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
+from jaxcomp.kernels import qsgd
+from jaxcomp.kernels import sign
 from jaxcomp.inspect import kernel_structure as structure
 
 ROUNDINGS = ("nearest", "array", "bits", "seed")
@@ -29,6 +31,10 @@ def _input(n, dtype, block):
     x = x.at[:block].set(0).at[block + 3].set(jnp.inf)
     x = x.at[2 * block + 1].set(-jnp.inf)
   return x
+
+
+def _normal(n, dtype, seed=0):
+  return jax.random.normal(jax.random.key(seed), (n,)).astype(dtype)
 
 
 def _rounding(rounding, n):
@@ -124,6 +130,69 @@ class TestTritonCompiled:
            int8_block.int8_block_quantize_reference(x, block_size=256))
 
 
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("n,rows", [(1, 128), (31, 128), (100_003, 128),
+                                      (8192, 256), (4101, 1)])
+  def test_sign_equals_the_reference(self, dtype, n, rows):
+    """The words bit for bit (-0.0 and NaN give bit 0, -inf bit 1); the
+    scale up to float32 summation order, non-finite where |x| is."""
+    x = _normal(n, dtype, seed=n)
+    w, scale = sign.sign_pack_triton(x, rows=rows, interpret=self.INTERPRET)
+    want_w, want_scale = sign.sign_pack_reference(x)
+    assert w.dtype == jnp.uint32 and w.shape == want_w.shape
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(want_w))
+    np.testing.assert_allclose(float(scale), float(want_scale), rtol=1e-5)
+    if n > 10:
+      x = x.at[2].set(-0.0).at[3].set(jnp.nan).at[4].set(-jnp.inf)
+      w, scale = sign.sign_pack_triton(x, rows=rows, interpret=self.INTERPRET)
+      np.testing.assert_array_equal(np.asarray(w),
+                                    np.asarray(sign.sign_pack_reference(x)[0]))
+      assert (int(w[0]) >> 2) & 7 == 0b100 and np.isnan(float(scale))
+
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("n,bucket,levels,rounding", [
+      (100_003, 512, 15, "seed"), (5000, 32, 1, "array"),
+      (4096, 256, 127, "bits"), (70, 64, 3, "seed"), (3000, 8192, 32767,
+                                                      "array")])
+  def test_qsgd_codes_are_the_reference_under_its_norms(
+      self, dtype, n, bucket, levels, rounding):
+    """Norms within 4 ulp of XLA's; the words exactly
+    ``qsgd_codes_reference`` under the norms returned (2-, 4-, 8- and
+    16-bit codes, partial last buckets and words)."""
+    x = _normal(n, dtype, seed=n) * 3
+    kw = ({"seed": jnp.array([3, 4], jnp.uint32)} if rounding == "seed"
+          else _rounding(rounding, n))
+    kw = {"uniform": kw.pop("stochastic_uniform"), **kw} if (
+        "stochastic_uniform" in kw) else kw
+    w, norms = qsgd.qsgd_quantize_triton(
+        x, levels=levels, bucket_size=bucket, interpret=self.INTERPRET, **kw)
+    want_w, want_norms = qsgd.qsgd_quantize_reference(
+        x, levels=levels, bucket_size=bucket, **kw)
+    assert w.shape == want_w.shape and norms.shape == want_norms.shape
+    np.testing.assert_array_max_ulp(np.asarray(norms), np.asarray(want_norms),
+                                    4)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(
+        qsgd.qsgd_codes_reference(x, norms, kw.get("uniform"), levels=levels,
+                                  bucket_size=bucket, seed=kw.get("seed"))))
+
+  @pytest.mark.parametrize("value", [1e30, 1e-30, np.inf, np.nan])
+  def test_qsgd_unsound_norms_take_the_reference(self, value):
+    """A bucket whose sum of squares overflows or loses its squares to
+    subnormals (the reference rescales it), or holds an infinity or NaN:
+    the step returns the reference's words and norms bit for bit."""
+    x = _normal(2000, jnp.float32, seed=1).at[700:705].set(value)
+    if value == 1e-30:
+      x = x.at[512:1024].set(x[512:1024] * 1e-30)
+    seed = jnp.array([5, 6], jnp.uint32)
+    got = qsgd.qsgd_quantize_triton(x, levels=15, bucket_size=512, seed=seed,
+                                    interpret=self.INTERPRET)
+    want = qsgd.qsgd_quantize_reference(x, levels=15, bucket_size=512,
+                                        seed=seed)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 class TestTritonInterpret(TestTritonCompiled):
   """The same cases in Pallas' interpret mode, on any backend."""
 
@@ -149,6 +218,36 @@ def test_bad_arguments_raise_before_tracing(kwargs, match):
   with pytest.raises(ValueError, match=match):
     int8_block.int8_block_quantize_triton(jnp.ones(100), interpret=True,
                                           **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"rows": 3}, "rows=3 must be a power of two"),
+    ({"rows": 512}, "exceeds 8192 elements"),
+    ({"num_warps": 3}, "num_warps=3"),
+])
+def test_sign_bad_launch_raises_naming_the_parameter(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sign.sign_pack_triton(jnp.ones(100), interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bucket_size": 96}, "block_size=96 must be a power of two"),
+    ({"bucket_size": 512, "rows": 3}, "rows=3 must be a power of two"),
+    ({"bucket_size": 512, "num_warps": 3}, "num_warps=3"),
+    ({"bucket_size": 512, "levels": 0}, "levels=0"),
+    ({"bucket_size": 512, "seed": None}, "uniform= or seed="),
+    ({"bucket_size": 512, "uniform": jnp.zeros(100)}, "not both"),
+    ({"bucket_size": 512, "seed": jnp.zeros(3, jnp.uint32)}, "seed must be"),
+])
+def test_qsgd_bad_arguments_raise_before_tracing(kwargs, match):
+  kwargs = {"levels": 15, "seed": jnp.zeros(2, jnp.uint32), **kwargs}
+  with pytest.raises(ValueError, match=match):
+    qsgd.qsgd_quantize_triton(jnp.ones(100), interpret=True, **kwargs)
+
+
+def test_sign_empty_input():
+  w, scale = sign.sign_pack_triton(jnp.zeros((0,)))
+  assert w.shape == (0,) and np.isnan(float(scale))
 
 
 def test_pallas_path_takes_triton_for_powers_of_two(monkeypatch):
@@ -178,6 +277,35 @@ def test_cuda_export_reads_x_once_in_its_dtype(dtype):
   assert calls == [structure.TRITON_TARGET], calls
   for op in ("stablehlo.pad", "stablehlo.concatenate", "stablehlo.convert",
              "stablehlo.slice", "stablehlo.reduce"):
+    assert op not in text, op
+  name = {jnp.float32: "f32", jnp.bfloat16: "bf16"}[dtype]
+  assert re.search(rf"custom_call @[\w$.]+\(%arg0\).*tensor<{n}x{name}>",
+                   text), "x reaches the kernel as it is"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_qsgd_cuda_export_reads_x_once_outside_the_unsound_branch(dtype):
+  """One Triton call reads x as it is; XLA reads x only in the branch of
+  steps with an unsound norm (the reference)."""
+  n = 100_003
+  s = structure.export_structure(
+      lambda v: qsgd.qsgd_quantize_triton(
+          v, levels=15, bucket_size=512, seed=jnp.array([1, 2], jnp.uint32)),
+      jax.ShapeDtypeStruct((n,), dtype))
+  info = s.summary()
+  assert s.kernels == 1 and s.kernel_reads_of_x == 1, info
+  assert s.before == [] and s.random == [], info
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sign_cuda_export_reads_x_once_in_its_dtype(dtype):
+  """One Triton call takes x as it is; XLA only adds the programs' sums."""
+  n = 100_003
+  text = structure.export_cuda(sign.sign_pack_triton,
+                               jax.ShapeDtypeStruct((n,), dtype)).mlir_module()
+  calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
+  assert calls == [structure.TRITON_TARGET], calls
+  for op in ("stablehlo.pad", "stablehlo.convert", "stablehlo.slice"):
     assert op not in text, op
   name = {jnp.float32: "f32", jnp.bfloat16: "bf16"}[dtype]
   assert re.search(rf"custom_call @[\w$.]+\(%arg0\).*tensor<{n}x{name}>",

@@ -255,6 +255,7 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
   if op == "sign":
     for label, qcfg in _quantize_variants(args):
       cases[label] = jax.jit(lambda x, c=qcfg: sign.sign_pack(x, config=c))
+    cases["pallas:triton"] = jax.jit(sign.sign_pack_triton)
     return OpCases(n * itemsize + n // 8, jax.jit(sign.sign_pack_reference),
                    cases)
   if op == "qsgd":
@@ -264,6 +265,9 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
     for label, qcfg in _quantize_variants(args):
       cases[label] = jax.jit(lambda x, u, c=qcfg: qsgd.qsgd_quantize(
           x, u, levels=args.levels, bucket_size=args.bucket_size, config=c))
+    if kernels.triton_supported_block(args.bucket_size):
+      cases["pallas:triton"] = jax.jit(lambda x, u: qsgd.qsgd_quantize_triton(
+          x, u, levels=args.levels, bucket_size=args.bucket_size))
     u = jax.random.uniform(jax.random.key(99), (n,), jnp.float32)
     return OpCases(n * itemsize + 4 * n + n * bits // 8, ref, cases, (u,))
   if op in BLOCK_OPS:

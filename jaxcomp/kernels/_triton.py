@@ -1,5 +1,6 @@
-"""The Triton-lowered one-pass launch of the block quantizers (int8 and fp8
-blocks): :func:`block_quantize_call`.
+"""The Triton-lowered one-pass launches of the quantizers: int8 and fp8
+blocks (:func:`block_quantize_call`), sign packing (:func:`sign_pack_call`)
+and QSGD (:func:`qsgd_call`).
 
 Each Pallas program takes ``rows`` consecutive blocks of ``block_size``
 elements of the flat ``x`` with one masked load (``x`` in its own dtype:
@@ -80,6 +81,22 @@ def default_rows(block_size: int) -> int:
   return max(1, min(DEFAULT_ROWS, MAX_SPAN // block_size))
 
 
+def _uniform(rounding: str, r_ref, start, offs: jax.Array, n: int, shape):
+  """This program's rounding numbers (float32 ``shape``) for the elements
+  at flat ``offs`` (``start + arange``): hashed from the seed in ``r_ref``
+  or read from the array ``r_ref`` (masked as ``x`` is); None for nearest
+  rounding."""
+  if rounding == "seed":
+    seed = (r_ref[0], r_ref[1])
+    return dither.to_unit(dither.hash_bits(
+        seed, offs.astype(jnp.uint32).reshape(shape)))
+  if rounding == "array":
+    raw = plt.load(r_ref.at[pl.ds(start, offs.shape[0])], mask=offs < n,
+                   other=0)
+    return _blocks.uniform_f32(raw).reshape(shape)
+  return None
+
+
 def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
             codes: Callable, code_len: int, rounding: str):
   if rounding == "nearest":
@@ -95,16 +112,7 @@ def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
   x = x.astype(jnp.float32).reshape(rows, block_size)
   scale = jnp.max(jnp.abs(x), axis=1) / jnp.float32(top)
   y = x * _blocks.inverse_scales(scale)[:, None]
-  u = None
-  if rounding == "seed":
-    assert r_ref is not None
-    seed = (r_ref[0], r_ref[1])
-    index = offs.astype(jnp.uint32).reshape(rows, block_size)
-    u = dither.to_unit(dither.hash_bits(seed, index))
-  elif rounding == "array":
-    assert r_ref is not None
-    raw = plt.load(r_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
-    u = _blocks.uniform_f32(raw).reshape(rows, block_size)
+  u = _uniform(rounding, r_ref, start, offs, n, (rows, block_size))
   q = codes(y, u)
   plt.store(q_ref.at[pl.ds(start, span)], q.reshape(span),
             mask=offs < code_len)
@@ -186,3 +194,164 @@ def _call(flat, *extra, codes, block_size, top, code_dtype, padded, name,
       grid=(max(1, -(-num_blocks // rows)),),
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret, name=name)(flat, *extra)
+
+
+# Sign packing: rows of 32 elements (one uint32 word each) per program.
+SIGN_ROWS = 128
+
+
+def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, n: int, rows: int):
+  pid = pl.program_id(0)
+  span = rows * 32
+  start = pid * span
+  offs = start + jnp.arange(span, dtype=jnp.int32)
+  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
+  x = x.astype(jnp.float32)
+  shifts = jnp.arange(32, dtype=jnp.uint32)
+  bits = (x < 0).astype(jnp.uint32).reshape(rows, 32) << shifts[None, :]
+  words = jnp.sum(bits, axis=1, dtype=jnp.uint32)
+  w = pid * rows + jnp.arange(rows, dtype=jnp.int32)
+  plt.store(words_ref.at[pl.ds(pid * rows, rows)], words,
+            mask=w < -(-n // 32))
+  plt.store(abs_sums_ref.at[pl.ds(pid, 1)], jnp.sum(jnp.abs(x))[None])
+
+
+def sign_pack_call(x: jax.Array, *, rows: int = SIGN_ROWS,
+                   num_warps: int = DEFAULT_WARPS, interpret: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+  """One Triton-lowered pass of sign packing.
+
+  Each program loads ``rows * 32`` elements of the flat ``x`` (in its
+  dtype; reads past ``n`` give 0, whose bit is 0 as the reference's
+  padding), packs bit ``x < 0`` of element ``32 i + j`` as bit ``j`` of word
+  ``i`` (:mod:`jaxcomp.kernels.bitpack`) and writes its sum of ``|x|``.
+
+  Args:
+    x: float array of ``n >= 1`` elements (any shape; read flat).
+    rows: words per program (a power of two, ``32 * rows <= MAX_SPAN``).
+    num_warps: warps per program.
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(words uint32 (ceil(n / 32),), abs_sums float32 (programs,))``:
+    XLA adds the sums for the scale.
+
+  Raises:
+    ValueError: a launch that cannot compile (:func:`check_launch`).
+  """
+  check_launch(32, rows, num_warps)
+  return _sign_call(x.reshape(-1), rows=rows, num_warps=num_warps,
+                    interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "num_warps",
+                                             "interpret"))
+def _sign_call(flat, *, rows, num_warps, interpret):
+  n = flat.shape[0]
+  words = -(-n // 32)
+  programs = max(1, -(-words // rows))
+  return pl.pallas_call(
+      functools.partial(_sign_kernel, n=n, rows=rows),
+      out_shape=(_launch.out_struct((words,), jnp.uint32, flat),
+                 _launch.out_struct((programs,), jnp.float32, flat)),
+      grid=(programs,),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jaxcomp_sign_triton")(flat)
+
+
+def _qsgd_kernel(*refs, n: int, bucket_size: int, rows: int, levels: int,
+                 bits: int, rounding: str):
+  x_ref, r_ref, words_ref, norms_ref = refs
+  pid = pl.program_id(0)
+  span = rows * bucket_size
+  start = pid * span
+  offs = start + jnp.arange(span, dtype=jnp.int32)
+  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
+  x = x.astype(jnp.float32).reshape(rows, bucket_size)
+  norms = jnp.sqrt(jnp.sum(x * x, axis=1))
+  safe = jnp.where(norms > 0, norms, jnp.float32(1))
+  mult = jnp.where(norms > 0, jnp.float32(levels) / safe, jnp.float32(0))
+  u = _uniform(rounding, r_ref, start, offs, n, (rows, bucket_size))
+  assert u is not None  # QSGD always rounds stochastically
+  level = jnp.minimum(_blocks.floor_to_int(jnp.abs(x) * mult[:, None] + u),
+                      levels).astype(jnp.uint32)
+  codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
+  per = 32 // bits
+  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
+  words = jnp.sum(codes.reshape(span // per, per) << shifts[None, :], axis=1,
+                  dtype=jnp.uint32)
+  first = pid * (span // per)
+  w = first + jnp.arange(span // per, dtype=jnp.int32)
+  plt.store(words_ref.at[pl.ds(first, span // per)], words,
+            mask=w < -(-n // per))
+  b = pid * rows + jnp.arange(rows, dtype=jnp.int32)
+  plt.store(norms_ref.at[pl.ds(pid * rows, rows)], norms,
+            mask=b < -(-n // bucket_size))
+
+
+def qsgd_call(x: jax.Array, *, levels: int, bits: int, bucket_size: int,
+              uniform: jax.Array | None = None, seed: jax.Array | None = None,
+              rows: int | None = None, num_warps: int = DEFAULT_WARPS,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """One Triton-lowered pass of QSGD (:mod:`jaxcomp.kernels.qsgd`'s wire
+  format).
+
+  Each program loads ``rows`` buckets of the flat ``x`` with one masked
+  load (in its dtype; reads past ``n`` give 0, whose code is 0 as the
+  reference's padding), reduces each bucket's L2 norm in registers,
+  rounds ``|x| * levels / norm`` stochastically and packs the codes
+  ``32 / bits`` per word in wire order.
+
+  Args:
+    x: float array of ``n >= 1`` elements (any shape; read flat).
+    levels: nonzero levels (static).
+    bits: code width (2, 4, 8 or 16).
+    bucket_size: elements per norm (a power of two >= 32).
+    uniform: ``n`` rounding numbers (floats in [0, 1) or uint32 bits); or
+      None with ``seed``.
+    seed: uint32 ``(2,)``: element ``i`` rounds with
+      ``dither.to_unit(dither.hash_bits(seed, i))``; or None.
+    rows: buckets per program (None: :func:`default_rows`).
+    num_warps: warps per program.
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(words uint32 (ceil(n * bits / 32),), norms float32
+    (ceil(n / bucket_size),))``: the norms are ``sqrt`` of float32 sums in
+    the program's order.
+
+  Raises:
+    ValueError: both or neither of ``uniform`` and ``seed``; a launch that
+      cannot compile (:func:`check_launch`).
+  """
+  rows = default_rows(bucket_size) if rows is None else rows
+  check_launch(bucket_size, rows, num_warps)
+  if seed is not None and uniform is None:
+    extra, rounding = seed, "seed"
+  elif uniform is not None and seed is None:
+    extra, rounding = uniform.reshape(-1), "array"
+  else:
+    raise ValueError("QSGD rounds stochastically: pass exactly one of "
+                     "uniform= and seed=")
+  return _qsgd_call(x.reshape(-1), extra, levels=levels, bits=bits,
+                    bucket_size=bucket_size, rounding=rounding, rows=rows,
+                    num_warps=num_warps, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "levels", "bits", "bucket_size", "rounding", "rows", "num_warps",
+    "interpret"))
+def _qsgd_call(flat, extra, *, levels, bits, bucket_size, rounding, rows,
+               num_warps, interpret):
+  n = flat.shape[0]
+  num_buckets = -(-n // bucket_size)
+  body = functools.partial(_qsgd_kernel, n=n, bucket_size=bucket_size,
+                           rows=rows, levels=levels, bits=bits,
+                           rounding=rounding)
+  return pl.pallas_call(
+      body,
+      out_shape=(_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
+                 _launch.out_struct((num_buckets,), jnp.float32, flat)),
+      grid=(max(1, -(-num_buckets // rows)),),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, extra)

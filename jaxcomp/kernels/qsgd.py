@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from . import _autotune
 from . import _blocks
 from . import _launch
+from . import _triton
 from ._blocks import DEFAULT_CONFIG
 from ._blocks import QuantizeConfig
 from ._blocks import group_reduce
@@ -298,6 +299,69 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
       interpret=interpret, levels=levels)
   num_buckets = -(-x.size // bucket_size)
   return words[:packed_words(x.size, bits)], norms[:num_buckets]
+
+
+def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
+                         levels: int, bucket_size: int,
+                         seed: jax.Array | None = None,
+                         rows: int | None = None,
+                         num_warps: int = _triton.DEFAULT_WARPS,
+                         interpret: bool = False
+                         ) -> tuple[jax.Array, jax.Array]:
+  """QSGD lowered by Triton: one masked pass over ``x`` in its own dtype
+  (:func:`jaxcomp.kernels._triton.qsgd_call`), no padded or converted copy.
+
+  The same contract as :func:`qsgd_quantize`: the norms are the kernel's
+  (``sqrt`` of float32 sums in the program's order, a few ulp from
+  :func:`qsgd_norms_reference`) and the words are exactly
+  :func:`qsgd_codes_reference` under them. On a step where a norm is not
+  finite or below ``2**-49`` (where the reference rescales its buckets,
+  :func:`qsgd_norms_reference`), a branch returns
+  :func:`qsgd_quantize_reference` itself.
+
+  Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
+  an H200 (docs/kernels.md), where the Mosaic QSGD kernel lost to XLA at
+  2.5e7 (0.74x) and barely won at 1e8 (1.09x); not yet timed on a GPU
+  itself, so no ``implementation`` picks it (``python -m jaxcomp.bench
+  kernels --ops qsgd``, row ``pallas:triton``).
+
+  Args:
+    x: float32, bfloat16 or float16 array of ``n`` elements (any shape).
+    uniform, seed: the rounding numbers, as in
+      :func:`qsgd_quantize_reference` (exactly one).
+    levels: nonzero levels (a static int, 1 .. 32767).
+    bucket_size: elements per norm, a power of two from 32 to 8192.
+    rows: buckets per program (None: 8, fewer for buckets over 1,024).
+    num_warps: warps per program (1, 2, 4, 8 or 16).
+    interpret: run in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(words uint32 (packed_words(n, bits),), norms float32
+    (ceil(n / bucket_size),))``.
+
+  Raises:
+    ValueError: bad ``levels``, ``bucket_size`` not a power of two >= 32,
+      bad ``rows`` or ``num_warps``, both or neither of ``uniform`` and
+      ``seed``, a bad ``seed``.
+  """
+  bits = qsgd_bits(levels)
+  _blocks.rounding_of(uniform, seed, required=True)
+  rows = _triton.default_rows(bucket_size) if rows is None else rows
+  _triton.check_launch(bucket_size, rows, num_warps)
+  if seed is not None:
+    seed = _blocks.check_seed(seed)
+  if x.size == 0:
+    return qsgd_quantize_reference(x, uniform, levels=levels,
+                                   bucket_size=bucket_size, seed=seed)
+  words, norms = _triton.qsgd_call(
+      x, levels=levels, bits=bits, bucket_size=bucket_size, uniform=uniform,
+      seed=seed, rows=rows, num_warps=num_warps, interpret=interpret)
+  unsound = ~jnp.isfinite(norms) | ((norms > 0) & (norms < 2.0 ** -49))
+  return jax.lax.cond(
+      jnp.any(unsound),
+      lambda: qsgd_quantize_reference(x, uniform, levels=levels,
+                                      bucket_size=bucket_size, seed=seed),
+      lambda: (words, norms))
 
 
 # ----------------------------------------------------------------------------
