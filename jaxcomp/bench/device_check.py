@@ -5,7 +5,8 @@ Within a wall-time budget (``--budget``, default 600 s: 10 minutes on an
 H100) it runs, in this order, each section in a process of its own:
 
 1. **tests**: the compiled (non-interpret) kernel tests
-   (``tests/test_kernels.py::TestKernelsCompiled``,
+   (``tests/test_kernels.py::TestKernelsCompiled``, the Triton kernels'
+   ``TestTritonCompiled`` and ``TestTritonSelectCompiled``,
    ``tests/test_backend_paths.py``, and the autotuner's own tests, its
    measurement on this GPU included), with ``--workers`` pytest workers
    (default 8, or the cores if fewer) sharing the GPU
@@ -15,8 +16,10 @@ H100) it runs, in this order, each section in a process of its own:
    JAX the GPU image ships;
 3. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
    PyTorch is importable): ``python -m jaxcomp.bench kernels
-   --implementation both [--torch]`` at 1e6 and 2.5e7 float32 and bfloat16
-   elements. Its top-k rows (exact and sampled) are compared with the
+   --implementation both [--torch]`` at 2.5e7, 1e8 and 1e6 float32 and
+   bfloat16 elements, in that order (:data:`KERNEL_SIZES`,
+   :data:`KERNEL_OPS`: a run cut short by the budget has the sizes the
+   kernels are judged at). Its top-k rows (exact and sampled) are compared with the
    latest earlier table of the same device kind under ``--baseline-dir``
    (default ``benchmarks/results`` of the checkout: every ``kernels*.json``
    there, the latest by the date in its folder's name or its rows' meta,
@@ -90,7 +93,14 @@ SECTIONS = ("tests", "suite", "kernels", "examples", "autotune")
 SHARES = {"tests": 0.25, "suite": 0.30, "kernels": 0.20, "examples": 0.15,
           "autotune": 0.10}
 COMPILED_TESTS = ["tests/test_kernels.py::TestKernelsCompiled",
+                  "tests/test_kernels_triton.py::TestTritonCompiled",
+                  "tests/test_kernels_triton_topk.py::TestTritonSelectCompiled",
                   "tests/test_backend_paths.py", "tests/test_autotune.py"]
+# The kernels section's sizes and ops, in the order they run (a section cut
+# short by the budget keeps the rows before): the sizes and ops the kernel
+# targets are stated at first (top-k and int8 blocks at 2.5e7 and 1e8).
+KERNEL_SIZES = ("2.5e7", "1e8", "1e6")
+KERNEL_OPS = ("topk", "int8", "fp8", "sign", "qsgd", "sampled_topk")
 INTERPRET_TESTS = [
     "tests/test_kernels.py::TestKernelsInterpret::test_int8_round_half_to_even"]
 SUITE = ["tests"]
@@ -399,8 +409,8 @@ def _kernels(args, root, run_dir, timeout, compiled) -> Result:
   cmd = [sys.executable, "-m", "jaxcomp.bench", "kernels",
          "--json", os.path.join(run_dir, "kernels.json")]
   if compiled:
-    cmd += ["--implementation", "both", "--sizes", "1e6", "2.5e7",
-            "--dtype", "f32", "bf16"]
+    cmd += ["--implementation", "both", "--sizes", *KERNEL_SIZES,
+            "--ops", *KERNEL_OPS, "--dtype", "f32", "bf16"]
     if importlib.util.find_spec("torch") is not None:
       cmd.append("--torch")
   else:
