@@ -84,10 +84,12 @@ class TestTritonSelectCompiled:
     (the XLA path's branch), dense and whole selections."""
     x, k = _branch_case(case)
     want_v, want_i = topk.topk_exact_small(x, k)
-    v, i = topk.topk_triton(x, k, config=TCFG, span=512, interpret=self.INTERPRET)
-    assert v.dtype == x.dtype and i.dtype == jnp.int32 and i.shape == (k,)
-    np.testing.assert_array_equal(i, want_i)
-    np.testing.assert_array_equal(v, want_v)
+    for band_only in (False, True):
+      v, i = topk.topk_triton(x, k, config=TCFG, span=512,
+                              band_only=band_only, interpret=self.INTERPRET)
+      assert v.dtype == x.dtype and i.dtype == jnp.int32 and i.shape == (k,)
+      np.testing.assert_array_equal(i, want_i, err_msg=str(band_only))
+      np.testing.assert_array_equal(v, want_v, err_msg=str(band_only))
 
 
   @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -14,7 +14,8 @@ Top-k rows: ``xla`` is the sampled-threshold fast path, ``auto`` what the
 compressors call by default (``topk_auto``), ``pallas`` the Pallas path (one
 mask kernel, the radix select in its fallback), ``pallas:triton`` the same
 selection compacted by two Triton-lowered kernels (``topk_triton``;
-``--triton-spans`` times other elements-per-program). With ``--topk-selection``
+``pallas:triton,band`` sorting only the band between the sample's
+thresholds; ``--triton-spans`` times other elements-per-program). With ``--topk-selection``
 the ``xla`` and ``pallas`` top-k rows are also timed under each named form
 of the sampled selection (``xla:sort``, ``pallas:partial``, ...:
 ``TopKConfig.selection``).
@@ -240,9 +241,11 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
     for label, tcfg in _topk_variants(args):
       cases[label] = jax.jit(lambda x, c=tcfg: topk.topk(x, k, config=c))
     for span in args.triton_spans or [None]:
-      cases[_label("pallas", t="triton", span=span)] = jax.jit(
-          lambda x, sp=span or topk.TRITON_SPAN: topk.topk_triton(
-              x, k, span=sp))
+      for band in (False, True):
+        cases[_label("pallas", t="triton", span=span,
+                     sort="band" if band else None)] = jax.jit(
+            lambda x, sp=span or topk.TRITON_SPAN, b=band: topk.topk_triton(
+                x, k, span=sp, band_only=b))
     return OpCases(topk_bytes, ref, cases)
   if op == "sampled_topk":
     ref = jax.jit(lambda x, key: topk.topk_reference(x, k))

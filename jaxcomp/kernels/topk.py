@@ -605,10 +605,12 @@ TRITON_SPAN = _triton_select.DEFAULT_SPAN
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "span",
-                                             "num_warps", "interpret"))
+                                             "num_warps", "band_only",
+                                             "interpret"))
 def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
                 span: int = TRITON_SPAN,
                 num_warps: int = _triton_select.DEFAULT_WARPS,
+                band_only: bool = False,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Exact top-k of ``|x|`` whose selection is two Triton-lowered kernels.
 
@@ -619,8 +621,10 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   :func:`jaxcomp.kernels._triton_select.select_at_least`: a count pass and
   a compact pass over ``x``, which also returns the candidates' keys, in
   place of the packed masks, prefix sums, scatter and running maximum over
-  ``n / 32`` words. The candidates' keys are sorted whole (one sort, not the
-  band's compaction and sort). When the sample misleads (fewer than ``k``
+  ``n / 32`` words. The candidates' keys are sorted whole (one sort), or
+  with ``band_only`` only those between the sample's two thresholds (the
+  XLA path's way: fewer keys sorted, a few more kernels). When the sample
+  misleads (fewer than ``k``
   or more than the capacity pass, e.g. ties at ``t`` in a mostly-zero
   gradient) a branch runs :func:`topk_threshold_xla`. Same set as
   :func:`topk_reference`, in ascending index order.
@@ -637,6 +641,7 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
     config: the sample's knobs (:class:`TopKConfig`).
     span: elements per Triton program (a power of two in [32, 8192]).
     num_warps: warps per Triton program.
+    band_only: sort only the band between the sample's thresholds.
     interpret: run the kernels in Pallas' interpret mode (any backend).
 
   Returns:
@@ -665,7 +670,7 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   def from_candidates():
     return typed(_among_candidates(
         cidx, jnp.arange(cap) < count, ckey, top, k, config, n=n,
-        log_depth=form == "partial", band_only=False))
+        log_depth=form == "partial", band_only=band_only))
 
   def misled():
     return typed(topk_threshold_xla(flat, k, config=config)[1])
