@@ -118,8 +118,8 @@ def test_kernel_benchmark_times_programs_without_input_sized_constants():
       checked.append(f"{op} {label}")
   assert "qsgd pallas" in checked and "sampled_topk xla" in checked, checked
   assert "int8 pallas:triton" in checked and "fp8 pallas:triton" in checked
-  assert {"topk pallas:triton", "sign pallas:triton",
-          "qsgd pallas:triton"} <= set(checked), checked
+  assert {"topk pallas:triton", "sampled_topk pallas:triton",
+          "sign pallas:triton", "qsgd pallas:triton"} <= set(checked), checked
   # The check sees an input-sized array that a timed function closes over.
   u = jnp.zeros((n,), jnp.float32)
   closure = bench_kernels.timed_program(jax.jit(lambda v: v + u))

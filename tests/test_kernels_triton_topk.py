@@ -111,6 +111,26 @@ class TestTritonSelectCompiled:
     np.testing.assert_array_equal(v, want_v)
 
 
+  @pytest.mark.parametrize("n,k", [(50_000, 500), (3001, 30), (1000, 1000)])
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  def test_sampled_topk_triton_is_dgcs(self, n, k, dtype):
+    """DGC's sampled top-k: the same values and indices as the XLA path's
+    (the same sample and threshold; the first k at or above it in index
+    order, missing slots index 0 and value 0), including a threshold that
+    passes fewer than k (a mostly-zero gradient)."""
+    rng = np.random.default_rng(n)
+    for x in (rng.standard_normal(n),
+              np.where(rng.random(n) < 0.002, rng.standard_normal(n), 0.0)):
+      x = jnp.asarray(x, dtype)
+      key = jax.random.key(3)
+      want = topk.sampled_topk(x, k, key, sample_ratio=0.05,
+                               implementation="xla")
+      got = topk.sampled_topk_triton(x, k, key, sample_ratio=0.05, span=1024,
+                                     interpret=self.INTERPRET)
+      np.testing.assert_array_equal(got[1], want[1])
+      np.testing.assert_array_equal(got[0], want[0])
+
+
 class TestTritonSelectInterpret(TestTritonSelectCompiled):
   """The same cases in Pallas' interpret mode, on any backend."""
 
@@ -128,6 +148,9 @@ def test_bad_launch_raises_naming_the_parameter(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _triton_select.select_at_least(jnp.ones(100), jnp.int32(0), capacity=8,
                                    interpret=True, **kwargs)
+  with pytest.raises(ValueError, match=match):
+    topk.sampled_topk_triton(jnp.ones(100), 5, jax.random.key(0),
+                             sample_ratio=0.5, interpret=True, **kwargs)
 
 
 def test_zero_capacity_raises():
@@ -164,3 +187,13 @@ def test_cuda_export_inside_shard_map():
   with jax.sharding.use_abstract_mesh(mesh):
     text = structure.export_cuda(f, arg).mlir_module()
   assert text.count(f"stablehlo.custom_call @{structure.TRITON_TARGET}") == 2
+
+
+def test_sampled_topk_triton_cuda_export_is_two_triton_calls():
+  text = structure.export_cuda(
+      lambda v, key: topk.sampled_topk_triton(v, 25_000, key,
+                                              sample_ratio=0.01),
+      jax.ShapeDtypeStruct((2_500_000,), jnp.float32),
+      jax.random.key(0)).mlir_module()
+  calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
+  assert calls == [structure.TRITON_TARGET] * 2, calls

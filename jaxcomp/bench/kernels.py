@@ -254,6 +254,8 @@ def op_cases(op: str, *, n: int, k: int, itemsize: int,
     for label, tcfg in _topk_variants(args):
       cases[label] = jax.jit(lambda x, key, c=tcfg: topk.sampled_topk(
           x, k, key, sample_ratio=0.01, implementation="pallas", config=c))
+    cases["pallas:triton"] = jax.jit(lambda x, key: topk.sampled_topk_triton(
+        x, k, key, sample_ratio=0.01))
     return OpCases(topk_bytes, ref, cases, (jax.random.key(2),))
   if op == "sign":
     for label, qcfg in _quantize_variants(args):

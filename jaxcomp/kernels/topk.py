@@ -624,15 +624,15 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   ``n / 32`` words. The candidates' keys are sorted whole (one sort), or
   with ``band_only`` only those between the sample's two thresholds (the
   XLA path's way: fewer keys sorted, a few more kernels). When the sample
-  misleads (fewer than ``k``
-  or more than the capacity pass, e.g. ties at ``t`` in a mostly-zero
-  gradient) a branch runs :func:`topk_threshold_xla`. Same set as
-  :func:`topk_reference`, in ascending index order.
+  misleads (fewer than ``k`` or more than the capacity pass, e.g. ties at
+  ``t`` in a mostly-zero gradient) a branch runs
+  :func:`topk_threshold_xla`. Same set as :func:`topk_reference`, in
+  ascending index order.
 
   Written for NVIDIA GPUs and checked there only by its CUDA export (two
   Triton calls reading ``x``): not yet timed on one, so no ``implementation``
-  picks it; ``python -m jaxcomp.bench kernels --ops topk`` times it (row
-  ``triton``).
+  picks it; ``python -m jaxcomp.bench kernels --ops topk`` times it (rows
+  ``pallas:triton``).
 
   Args:
     x: float array (any shape; flattened), ``n`` elements; float32,
@@ -750,6 +750,46 @@ def _sampled_topk(x, k, key, *, sample_ratio, config, implementation,
   idx, valid = compact.compact(words, k,
                                log_depth=selection(config) == "partial")
   return _gather(flat, idx, valid), idx
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "span",
+                                             "num_warps", "interpret"))
+def sampled_topk_triton(x: jax.Array, k: int, key: jax.Array, *,
+                        sample_ratio: float, span: int = TRITON_SPAN,
+                        num_warps: int = _triton_select.DEFAULT_WARPS,
+                        interpret: bool = False
+                        ) -> tuple[jax.Array, jax.Array]:
+  """:func:`sampled_topk` (DGC) with its selection done by the two
+  Triton-lowered kernels of :func:`topk_triton`
+  (:func:`jaxcomp.kernels._triton_select.select_at_least` with capacity
+  ``k``): the same threshold from the same sample, the same values and
+  indices.
+
+  Not yet timed on a GPU, so no ``implementation`` picks it (``python -m
+  jaxcomp.bench kernels --ops sampled_topk``, row ``pallas:triton``).
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``.
+
+  Raises:
+    ValueError: ``sample_ratio`` not in (0, 1], bad ``k``, ``span`` or
+      ``num_warps``.
+  """
+  if not 0 < sample_ratio <= 1:
+    raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  _triton_select.check_launch(span, num_warps)
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _check_k(n, k)
+  if k == 0:
+    return _empty(flat)
+  m = max(1, min(n, round(n * sample_ratio)))
+  pick = jax.random.randint(key, (m,), 0, n)
+  t = _kth_largest_key(flat[pick], max(1, math.ceil(m * k / n)))
+  idx, _, count = _triton_select.select_at_least(
+      flat, t, capacity=k, span=span, num_warps=num_warps,
+      interpret=interpret)
+  return _gather(flat, idx, jnp.arange(k) < count), idx
 
 
 def _density_class(n: int, k: int) -> str:
