@@ -184,6 +184,13 @@ def inverse_scales(scales: jax.Array) -> jax.Array:
   return jnp.where(scales > 0, jnp.float32(1) / safe, jnp.float32(0))
 
 
+def level_multipliers(norms: jax.Array, levels) -> jax.Array:
+  """QSGD's multipliers ``levels / norm``, 0 where a norm is 0 (a bucket of
+  zeros, whose levels are then 0)."""
+  safe = jnp.where(norms > 0, norms, jnp.float32(1))
+  return jnp.where(norms > 0, jnp.float32(levels) / safe, jnp.float32(0))
+
+
 def check_seed(seed: jax.Array) -> jax.Array:
   """``seed`` as a uint32 ``(2,)`` array.
 

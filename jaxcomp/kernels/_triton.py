@@ -81,6 +81,61 @@ def default_rows(block_size: int) -> int:
   return max(1, min(DEFAULT_ROWS, MAX_SPAN // block_size))
 
 
+def load_span(x_ref, span: int, n: int):
+  """This program's ``span`` consecutive elements of the flat ``x``, from
+  ``start = program_id * span``, with one masked load in ``x``'s own dtype
+  (reads past ``n`` give 0). Returns ``(start, offs, x)``: ``offs`` the
+  elements' flat int32 indices, ``x`` float32 ``(span,)``."""
+  start = pl.program_id(0) * span
+  offs = start + jnp.arange(span, dtype=jnp.int32)
+  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
+  return start, offs, x.astype(jnp.float32)
+
+
+def store_span(ref, start, values: jax.Array, limit: int) -> None:
+  """Stores the 1-D ``values`` at ``ref[start:start + len(values)]``, the
+  slots at or past ``limit`` left alone (a partial last program)."""
+  size = values.shape[0]
+  index = start + jnp.arange(size, dtype=jnp.int32)
+  plt.store(ref.at[pl.ds(start, size)], values, mask=index < limit)
+
+
+def pack_words(codes: jax.Array, bits: int) -> jax.Array:
+  """uint32 codes (< ``2**bits``, a multiple of ``32 / bits`` of them)
+  packed ``32 / bits`` per word, code ``j`` of a word at bit ``j * bits``
+  (:func:`jaxcomp.kernels.bitpack.pack_bits_reference`'s layout)."""
+  per = 32 // bits
+  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
+  return jnp.sum(codes.reshape(-1, per) << shifts[None, :], axis=1,
+                 dtype=jnp.uint32)
+
+
+def launch(body: Callable, out_shape, *, programs: int, num_warps: int,
+           interpret: bool, name: str):
+  """``pl.pallas_call`` of ``body`` over a 1-D grid of ``programs``
+  Triton programs of ``num_warps`` warps, one stage (no pipelining: each
+  program loads its span once). ``out_shape`` should be typed with
+  :func:`jaxcomp.kernels._launch.out_struct` (varying like ``x`` inside
+  ``shard_map``)."""
+  return pl.pallas_call(
+      body, out_shape=out_shape, grid=(max(1, programs),),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name=name)
+
+
+def rounding_operands(uniform, seed, *, required: bool
+                      ) -> tuple[tuple[jax.Array, ...], str]:
+  """The kernel operands after ``x`` and the rounding's name (``"seed"``,
+  ``"array"`` or ``"nearest"``, :func:`_blocks.rounding_of`, whose errors
+  it raises)."""
+  rounding = _blocks.rounding_of(uniform, seed, required=required)
+  if rounding == "seed":
+    return (seed,), rounding
+  if rounding == "array":
+    return (uniform.reshape(-1),), rounding
+  return (), rounding
+
+
 def _uniform(rounding: str, r_ref, start, offs: jax.Array, n: int, shape):
   """This program's rounding numbers (float32 ``shape``) for the elements
   at flat ``offs`` (``start + arange``): hashed from the seed in ``r_ref``
@@ -104,21 +159,14 @@ def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
     r_ref = None
   else:
     x_ref, r_ref, q_ref, s_ref = refs
-  pid = pl.program_id(0)
   span = rows * block_size
-  start = pid * span
-  offs = start + jnp.arange(span, dtype=jnp.int32)
-  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
-  x = x.astype(jnp.float32).reshape(rows, block_size)
+  start, offs, x = load_span(x_ref, span, n)
+  x = x.reshape(rows, block_size)
   scale = jnp.max(jnp.abs(x), axis=1) / jnp.float32(top)
   y = x * _blocks.inverse_scales(scale)[:, None]
   u = _uniform(rounding, r_ref, start, offs, n, (rows, block_size))
-  q = codes(y, u)
-  plt.store(q_ref.at[pl.ds(start, span)], q.reshape(span),
-            mask=offs < code_len)
-  num_blocks = -(-n // block_size)
-  b = pid * rows + jnp.arange(rows, dtype=jnp.int32)
-  plt.store(s_ref.at[pl.ds(pid * rows, rows)], scale, mask=b < num_blocks)
+  store_span(q_ref, start, codes(y, u).reshape(span), code_len)
+  store_span(s_ref, pl.program_id(0) * rows, scale, -(-n // block_size))
 
 
 def block_quantize_call(x: jax.Array, codes: Callable, *, block_size: int,
@@ -161,14 +209,7 @@ def block_quantize_call(x: jax.Array, codes: Callable, *, block_size: int,
   """
   rows = default_rows(block_size) if rows is None else rows
   check_launch(block_size, rows, num_warps)
-  if uniform is not None and seed is not None:
-    raise ValueError("pass either uniform random values or a seed, not both")
-  if seed is not None:
-    extra, rounding = (seed,), "seed"
-  elif uniform is not None:
-    extra, rounding = (uniform.reshape(-1),), "array"
-  else:
-    extra, rounding = (), "nearest"
+  extra, rounding = rounding_operands(uniform, seed, required=False)
   return _call(x.reshape(-1), *extra, codes=codes, block_size=block_size,
                top=top, code_dtype=jnp.dtype(code_dtype), padded=padded,
                name=name, rounding=rounding,
@@ -186,13 +227,12 @@ def _call(flat, *extra, codes, block_size, top, code_dtype, padded, name,
   body = functools.partial(_kernel, n=n, block_size=block_size, rows=rows,
                            top=top, codes=codes, code_len=code_len,
                            rounding=rounding)
-  return pl.pallas_call(
+  return launch(
       body,
       # Typed as varying like x inside shard_map (check_vma).
-      out_shape=(_launch.out_struct((code_len,), code_dtype, flat),
-                 _launch.out_struct((num_blocks,), jnp.float32, flat)),
-      grid=(max(1, -(-num_blocks // rows)),),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      (_launch.out_struct((code_len,), code_dtype, flat),
+       _launch.out_struct((num_blocks,), jnp.float32, flat)),
+      programs=-(-num_blocks // rows), num_warps=num_warps,
       interpret=interpret, name=name)(flat, *extra)
 
 
@@ -202,17 +242,9 @@ SIGN_ROWS = 128
 
 def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, n: int, rows: int):
   pid = pl.program_id(0)
-  span = rows * 32
-  start = pid * span
-  offs = start + jnp.arange(span, dtype=jnp.int32)
-  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
-  x = x.astype(jnp.float32)
-  shifts = jnp.arange(32, dtype=jnp.uint32)
-  bits = (x < 0).astype(jnp.uint32).reshape(rows, 32) << shifts[None, :]
-  words = jnp.sum(bits, axis=1, dtype=jnp.uint32)
-  w = pid * rows + jnp.arange(rows, dtype=jnp.int32)
-  plt.store(words_ref.at[pl.ds(pid * rows, rows)], words,
-            mask=w < -(-n // 32))
+  _, _, x = load_span(x_ref, rows * 32, n)
+  store_span(words_ref, pid * rows, pack_words((x < 0).astype(jnp.uint32), 1),
+             -(-n // 32))
   plt.store(abs_sums_ref.at[pl.ds(pid, 1)], jnp.sum(jnp.abs(x))[None])
 
 
@@ -250,43 +282,32 @@ def _sign_call(flat, *, rows, num_warps, interpret):
   n = flat.shape[0]
   words = -(-n // 32)
   programs = max(1, -(-words // rows))
-  return pl.pallas_call(
+  return launch(
       functools.partial(_sign_kernel, n=n, rows=rows),
-      out_shape=(_launch.out_struct((words,), jnp.uint32, flat),
-                 _launch.out_struct((programs,), jnp.float32, flat)),
-      grid=(programs,),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret, name="jaxcomp_sign_triton")(flat)
+      (_launch.out_struct((words,), jnp.uint32, flat),
+       _launch.out_struct((programs,), jnp.float32, flat)),
+      programs=programs, num_warps=num_warps, interpret=interpret,
+      name="jaxcomp_sign_triton")(flat)
 
 
 def _qsgd_kernel(*refs, n: int, bucket_size: int, rows: int, levels: int,
                  bits: int, rounding: str):
   x_ref, r_ref, words_ref, norms_ref = refs
-  pid = pl.program_id(0)
   span = rows * bucket_size
-  start = pid * span
-  offs = start + jnp.arange(span, dtype=jnp.int32)
-  x = plt.load(x_ref.at[pl.ds(start, span)], mask=offs < n, other=0)
-  x = x.astype(jnp.float32).reshape(rows, bucket_size)
+  start, offs, x = load_span(x_ref, span, n)
+  x = x.reshape(rows, bucket_size)
   norms = jnp.sqrt(jnp.sum(x * x, axis=1))
-  safe = jnp.where(norms > 0, norms, jnp.float32(1))
-  mult = jnp.where(norms > 0, jnp.float32(levels) / safe, jnp.float32(0))
+  mult = _blocks.level_multipliers(norms, levels)
   u = _uniform(rounding, r_ref, start, offs, n, (rows, bucket_size))
   assert u is not None  # QSGD always rounds stochastically
   level = jnp.minimum(_blocks.floor_to_int(jnp.abs(x) * mult[:, None] + u),
                       levels).astype(jnp.uint32)
   codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
   per = 32 // bits
-  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
-  words = jnp.sum(codes.reshape(span // per, per) << shifts[None, :], axis=1,
-                  dtype=jnp.uint32)
-  first = pid * (span // per)
-  w = first + jnp.arange(span // per, dtype=jnp.int32)
-  plt.store(words_ref.at[pl.ds(first, span // per)], words,
-            mask=w < -(-n // per))
-  b = pid * rows + jnp.arange(rows, dtype=jnp.int32)
-  plt.store(norms_ref.at[pl.ds(pid * rows, rows)], norms,
-            mask=b < -(-n // bucket_size))
+  pid = pl.program_id(0)
+  store_span(words_ref, pid * (span // per), pack_words(codes.reshape(span),
+                                                        bits), -(-n // per))
+  store_span(norms_ref, pid * rows, norms, -(-n // bucket_size))
 
 
 def qsgd_call(x: jax.Array, *, levels: int, bits: int, bucket_size: int,
@@ -326,14 +347,8 @@ def qsgd_call(x: jax.Array, *, levels: int, bits: int, bucket_size: int,
   """
   rows = default_rows(bucket_size) if rows is None else rows
   check_launch(bucket_size, rows, num_warps)
-  if seed is not None and uniform is None:
-    extra, rounding = seed, "seed"
-  elif uniform is not None and seed is None:
-    extra, rounding = uniform.reshape(-1), "array"
-  else:
-    raise ValueError("QSGD rounds stochastically: pass exactly one of "
-                     "uniform= and seed=")
-  return _qsgd_call(x.reshape(-1), extra, levels=levels, bits=bits,
+  extra, rounding = rounding_operands(uniform, seed, required=True)
+  return _qsgd_call(x.reshape(-1), *extra, levels=levels, bits=bits,
                     bucket_size=bucket_size, rounding=rounding, rows=rows,
                     num_warps=num_warps, interpret=interpret)
 
@@ -341,17 +356,16 @@ def qsgd_call(x: jax.Array, *, levels: int, bits: int, bucket_size: int,
 @functools.partial(jax.jit, static_argnames=(
     "levels", "bits", "bucket_size", "rounding", "rows", "num_warps",
     "interpret"))
-def _qsgd_call(flat, extra, *, levels, bits, bucket_size, rounding, rows,
+def _qsgd_call(flat, *extra, levels, bits, bucket_size, rounding, rows,
                num_warps, interpret):
   n = flat.shape[0]
   num_buckets = -(-n // bucket_size)
   body = functools.partial(_qsgd_kernel, n=n, bucket_size=bucket_size,
                            rows=rows, levels=levels, bits=bits,
                            rounding=rounding)
-  return pl.pallas_call(
+  return launch(
       body,
-      out_shape=(_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
-                 _launch.out_struct((num_buckets,), jnp.float32, flat)),
-      grid=(max(1, -(-num_buckets // rows)),),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, extra)
+      (_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
+       _launch.out_struct((num_buckets,), jnp.float32, flat)),
+      programs=-(-num_buckets // rows), num_warps=num_warps,
+      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, *extra)

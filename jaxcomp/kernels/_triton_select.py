@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import _launch
+from . import _triton
 
 # Elements per program: 4096 float32 is 16 KiB, half of the int8 kernel's
 # register budget (_triton.MAX_SPAN), leaving room for the in-register
@@ -62,13 +63,9 @@ def check_launch(span: int, num_warps: int) -> None:
 def _hits(t_ref, x_ref, *, n: int, span: int):
   """This program's element indices and their ``key >= t`` mask (elements
   past ``n`` never selected), with their keys."""
-  start = pl.program_id(0) * span
-  offs = start + jnp.arange(span, dtype=jnp.int32)
-  live = offs < n
-  x = plt.load(x_ref.at[pl.ds(start, span)], mask=live, other=0)
-  key = (jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-         & jnp.int32(0x7FFFFFFF))
-  return offs, key, (key >= t_ref[0]) & live
+  _, offs, x = _triton.load_span(x_ref, span, n)
+  key = jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+  return offs, key, (key >= t_ref[0]) & (offs < n)
 
 
 def _count_kernel(t_ref, x_ref, counts_ref, *, n: int, span: int):
@@ -114,12 +111,11 @@ def count_at_least(flat: jax.Array, t: jax.Array, *, span: int = DEFAULT_SPAN,
   """
   check_launch(span, num_warps)
   n = flat.shape[0]
-  return pl.pallas_call(
+  return _triton.launch(
       functools.partial(_count_kernel, n=n, span=span),
-      out_shape=_launch.out_struct((_programs(n, span),), jnp.int32, flat),
-      grid=(_programs(n, span),),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret, name="jaxcomp_select_count",
+      _launch.out_struct((_programs(n, span),), jnp.int32, flat),
+      programs=_programs(n, span), num_warps=num_warps, interpret=interpret,
+      name="jaxcomp_select_count",
   )(jnp.reshape(t, (1,)).astype(jnp.int32), flat)
 
 
@@ -161,13 +157,12 @@ def select_at_least(flat: jax.Array, t: jax.Array, *, capacity: int,
                           interpret=interpret)
   offsets = jnp.cumsum(counts) - counts
   count = jnp.sum(counts)
-  idx, key = pl.pallas_call(
+  idx, key = _triton.launch(
       functools.partial(_compact_kernel, n=n, span=span, capacity=capacity),
-      out_shape=(_launch.out_struct((capacity + span,), jnp.int32, flat),
-                 _launch.out_struct((capacity + span,), jnp.int32, flat)),
-      grid=(_programs(n, span),),
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret, name="jaxcomp_select_compact",
+      (_launch.out_struct((capacity + span,), jnp.int32, flat),
+       _launch.out_struct((capacity + span,), jnp.int32, flat)),
+      programs=_programs(n, span), num_warps=num_warps, interpret=interpret,
+      name="jaxcomp_select_compact",
   )(t, offsets, flat)
   live = jnp.arange(capacity) < count
   return (jnp.where(live, idx[:capacity], 0),

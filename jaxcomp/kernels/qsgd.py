@@ -63,9 +63,6 @@ def qsgd_bits(levels: int) -> int:
   return next(b for b in (2, 4, 8, 16) if b >= need)
 
 
-def _qsgd_multiplier(norms, levels):
-  safe = jnp.where(norms > 0, norms, jnp.float32(1))
-  return jnp.where(norms > 0, jnp.float32(levels) / safe, jnp.float32(0))
 
 
 # ----------------------------------------------------------------------------
@@ -141,7 +138,7 @@ def qsgd_codes_reference(x: jax.Array, norms: jax.Array, uniform=None, *,
   n = x.size
   xf = x.reshape(-1).astype(jnp.float32)
   u = cast(jax.Array, _blocks.dither_source(n, uniform, seed))  # required
-  mult = per_element(_qsgd_multiplier(norms, levels), bucket_size, n)
+  mult = per_element(_blocks.level_multipliers(norms, levels), bucket_size, n)
   r = jnp.abs(xf) * mult
   level = jnp.minimum(jnp.floor(r + u), jnp.float32(levels)).astype(jnp.uint32)
   codes = level | ((xf < 0).astype(jnp.uint32) << (bits - 1))
@@ -227,13 +224,13 @@ def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
     norms = _kernel_sqrt(_blocks.row_total([v * v for v in xs], jnp.sum,
                                            jnp.add))
     norms_ref[...] = norms
-    ms = [_blocks.per_row(_qsgd_multiplier(norms, levels), plan)] * len(xs)
+    ms = [_blocks.per_row(_blocks.level_multipliers(norms, levels), plan)] * len(xs)
   else:  # a bucket per column slice: norms_ref (B, buckets_per_row)
     ms = []
     for k, v in enumerate(xs):
       norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
       block.store(norms_ref.at[:, k], norm)
-      ms.append(_blocks.per_row(_qsgd_multiplier(norm, levels), plan))
+      ms.append(_blocks.per_row(_blocks.level_multipliers(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   # QSGD always rounds stochastically: u_ref or seed_ref is given.
   uniform = cast(Callable[[int], jax.Array],
@@ -294,7 +291,7 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
       stat_name="norms_ref", size_name="bucket_size",
       statistic=lambda xf: jnp.sqrt(group_reduce(xf, bucket_size, "sum",
                                                  jnp.square)),
-      multiplier=lambda s: _qsgd_multiplier(s, levels), bits=bits,
+      multiplier=lambda s: _blocks.level_multipliers(s, levels), bits=bits,
       group=bucket_size, uniform=uniform, seed=seed, config=config,
       interpret=interpret, levels=levels)
   num_buckets = -(-x.size // bucket_size)

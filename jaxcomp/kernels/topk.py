@@ -684,6 +684,22 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
 # ----------------------------------------------------------------------------
 
 
+def _check_sample_ratio(sample_ratio: float) -> None:
+  if not 0 < sample_ratio <= 1:
+    raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+
+
+def _dgc_threshold(flat: jax.Array, k: int, key: jax.Array,
+                   sample_ratio: float) -> jax.Array:
+  """DGC's int32 key threshold: the ``ceil(m * k / n)``-th largest key of
+  ``m = max(1, round(n * sample_ratio))`` elements of ``flat`` drawn
+  uniformly with replacement by ``key``."""
+  n = flat.shape[0]
+  m = max(1, min(n, round(n * sample_ratio)))
+  pick = jax.random.randint(key, (m,), 0, n)
+  return _kth_largest_key(flat[pick], max(1, math.ceil(m * k / n)))
+
+
 def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
                  config: TopKConfig = DEFAULT_CONFIG,
                  implementation: str | None = None,
@@ -704,8 +720,7 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   Raises:
     ValueError: ``sample_ratio`` not in (0, 1] or bad ``k``.
   """
-  if not 0 < sample_ratio <= 1:
-    raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  _check_sample_ratio(sample_ratio)
   _check_k(x.size, k)
 
   def run(impl, interpret):
@@ -732,13 +747,9 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
 def _sampled_topk(x, k, key, *, sample_ratio, config, implementation,
                   interpret):
   flat = x.reshape(-1)
-  n = flat.shape[0]
   if k == 0:
     return _empty(flat)
-  m = max(1, min(n, round(n * sample_ratio)))
-  ks = max(1, math.ceil(m * k / n))
-  pick = jax.random.randint(key, (m,), 0, n)
-  t = _kth_largest_key(flat[pick], ks)
+  t = _dgc_threshold(flat, k, key, sample_ratio)
   if implementation == "pallas":
     _launch.check_block_rows(config.block_rows)
     rows, _ = _launch.to_rows(flat, config.block_rows)
@@ -775,17 +786,13 @@ def sampled_topk_triton(x: jax.Array, k: int, key: jax.Array, *,
     ValueError: ``sample_ratio`` not in (0, 1], bad ``k``, ``span`` or
       ``num_warps``.
   """
-  if not 0 < sample_ratio <= 1:
-    raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio=}")
+  _check_sample_ratio(sample_ratio)
   _triton_select.check_launch(span, num_warps)
   flat = x.reshape(-1)
-  n = flat.shape[0]
-  _check_k(n, k)
+  _check_k(flat.shape[0], k)
   if k == 0:
     return _empty(flat)
-  m = max(1, min(n, round(n * sample_ratio)))
-  pick = jax.random.randint(key, (m,), 0, n)
-  t = _kth_largest_key(flat[pick], max(1, math.ceil(m * k / n)))
+  t = _dgc_threshold(flat, k, key, sample_ratio)
   idx, _, count = _triton_select.select_at_least(
       flat, t, capacity=k, span=span, num_warps=num_warps,
       interpret=interpret)
