@@ -3,7 +3,6 @@ error-feedback schemes."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Generic, TypeVar, cast
 
 T = TypeVar("T")
@@ -24,7 +23,6 @@ class Registry(Generic[T]):
   def __init__(self, param: str):
     self.param = param
     self._classes: dict[str, type[T]] = {}
-    self._renamed: dict[str, str] = {}
 
   def register(self, cls: C) -> C:
     """Class decorator: registers ``cls`` under ``cls.name``.
@@ -41,28 +39,12 @@ class Registry(Generic[T]):
     self._classes[name] = cast("type[T]", cls)
     return cls
 
-  def rename(self, old: str, new: str) -> None:
-    """Keeps ``old`` working as a deprecated name of ``new`` (one release):
-    :meth:`lookup` warns, naming the new one."""
-    self._renamed[old] = new
-
-  def canonical(self, name):
-    """``name``, or the name a deprecated one was renamed to (with a
-    ``DeprecationWarning``)."""
-    if isinstance(name, str) and name in self._renamed:
-      new = self._renamed[name]
-      warnings.warn(f"{self.param}={name!r} is deprecated; it is now "
-                    f"{new!r}", DeprecationWarning, stacklevel=4)
-      return new
-    return name
-
   def names(self) -> list[str]:
     """The registered names, sorted."""
     return sorted(self._classes)
 
   def __contains__(self, name) -> bool:
-    return isinstance(name, str) and (name in self._classes
-                                      or name in self._renamed)
+    return isinstance(name, str) and name in self._classes
 
   def lookup(self, name: str) -> type[T]:
     """The class registered as ``name``.
@@ -70,7 +52,6 @@ class Registry(Generic[T]):
     Raises:
       ValueError: ``name`` is not registered; the message lists the names.
     """
-    name = self.canonical(name)
     if name not in self:
       raise ValueError(
           f"unknown {self.param} {name!r}; choose one of {self.names()}")

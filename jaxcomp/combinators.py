@@ -15,17 +15,13 @@ update, its collectives included, inside the branch that runs:
   optimizer moment or count moves) on a step where any device's gradient
   has a NaN or an Inf.
 
-(DGC's sparsity warm-up, which lived here, is in
-:mod:`jaxcomp.compressors.dgc`.)
-
 Both run inside ``jax.shard_map`` / ``jax.pmap`` over ``axis_name`` and are
-placed by :func:`jaxcomp.init_sharded` (the accumulator is per device).
+placed by :func:`jaxcomp.init` (the accumulator is per device).
 """
 
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -37,7 +33,6 @@ from jaxcomp import _mesh
 from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
-from jaxcomp.compressors import dgc
 
 
 def _zeros_like_typed(tree):
@@ -303,16 +298,3 @@ def apply_if_finite(tx: optax.GradientTransformation, axis_name: AxisName,
 
   return optax.GradientTransformation(init_fn, update_fn)
 
-
-_MOVED = ("WarmupStage", "sparsity_warmup", "stage_at", "bytes_over")
-
-
-def __getattr__(name):
-  # DGC's sparsity warm-up moved to jaxcomp.compressors.dgc; its names stay
-  # here for one release.
-  if name in _MOVED:
-    warnings.warn(f"jaxcomp.combinators.{name} moved to "
-                  f"jaxcomp.compressors.{name}", DeprecationWarning,
-                  stacklevel=2)
-    return getattr(dgc, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

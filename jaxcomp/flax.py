@@ -4,7 +4,7 @@
 ``TrainState.create(..., tx=tx)`` call ``tx.init`` eagerly, outside any
 ``shard_map``, where a jaxcomp transform has no device axis to create its
 per-device state over (``NameError: axis_name 'data' is not bound``). The
-helpers here initialise that state with :func:`jaxcomp.init_sharded`
+helpers here initialise that state with :func:`jaxcomp.init`
 instead and run the step per device under ``jax.shard_map``:
 
 * NNX: :class:`Optimizer` (an ``nnx.Optimizer``) and :func:`train_step`,
@@ -12,7 +12,7 @@ instead and run the step per device under ``jax.shard_map``:
   with its own dropout keys, averages the BatchNorm statistics (and every
   other floating non-parameter state) over the devices after the step, as
   Flax's ImageNet example syncs ``batch_stats``, and updates the model and
-  the optimizer in place. With ``Optimizer(..., fsdp=True)`` the model's
+  the optimizer in place. With ``Optimizer(..., layout=jaxcomp.FSDP())`` the model's
   parameters are flat shards (:mod:`jaxcomp.fsdp`), gathered inside the
   step; :func:`unsharded` gives a whole copy.
 * NNX in a ``jax.jit`` step over GSPMD-sharded parameters (model axes,
@@ -43,13 +43,13 @@ from flax.training import train_state as linen_train_state
 
 from jaxcomp import _mesh
 from jaxcomp import fsdp as fsdp_lib
-from jaxcomp import jit as jit_lib
+from jaxcomp import gspmd
 from jaxcomp import placement
 from jaxcomp import steps
-from jaxcomp.fsdp._layout import FSDP
-from jaxcomp.lowcomm._diloco import holds_diloco
-from jaxcomp.lowcomm._diloco import synced_params
-from jaxcomp.lowcomm._layout import PerDevice
+from jaxcomp import train
+from jaxcomp.fsdp import FSDP
+from jaxcomp.lowcomm import Islands
+from jaxcomp.lowcomm import synced_params
 from jaxcomp._mesh import AxisName
 
 
@@ -65,79 +65,56 @@ class Optimizer(nnx.Optimizer):
     wrt: the variables to optimise (``nnx.Param``), as ``nnx.Optimizer``.
     mesh: the device mesh.
     axis_name: the data-parallel axis (or tuple of axes).
-    fsdp: shard the parameters (FSDP / ZeRO-3, :mod:`jaxcomp.fsdp`): each
-      ``wrt`` variable of ``model`` is replaced, in place, by its flat
-      shard over ``shard_axis`` (as PyTorch FSDP swaps a module's
-      parameters for flat shards); :func:`train_step` gathers them for the
-      loss and ``tx`` (with a ``compressed_mean(..., output="shard")``)
-      reduce-scatters the gradient, so parameters and optimizer state take
-      ``1 / p`` of the memory per device. Evaluate with
-      :func:`unsharded` (a copy of the model with whole parameters).
-    shard_axis: with ``fsdp``: the axis to shard over (default
-      ``axis_name``; HSDP: the fast axis inside a host).
-    param_compressor: with ``fsdp``: compress the parameters' all-gather
-      (ZeRO++'s qwZ, a deterministic compressor such as ``"int8_block"``;
-      :func:`jaxcomp.fsdp.gather_params`).
-    copies_over: with a :func:`jaxcomp.diloco` in ``tx``: the axes holding
-      separate copies, default (``None``) ``axis_name``, one per device.
-      Islands: the outer axis of a ``("hosts", "data")`` mesh, with
-      ``axis_name=("hosts", "data")`` and ``tx = jaxcomp.diloco(
-      optax.chain(jaxcomp.compressed_mean("identity", "data"), inner), ...,
-      axis_name="hosts")``: exact data parallelism inside each island,
-      DiLoCo's exchange across islands (:func:`jaxcomp.lowcomm.init`).
+    layout: where the parameters live, as for :func:`jaxcomp.init`:
+      :class:`jaxcomp.DataParallel` (replicated, the default);
+      :class:`jaxcomp.FSDP` (FSDP / ZeRO-3, HSDP with ``shard_axis``, qwZ
+      with ``param_compressor``): each ``wrt`` variable of ``model`` is
+      replaced, in place, by its flat shard (as PyTorch FSDP swaps a
+      module's parameters for flat shards); :func:`train_step` gathers
+      them for the loss and ``tx`` (with a ``compressed_mean(...,
+      output="shard")``) reduce-scatters the gradient, so parameters and
+      optimizer state take ``1 / p`` of the memory per device; evaluate
+      with :func:`unsharded` (a copy of the model with whole parameters);
+      :class:`jaxcomp.Islands` with a :func:`jaxcomp.diloco` in ``tx``
+      (``Islands(over="hosts")``: the outer axis of a ``("hosts",
+      "data")`` mesh, with ``axis_name=("hosts", "data")`` and ``tx =
+      jaxcomp.diloco(optax.chain(jaxcomp.compressed_mean("identity",
+      "data"), inner), ..., axis_name="hosts")``: exact data parallelism
+      inside each island, DiLoCo's exchange across islands).
 
   With a :func:`jaxcomp.diloco` in ``tx``, each device (or island) trains
   its own copy of the parameters between syncs: the optimizer keeps them in
   ``local`` (each leaf with a leading axis of copies, sharded
-  ``P(copies_over)``, saved with the optimizer's state), and after every
+  ``P(over)``, saved with the optimizer's state), and after every
   step the model holds the synchronized parameters
   (:func:`jaxcomp.lowcomm.synced_params`: what evaluation uses; between
   syncs, those of the last sync).
 
   Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``; with ``fsdp``, no
-      ``compressed_mean(..., output="shard")`` over ``shard_axis`` in
-      ``tx``, or a :func:`jaxcomp.diloco` in it; a ``param_compressor``
-      without ``fsdp``, or one with randomness or an exchange of its own;
-      ``copies_over`` with ``fsdp``, without a :func:`jaxcomp.diloco` in
-      ``tx``, or not among ``axis_name``'s axes.
+    ValueError: what :func:`jaxcomp.init` raises (``axis_name`` not an
+      axis of ``mesh``; FSDP without a ``compressed_mean(...,
+      output="shard")`` over its ``shard_axis`` in ``tx``; a
+      :func:`jaxcomp.diloco` in ``tx`` without the ``Islands`` layout, or
+      that layout without one); ``Islands`` with FSDP inside, which the
+      NNX optimizer does not hold.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, mesh,
-               axis_name: AxisName = "data", fsdp: bool = False,
-               shard_axis: AxisName | None = None,
-               param_compressor=None, copies_over: AxisName | None = None):
+               axis_name: AxisName = "data",
+               layout: steps.Layout = steps.DataParallel()):
     params = nnx.as_pure(nnx.state(model, wrt))
-    if fsdp and copies_over is not None:
-      raise ValueError("copies_over places DiLoCo's per-island copies, "
-                       "which fsdp=True does not hold: pass one of them")
-    shard_axis = axis_name if shard_axis is None else shard_axis
-    # The layout of the one step family (jaxcomp.steps): FSDP's flat shards,
-    # DiLoCo's per-device copies, or replicated parameters.
+    if isinstance(layout, Islands) and layout.inside is not None:
+      raise ValueError("jaxcomp.flax.Optimizer holds DiLoCo islands of "
+                       "replicated copies (layout=jaxcomp.Islands(over=...)); "
+                       "islands with FSDP inside need jaxcomp.init and "
+                       "jaxcomp.make_train_step")
+    placed = train.init(tx, params, mesh, layout=layout, axis_name=axis_name)
+    layout, state, specs = placed.layout, placed.opt_state, placed.specs
     copies = None  # DiLoCo: each device's (or island's) own parameters
-    if fsdp:
-      shards, shapes, state, specs = fsdp_lib.init(tx, params, mesh, axis_name,
-                                                   shard_axis=shard_axis)
-      layout = FSDP(shapes, shard_axis, param_compressor)
-      nnx.update(model, shards)
-    else:
-      if param_compressor is not None:
-        raise ValueError("param_compressor compresses FSDP's parameter "
-                         "all-gather: pass fsdp=True with it")
-      if copies_over is not None:  # DiLoCo islands
-        layout = PerDevice(copies_over)
-        copies, state, specs = layout.place(tx, params, mesh, axis_name)
-        if not holds_diloco(state):
-          raise ValueError(
-              "copies_over places DiLoCo's per-island copies: tx must hold "
-              "a jaxcomp.diloco(...) over copies_over; leave it None "
-              "otherwise")
-      elif holds_diloco(placement.init_shapes(tx, params, mesh)):
-        layout = PerDevice()  # DiLoCo: each device's own copy
-        copies, state, specs = layout.place(tx, params, mesh, axis_name)
-      else:
-        layout = steps.DataParallel()
-        state, specs = placement.init_sharded(tx, params, mesh, axis_name)
+    if isinstance(layout, FSDP):
+      nnx.update(model, placed.params)
+    elif isinstance(layout, Islands):
+      copies = placed.params
     # nnx.Optimizer.__init__ with the state placed per device (its own
     # tx.init would run outside shard_map, where no device axis is bound).
     super().__init__(model, optax.GradientTransformation(
@@ -151,12 +128,12 @@ class Optimizer(nnx.Optimizer):
     self.axis_name = nnx.static(axis_name)
     self.specs = nnx.static(_Static(specs))
     self._layout = nnx.static(_Static(layout))
-    self.shard_axis = nnx.static(shard_axis)
 
   @property
   def layout(self) -> steps.Layout:
-    """Where the parameters live (:mod:`jaxcomp.steps`): replicated, FSDP's
-    flat shards, or DiLoCo's per-device copies."""
+    """Where the parameters live (:mod:`jaxcomp.layouts`), as
+    :func:`jaxcomp.init` resolved it: replicated, FSDP's flat shards, or
+    DiLoCo's per-device copies."""
     return self._layout.tree
 
   @property
@@ -370,7 +347,7 @@ def create_train_state(apply_fn: Callable, params, tx, *, mesh,
 
   ``TrainState.create(apply_fn=..., params=..., tx=tx)`` would call
   ``tx.init`` outside ``shard_map``; this initialises it with
-  :func:`jaxcomp.init_sharded`.
+  :func:`jaxcomp.placement.init_sharded`.
 
   Args:
     apply_fn: the model's ``apply``.
@@ -450,7 +427,7 @@ def train_state_step(step_fn: Callable, *, mesh, opt_specs,
 class ValueAndGrad:
   """``nnx.value_and_grad`` whose gradient is a compressed mean over the
   data axes, for an NNX model whose parameters GSPMD shards: the
-  :class:`jaxcomp.CompressedValueAndGrad` route (model axes, or FSDP x
+  :func:`jaxcomp.compressed_value_and_grad` route (model axes, or FSDP x
   tensor parallelism, MaxText's ``("data", "fsdp", "tensor")`` mesh with
   ``nnx.Param`` s annotated ``("fsdp", "tensor")``) on the model's ``wrt``
   variables. The model is split with ``nnx.split(model, wrt, ...)``; the
@@ -511,7 +488,7 @@ class ValueAndGrad:
     self.loss_fn, self.wrt = loss_fn, wrt
     self._graphdef = None
     self.batch_spec = P(axis_name) if batch_spec is None else batch_spec
-    self._functional = jit_lib.CompressedValueAndGrad(
+    self._functional = gspmd.CompressedValueAndGrad(
         self._loss, transform, mesh, axis_name=axis_name, has_aux=has_aux,
         batch_spec=self.batch_spec)
 

@@ -1,5 +1,4 @@
-"""One family of train steps: state placement and the step for every layout
-of the parameters.
+"""The one step body of jaxcomp and the base of its layouts.
 
 A *layout* says where the parameters live and how a device takes its own
 gradient of them; everything else about a step is the same for all of
@@ -12,25 +11,23 @@ them::
     params = layout.after_update(params + updates, opt_state)
     return layout.leave(params), opt_state, loss averaged over the data axes
 
-The layouts:
+The layouts (:mod:`jaxcomp.layouts` lists them):
 
 * :class:`DataParallel`: the parameters replicated (or placed by a spec:
   tensor parallelism written per device); a device's gradient is of its
   copy, marked varying (:func:`jaxcomp.per_device_value_and_grad`).
-* :class:`jaxcomp.fsdp.FSDP`: flat shards over the data (or a host's)
-  axis; a device's gradient is of the gathered parameters
-  (:mod:`jaxcomp.fsdp`).
-* :class:`jaxcomp.lowcomm.PerDevice`: one copy per device, a leading device
+* :class:`jaxcomp.FSDP`: flat shards over the data (or a host's) axis; a
+  device's gradient is of the gathered parameters (:mod:`jaxcomp.fsdp`).
+* :class:`jaxcomp.Islands`: one copy per device or island, a leading
   axis; a device's gradient is of its own copy (DiLoCo).
 
 Each layout lives with its concept (FSDP's in :mod:`jaxcomp.fsdp`,
 DiLoCo's in :mod:`jaxcomp.lowcomm`); this module holds the base, the
-replicated layout and the step. The entry points built on it
-(:func:`jaxcomp.make_train_step`, :func:`jaxcomp.fsdp.make_train_step`,
-:func:`jaxcomp.lowcomm.make_train_step`, :func:`jaxcomp.lowcomm.local_step`,
-:func:`jaxcomp.flax.train_step`, :func:`jaxcomp.compressed_value_and_grad`)
-differ in their layout and in how they hand the step to the user, not in
-the step: every one runs :func:`per_device_step`'s body.
+replicated layout and the step body. Users reach the body through
+:func:`jaxcomp.make_train_step` (``shard_map`` steps),
+:func:`jaxcomp.compressed_value_and_grad` (``jax.jit`` steps) and
+:mod:`jaxcomp.flax`; :func:`shard_train_step` is the building block of a
+hand-written per-device step.
 """
 
 from __future__ import annotations
@@ -88,9 +85,22 @@ class Layout:
     return params
 
   def place(self, tx, params, mesh, axis_name: AxisName):
-    """``(params, opt_state, specs)``: the parameters placed on ``mesh`` as
-    this layout holds them, and ``tx``'s state with its partition specs."""
+    """``(params, opt_state, specs, layout)``: the parameters placed on
+    ``mesh`` as this layout holds them, ``tx``'s state with its partition
+    specs, and the layout resolved for them (FSDP's shapes filled in)."""
     raise NotImplementedError
+
+  def unresolved(self) -> Layout:
+    """The layout as a user writes it, without what :meth:`place` filled
+    in (two layouts of one configuration compare equal this way)."""
+    return self
+
+  def model_params(self, params, opt_state):
+    """The whole parameters a model is evaluated with, from the placed
+    ``params`` and the state (FSDP gathers its shards, DiLoCo reads its
+    anchor)."""
+    del opt_state
+    return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,25 +127,8 @@ class DataParallel(Layout):
     placed = jax.device_put(params, jax.tree.map(
         lambda s: NamedSharding(mesh, s), self.spec,
         is_leaf=lambda x: isinstance(x, P)))
-    return placed, state, specs
+    return placed, state, specs, self
 
-
-
-def init(tx, params, mesh, axis_name: AxisName = "data", *,
-         layout: Layout = DataParallel()):
-  """Places ``params`` on ``mesh`` as ``layout`` holds them and initialises
-  ``tx``'s state there.
-
-  Returns:
-    ``(params, opt_state, specs)``: the placed parameters, the state and
-    its partition specs (for :func:`make_train_step`).
-
-  Raises:
-    ValueError: ``axis_name`` is not an axis of ``mesh``; what the layout
-      refuses (FSDP without a reduce-scattering transform, DiLoCo on FSDP).
-  """
-  check_mesh_axes(mesh, axis_name)
-  return layout.place(tx, params, mesh, axis_name)
 
 
 # -- The step ---------------------------------------------------------------
@@ -153,14 +146,17 @@ def step_loss(out, axis_name: AxisName, per_device_loss: bool):
 def shard_train_step(step_fn: Callable, *, mesh, state_specs,
                      batch_spec: Any, params_spec: Any = P(),
                      out_aux_spec: Any = P()) -> Callable:
-  """Wraps a per-device train step with ``jax.shard_map``.
+  """Wraps a per-device train step with ``jax.shard_map``: the building block
+  of a hand-written step (:func:`jaxcomp.make_train_step` builds the usual
+  one).
 
   Args:
     step_fn: ``step_fn(params, opt_state, batch) -> (params, opt_state, aux)``
       written per device: ``opt_state`` is the local view (no device axis),
       and ``aux`` must be invariant (e.g. a ``lax.pmean`` of the loss).
     mesh: the mesh.
-    state_specs: the specs returned by :func:`jaxcomp.init_sharded`.
+    state_specs: the state's partition specs (a :class:`jaxcomp.TrainState`'s
+      ``specs``, or :func:`jaxcomp.placement.init_sharded`'s).
     batch_spec: partition spec(s) of the batch, e.g. ``P("data")``.
     params_spec: partition spec(s) of the parameters (replicated by default).
     out_aux_spec: partition spec(s) of ``aux``.
@@ -170,15 +166,14 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
     arrays; wrap it in ``jax.jit`` (with ``donate_argnums=(0, 1)``).
 
   Example:
-    A step written per device, as :func:`make_train_step` writes it:
+    A step written per device, as :func:`jaxcomp.make_train_step` writes it:
 
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
     ...                  optax.sgd(0.1))
-    >>> params = {"w": jnp.zeros((4,))}
-    >>> opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((4,))}, mesh)
     >>> def step_fn(params, opt_state, batch):  # one device's view
     ...   x, y = batch
     ...   loss_fn = lambda p: jnp.mean((x @ p["w"] - y) ** 2)
@@ -187,13 +182,12 @@ def shard_train_step(step_fn: Callable, *, mesh, state_specs,
     ...   updates, opt_state = tx.update(grads, opt_state, params)
     ...   params = optax.apply_updates(params, updates)
     ...   return params, opt_state, jax.lax.pmean(loss, "data")
-    >>> step = jax.jit(jaxcomp.shard_train_step(
-    ...     step_fn, mesh=mesh, state_specs=specs, batch_spec=P("data")))
+    >>> step = jax.jit(jaxcomp.steps.shard_train_step(
+    ...     step_fn, mesh=mesh, state_specs=state.specs, batch_spec=P("data")))
     >>> n = 4 * jax.device_count()
     >>> batch = jax.device_put((jnp.ones((n, 4)), jnp.ones((n,))),
     ...                        NamedSharding(mesh, P("data")))
-    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
-    >>> params, opt_state, loss = step(params, opt_state, batch)
+    >>> params, opt_state, loss = step(state.params, state.opt_state, batch)
     >>> float(loss)
     1.0
     >>> params["w"]  # top-k sent half of the gradient, the rest is residual
@@ -227,14 +221,13 @@ def per_device_step(loss_fn: Callable, tx, *, mesh, state_specs,
                     apply_updates: bool = True) -> Callable:
   """The step of every layout on global arrays (``shard_map``'d, not
   jitted): the one step body of jaxcomp (see the module docstring).
-  :func:`make_train_step` jits it; :func:`jaxcomp.lowcomm.local_step` calls
-  it inside a user's own jit; :func:`jaxcomp.flax.train_step` runs an NNX
-  model through it and :class:`CompressedValueAndGrad` takes its averaged
-  gradient.
+  :func:`jaxcomp.make_train_step` jits it; :func:`jaxcomp.flax.train_step`
+  runs an NNX model through it and :func:`jaxcomp.compressed_value_and_grad`
+  takes its averaged gradient.
 
-  ``loss_fn``, ``tx``, ``mesh``, ``state_specs``, ``layout``,
-  ``axis_name``, ``batch_spec``, ``has_aux`` and ``per_device_loss`` are
-  :func:`make_train_step`'s.
+  ``loss_fn``, ``tx``, ``mesh``, ``layout``, ``axis_name``, ``batch_spec``,
+  ``has_aux`` and ``per_device_loss`` are :func:`jaxcomp.make_train_step`'s;
+  ``state_specs`` the state's partition specs.
 
   Args:
     value_and_grad: ``value_and_grad(loss_fn, axis_name, has_aux=...)``,
@@ -283,84 +276,3 @@ def per_device_step(loss_fn: Callable, tx, *, mesh, state_specs,
       batch_spec=P(axis_name) if batch_spec is None else batch_spec,
       params_spec=layout.params_spec(axis_name),
       out_aux_spec=(loss_spec, P()) if has_state else loss_spec)
-
-
-def make_train_step(loss_fn: Callable, tx, *, mesh, state_specs,
-                    axis_name: AxisName = "data", batch_spec: Any = None,
-                    has_aux: bool = False, donate: bool = True,
-                    per_device_loss: bool = False, params_spec: Any = P(),
-                    value_and_grad: Callable | None = None,
-                    layout: Layout | None = None) -> Callable:
-  """The data-parallel train step, compiled: per-device gradient, ``tx``'s
-  compressed update, parameters updated, loss averaged.
-
-  Per device, under ``jax.shard_map`` over ``mesh``::
-
-    loss, grads = per_device_value_and_grad(loss_fn, axis_name)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, lax.pmean(loss, axis_name)
-
-  Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (a float32 scalar, this
-      device's mean over its share of the batch), or ``(loss, aux)`` with
-      ``has_aux``.
-    tx: the optimizer, containing jaxcomp transforms over ``axis_name``.
-    mesh: the device mesh.
-    state_specs: the specs :func:`jaxcomp.init_sharded` returned with the
-      state.
-    axis_name: the data-parallel axis (or tuple of axes).
-    batch_spec: partition spec(s) of the batch; default ``P(axis_name)``
-      (every leaf split over the devices along its first dimension).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then
-      averaged over ``axis_name`` too (every leaf must be a float array).
-    donate: donate the parameters' and the state's buffers to the step.
-    per_device_loss: return each device's own loss (and aux), stacked on a
-      leading device axis, instead of their mean: the step then runs no
-      collective besides the transform's (benchmarks that time it).
-    params_spec: partition spec(s) of the parameters (replicated by
-      default): :class:`DataParallel`'s ``spec``.
-    value_and_grad: builds the per-device gradient function,
-      ``value_and_grad(loss_fn, axis_name, has_aux=...)``; default the
-      layout's.
-    layout: where the parameters live (:class:`DataParallel`,
-      :class:`jaxcomp.fsdp.FSDP`, :class:`jaxcomp.lowcomm.PerDevice`); default ``DataParallel(
-      params_spec)``.
-
-  Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (or
-    ``(params, opt_state, (loss, aux))``) on global arrays, jitted;
-    ``batch`` must be placed on ``mesh`` with ``batch_spec``
-    (``jax.device_put(batch, NamedSharding(mesh, P("data")))``).
-
-  Raises:
-    ValueError: as :func:`jaxcomp.init_sharded`, for a bad ``axis_name``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, jaxcomp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    >>> def loss_fn(params, batch):
-    ...   x, y = batch
-    ...   return jnp.mean((x @ params["w"] - y) ** 2)
-    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
-    ...                  optax.sgd(0.1))
-    >>> params = {"w": jnp.zeros((4,))}
-    >>> state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
-    >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-    ...                                state_specs=specs)
-    >>> n = 4 * jax.device_count()
-    >>> batch = jax.device_put((jnp.ones((n, 4)), jnp.ones((n,))),
-    ...                        NamedSharding(mesh, P("data")))
-    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
-    >>> params, state, loss = step(params, state, batch)
-    >>> float(loss)
-    1.0
-  """
-  layout = DataParallel(params_spec) if layout is None else layout
-  step = per_device_step(loss_fn, tx, mesh=mesh, state_specs=state_specs,
-                         layout=layout, axis_name=axis_name,
-                         batch_spec=batch_spec, has_aux=has_aux,
-                         per_device_loss=per_device_loss,
-                         value_and_grad=value_and_grad)
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())

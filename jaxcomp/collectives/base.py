@@ -221,7 +221,6 @@ class Collective:
 REGISTRY: Registry[Collective] = Registry("collective")
 register = REGISTRY.register
 names = REGISTRY.names
-REGISTRY.rename("compressor", "own_exchange")
 
 
 def _one_part(result):
@@ -379,9 +378,7 @@ class SenderMean(Collective):
 class OwnExchange(Collective):
   """Lets a compressor with ``own_exchange`` run its own rounds (e.g.
   PowerSGD's all-reduces of P and Q) on the bucket's tensors; its state is
-  the compressor's. Registered as ``"own_exchange"`` (``"compressor"``,
-  its earlier name, still works for one release, with a
-  ``DeprecationWarning``)."""
+  the compressor's. Registered as ``"own_exchange"``."""
 
   name: ClassVar[str] = "own_exchange"
   reduce_scatter: ClassVar[bool] = False

@@ -23,6 +23,10 @@ already reduce-scattered, dense and in float32: nothing would be left to
 compress. Differentiating with respect to the gathered parameters, marked
 varying, keeps each device's own gradient (tests/test_fsdp.py checks both).
 
+The layout is :class:`jaxcomp.FSDP`, placed by :func:`jaxcomp.init` and
+stepped by :func:`jaxcomp.make_train_step`; the functions here are its
+building blocks.
+
 Example:
   >>> import jax, jax.numpy as jnp, optax, jaxcomp
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -31,19 +35,19 @@ Example:
   ...     jaxcomp.compressed_mean("int8_block", "data", output="shard",
   ...                             rounding="stochastic"),  # qgZ's choice
   ...     optax.sgd(0.1))
-  >>> shards, shapes, state, specs = jaxcomp.fsdp.init(
-  ...     tx, {"w": jnp.ones((100, 3))}, mesh)
-  >>> shards["w"].shape  # 300 elements: 38 per device (8), zero-padded
+  >>> state = jaxcomp.init(tx, {"w": jnp.ones((100, 3))}, mesh,
+  ...                      layout=jaxcomp.FSDP())
+  >>> state.params["w"].shape  # 300 elements: 38 per device (8), zero-padded
   (304,)
   >>> def loss_fn(params, x):
   ...   return jnp.mean((x @ params["w"]) ** 2)
-  >>> step = jaxcomp.fsdp.make_train_step(loss_fn, tx, shapes, mesh=mesh,
-  ...                                     state_specs=specs)
+  >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
+  ...                                layout=jaxcomp.FSDP())
   >>> x = jax.device_put(jnp.ones((16, 100)), NamedSharding(mesh, P("data")))
-  >>> shards, state, loss = step(shards, state, x)
+  >>> state, loss = step(state, x)
   >>> float(loss)
   10000.0
-  >>> jaxcomp.fsdp.unshard_params(shards, shapes)["w"].shape
+  >>> state.model_params()["w"].shape
   (100, 3)
 
 References:
@@ -60,8 +64,6 @@ from jaxcomp.fsdp._shards import shard_params
 from jaxcomp.fsdp._shards import state_bytes
 from jaxcomp.fsdp._shards import unshard_params
 from jaxcomp.fsdp._shards import value_and_grad
-from jaxcomp.fsdp._steps import init
-from jaxcomp.fsdp._steps import make_train_step
 
-__all__ = ["FSDP", "gather_params", "init", "make_train_step", "shard_params",
-           "state_bytes", "unshard_params", "value_and_grad"]
+__all__ = ["FSDP", "gather_params", "shard_params", "state_bytes",
+           "unshard_params", "value_and_grad"]

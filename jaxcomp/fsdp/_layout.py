@@ -23,9 +23,11 @@ class FSDP(steps.Layout):
   reduce-scattered by a ``compressed_mean(..., output="shard")`` in ``tx``.
 
   Args:
-    shapes: the whole parameters' shapes (``jax.ShapeDtypeStruct`` s, from
-      :func:`jaxcomp.fsdp.shard_params`); None until :meth:`place` shards
-      them.
+    shapes: the whole parameters' shapes (``jax.ShapeDtypeStruct`` s):
+      left None, :func:`jaxcomp.init` fills them in as it shards the
+      parameters (the :class:`jaxcomp.TrainState`'s ``layout`` has them);
+      given for :func:`jaxcomp.compressed_value_and_grad` on shards made
+      by :func:`jaxcomp.fsdp.shard_params`.
     shard_axis: the axis the shards are over (default: the data axes; HSDP:
       the fast axis inside a host).
     param_compressor: compress the parameters' all-gather (a deterministic
@@ -48,7 +50,8 @@ class FSDP(steps.Layout):
   def value_and_grad(self, loss_fn, axis_name, *, has_aux=False):
     if self.shapes is None:
       raise ValueError("FSDP layout without shapes: place the parameters "
-                       "with jaxcomp.fsdp.init (or FSDP().place) first")
+                       "with jaxcomp.init(tx, params, mesh, layout=FSDP()) "
+                       "first, and step the state it returns")
     return _shards.value_and_grad(loss_fn, self.shapes, axis_name,
                                 shard_axis=self._axis(axis_name),
                                 param_compressor=self.param_compressor,
@@ -60,12 +63,25 @@ class FSDP(steps.Layout):
     _shards.check_transform(tx, shards, mesh, shard_axis)
     state, specs = init_sharded(tx, shards, mesh, axis_name,
                                 params_spec=P(shard_axis), grads=shapes)
-    return shards, state, specs
+    return shards, state, specs, dataclasses.replace(self, shapes=shapes)
+
+  def check_transform(self, tx, shards, mesh, axis_name):
+    """Raises ValueError unless ``tx`` reduce-scatters over the shards'
+    axis (a ``compressed_mean(..., output="shard")``), naming the fix."""
+    _shards.check_transform(tx, shards, mesh, self._axis(axis_name))
+
+  def unresolved(self):
+    return dataclasses.replace(self, shapes=None)
+
+  def model_params(self, params, opt_state):
+    del opt_state
+    return _shards.unshard_params(params, self.shapes)
 
   def place_copies(self, tx, params, mesh, axis_name, over):
-    """``(copies, opt_state, specs)`` for islands over ``over`` with FSDP
-    inside (:class:`jaxcomp.lowcomm.PerDevice` with ``inside=``): each
-    island's copy of ``params`` as flat shards over ``shard_axis``.
+    """``(copies, opt_state, specs, layout)`` for islands over ``over``
+    with FSDP inside (:class:`jaxcomp.Islands` with ``inside=``): each
+    island's copy of ``params`` as flat shards over ``shard_axis``, and
+    this layout with its shapes.
 
     Raises:
       ValueError: ``shard_axis`` unset, overlapping ``over`` or not among
@@ -85,7 +101,8 @@ class FSDP(steps.Layout):
     state, specs = init_sharded(tx, shards, mesh, axis_name,
                                 params_spec=P(shard_axis), grads=shapes,
                                 params_vary_over=over)
-    return _shards.shard_copies(params, mesh, over, shard_axis), state, specs
+    return (_shards.shard_copies(params, mesh, over, shard_axis), state,
+            specs, dataclasses.replace(self, shapes=shapes))
 
   def gather(self, shards, axis_name):
     """Inside ``shard_map``: the whole parameters from this device's

@@ -23,7 +23,7 @@ from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
 from jaxcomp.collectives.base import chunk_size
-from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm import holds_diloco
 
 
 def shard_params(params, mesh, axis_name: AxisName = "data"):
@@ -191,10 +191,10 @@ def check_shard_outputs(opt_state, shard_axis, copies_over=None) -> None:
     raise ValueError(
         "tx holds jaxcomp.diloco, which FSDP cannot shard over the devices "
         "that DiLoCo averages: DiLoCo keeps one whole copy of the parameters "
-        "per worker between syncs. Train it replicated (jaxcomp.lowcomm.init"
-        ", or jaxcomp.flax.Optimizer without fsdp=True), or as islands with "
-        "FSDP inside each: jaxcomp.fsdp.init(..., shard_axis=<the island's "
-        "axis>, copies_over=<the islands' axis>)")
+        "per worker between syncs. Train it with layout=jaxcomp.Islands(), "
+        "or as islands with FSDP inside each: layout=jaxcomp.Islands("
+        "over=<the islands' axis>, inside=jaxcomp.FSDP(shard_axis=<the "
+        "island's axis>))")
   configs = transform.transform_configs(opt_state)
   shard = {path: c for path, c in configs.items() if c.get("output") == "shard"}
   if not shard:

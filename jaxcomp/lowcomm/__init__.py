@@ -3,8 +3,9 @@ compressed pseudo-gradients) and DeMo.
 
 * :func:`diloco` : ``H`` local steps per
   device, then an outer step on the compressed mean of the pseudo-gradients;
-  :func:`init`, :func:`make_train_step` and :func:`local_step` place and step
-  it (each device keeps its own parameters between syncs).
+  :func:`jaxcomp.init` and :func:`jaxcomp.make_train_step` with the
+  :class:`Islands` layout place and step it (each device, or island, keeps
+  its own parameters between syncs).
 * :func:`demo` : decoupled momentum, its fast
   DCT components all-gathered every step.
 """
@@ -21,8 +22,4 @@ from jaxcomp.lowcomm._diloco import per_device_copies
 from jaxcomp.lowcomm._diloco import snap_to_anchor
 from jaxcomp.lowcomm._diloco import synced_params
 from jaxcomp.lowcomm._diloco import traffic
-from jaxcomp.lowcomm._layout import PerDevice
-from jaxcomp.lowcomm._steps import LocalStep
-from jaxcomp.lowcomm._steps import init
-from jaxcomp.lowcomm._steps import local_step
-from jaxcomp.lowcomm._steps import make_train_step
+from jaxcomp.lowcomm._layout import Islands

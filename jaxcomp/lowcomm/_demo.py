@@ -101,20 +101,17 @@ def demo(learning_rate, *, compression_decay: float = 0.999,
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.demo(1e-3, compression_topk=4, compression_chunk=8)
-    >>> params = {"w": jnp.zeros((16, 16))}
-    >>> opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((16, 16))}, mesh)
     >>> def loss_fn(params, x):
     ...   return jnp.mean((x @ params["w"] - 1.0) ** 2)
-    >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-    ...                                state_specs=specs)
+    >>> step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh)
     >>> x = jax.device_put(jnp.ones((jax.device_count(), 16)),
     ...                    NamedSharding(mesh, P("data")))
-    >>> params = jax.device_put(params, NamedSharding(mesh, P()))
-    >>> params, opt_state, loss = step(params, opt_state, x)
-    >>> stats = jaxcomp.get_stats(opt_state)
+    >>> state, loss = step(state, x)
+    >>> stats = jaxcomp.get_stats(state.opt_state)
     >>> float(stats.bytes_sent), float(stats.dense_bytes)  # 4 x 4 x 8 bytes
     (128.0, 1024.0)
-    >>> jnp.unique(params["w"])  # a sign step: every entry moves by lr
+    >>> jnp.unique(state.params["w"])  # a sign step: every entry moves by lr
     Array([0.001], dtype=float32)
 
   References:

@@ -12,8 +12,8 @@ send int8 pseudo-gradients; SparseLoCo top-k with error feedback).
 
 Between syncs the parameters differ per device, so a DiLoCo run carries them
 per device (a leading device axis, like per-device state): use
-:func:`init` and :func:`make_train_step`, or place them yourself with
-``P(axis_name)``. After a sync every device holds the same parameters,
+:func:`jaxcomp.init` and :func:`jaxcomp.make_train_step` with
+``layout=jaxcomp.Islands()``, or place them yourself with ``P(axis_name)``. After a sync every device holds the same parameters,
 :func:`synced_params` (the outer optimizer's parameters) at any time.
 
 References:
@@ -79,7 +79,7 @@ def diloco(inner: optax.GradientTransformation,
      axis_name, **compressed_mean_kwargs)``, ``outer`` updates ``anchor``
      with it, and the returned update takes every device's parameters to
      the new ``anchor`` (``params + (anchor - params)``: equal to it up to
-     one float rounding; :func:`make_train_step` sets them to it exactly).
+     one float rounding; :func:`jaxcomp.make_train_step` sets them to it exactly).
 
   With ``sync_every=1``, ``outer=optax.sgd(1.0)`` and an uncompressed mean,
   this is data-parallel training with ``inner`` applied to the mean of the
@@ -144,11 +144,11 @@ def diloco(inner: optax.GradientTransformation,
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=50,
     ...                     compressor="int8_block", bits=4)
-    >>> params, state, specs = jaxcomp.lowcomm.init(tx, {"w": jnp.ones(8)},
-    ...                                            mesh)
-    >>> params["w"].shape  # one copy per device
+    >>> state = jaxcomp.init(tx, {"w": jnp.ones(8)}, mesh,
+    ...                      layout=jaxcomp.Islands())
+    >>> state.params["w"].shape  # one copy per device
     (8, 8)
-    >>> specs.anchor, specs.inner_state[0].trace  # shared; per device
+    >>> state.specs.anchor, state.specs.inner_state[0].trace  # shared; per device
     ({'w': P()}, {'w': P('data',)})
   """
   _check_schedule(sync_every, fragments, overlap_steps, merge)
@@ -327,9 +327,9 @@ def _check_local_params(spec: _DiLoCo, params) -> None:
     raise ValueError(
         "diloco needs each device's own parameters, but these are "
         f"replicated over {axis_name!r} (identical on every device): place "
-        "them with jaxcomp.lowcomm.init and step with "
-        "jaxcomp.lowcomm.make_train_step (jaxcomp.lowcomm.local_step inside "
-        "your own jax.jit step; jaxcomp.flax.Optimizer for NNX)")
+        "them with jaxcomp.init(..., layout=jaxcomp.Islands()) and step "
+        "with jaxcomp.make_train_step(..., layout=jaxcomp.Islands()) "
+        "(jaxcomp.flax.Optimizer for NNX)")
 
 
 def _update(spec: _DiLoCo, updates, state, params=None):

@@ -1,5 +1,5 @@
-"""DiLoCo's layout of the one step family (:mod:`jaxcomp.steps`): one copy
-of the parameters per device (or per island), a leading device axis."""
+"""DiLoCo's layout of the one step body (:mod:`jaxcomp.steps`): one copy
+of the parameters per device (or per island), a leading axis."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from jaxcomp import steps
 from jaxcomp._mesh import AxisName
 from jaxcomp.lowcomm._diloco import per_device_copies
 from jaxcomp.lowcomm._diloco import snap_to_anchor
+from jaxcomp.lowcomm._diloco import synced_params
 from jaxcomp.placement import init_sharded
 
 
 @dataclasses.dataclass(frozen=True)
-class PerDevice(steps.Layout):
-  """One copy of the parameters per device, a leading device axis sharded
-  over the data axes: DiLoCo's inner steps, each device on its own copy
-  between syncs (:func:`jaxcomp.diloco`). After each step, the leaves that
-  synchronized are set to the new anchor exactly.
+class Islands(steps.Layout):
+  """DiLoCo's layout: one copy of the parameters per device (or per island
+  of devices), a leading axis sharded over the copies' axes; each copy
+  takes its own inner steps between syncs (:func:`jaxcomp.diloco` in
+  ``tx``). After each step, the leaves that synchronized are set to the
+  new anchor exactly.
 
   Args:
     over: the axes holding separate copies; default (``None``) every data
@@ -83,7 +85,20 @@ class PerDevice(steps.Layout):
       raise ValueError(f"the copies' axes over={over!r} must be among the "
                        f"step's axis_name={axis_name!r}")
     if self.inside is not None:
-      return self.inside.place_copies(tx, params, mesh, axis_name, over)
+      copies, state, specs, inside = self.inside.place_copies(
+          tx, params, mesh, axis_name, over)
+      return copies, state, specs, dataclasses.replace(self, inside=inside)
     state, specs = init_sharded(tx, params, mesh, axis_name,
                                 params_vary_over=over)
-    return per_device_copies(params, mesh, over), state, specs
+    return per_device_copies(params, mesh, over), state, specs, self
+
+  def unresolved(self):
+    if self.inside is None:
+      return self
+    return dataclasses.replace(self, inside=self.inside.unresolved())
+
+  def model_params(self, params, opt_state):
+    anchor = synced_params(opt_state)
+    if self.inside is None:
+      return anchor
+    return self.inside.model_params(anchor, None)

@@ -21,8 +21,7 @@ from jaxcomp import _mesh
 from jaxcomp import placement
 from jaxcomp import transform as transform_lib
 from jaxcomp._mesh import AxisName
-from jaxcomp.fsdp._layout import FSDP
-from jaxcomp.fsdp._shards import check_transform
+from jaxcomp.fsdp import FSDP
 from jaxcomp.placement import check_mesh_axes
 from jaxcomp.placement import init_sharded
 from jaxcomp.steps import DataParallel
@@ -195,7 +194,8 @@ _DATA_AXIS_IN_LOSS = ("Axes mentioned in manual_axis_type", "manual")
 
 class CompressedValueAndGrad:
   """``jax.value_and_grad`` for ``jax.jit`` steps on sharded batches, with
-  the gradient averaged by a compressed exchange.
+  the gradient averaged by a compressed exchange: what
+  :func:`jaxcomp.compressed_value_and_grad` returns (build it with that).
 
   A ``jax.jit`` train step that lets XLA partition the batch (no
   hand-written per-device step) adopts compression by changing its
@@ -295,7 +295,7 @@ class CompressedValueAndGrad:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> def loss_fn(params, batch):
     ...   return jnp.mean((batch @ params["w"]) ** 2)
-    >>> grad_fn = jaxcomp.CompressedValueAndGrad(
+    >>> grad_fn = jaxcomp.compressed_value_and_grad(
     ...     loss_fn, jaxcomp.compressed_mean("bf16", "data"), mesh)
     >>> params = {"w": jnp.ones((4,))}
     >>> comp_state = grad_fn.init(params)
@@ -337,7 +337,7 @@ class CompressedValueAndGrad:
 
   def init(self, params):
     """The transform's state for ``params``, placed on the mesh (per-device
-    leaves with a leading device axis, see :func:`jaxcomp.init_sharded`).
+    leaves with a leading device axis, as :func:`jaxcomp.init` places them).
     FSDP (``shapes`` given): ``params`` are the flat shards of
     :func:`jaxcomp.fsdp.shard_params`. GSPMD: ``params`` carry their
     ``NamedSharding`` s, which the step keeps.
@@ -365,7 +365,8 @@ class CompressedValueAndGrad:
         grads = jax.tree.map(self._local_grad, params, specs,
                              is_leaf=lambda x: isinstance(x, P))
     if self.shapes is not None:
-      check_transform(self.transform, params, self.mesh, self.shard_axis)
+      self.layout.check_transform(self.transform, params, self.mesh,
+                                  self.axis_name)
     state, self.specs = init_sharded(self.tx, params, self.mesh,
                                      self.axis_name,
                                      params_spec=self.params_spec, grads=grads)
@@ -467,9 +468,11 @@ def compressed_value_and_grad(loss_fn: Callable, transform, mesh, *,
                               has_aux: bool = False, shapes=None,
                               shard_axis: AxisName | None = None
                               ) -> CompressedValueAndGrad:
-  """:class:`CompressedValueAndGrad`: the averaged gradient of ``loss_fn`` through
+  """The averaged gradient of ``loss_fn`` through
   ``transform``'s compressed exchange, for ``jax.jit`` steps (parameters
-  replicated, GSPMD-sharded over model axes, or FSDP flat shards).
+  replicated, GSPMD-sharded over model axes, or FSDP flat shards): the one
+  way in for a ``jax.jit`` step. Returns a :class:`CompressedValueAndGrad`,
+  whose docstring holds the arguments, the routes and the errors raised.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
