@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     for b in BUCKETINGS:
       tx = optax.chain(jaxcomp.compressed_mean(name, "data", bucketing=b, **kw),
                        optax.adam(1e-3))
-      state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
       step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs,
                                      donate=False)
       placed = jax.device_put(params, NamedSharding(mesh, P()))

@@ -3,11 +3,11 @@ compiled module (no timing): what the structural model says each costs.
 
 For a flat float32 buffer of ``--n`` elements, compiles ``encode(x, key)``
 and ``decode(payload, n, key)`` on the default backend and counts, with
-:func:`jaxcomp.inspect.traffic.memory_passes`, the bytes of buffers of at least ``n / 4``
+:func:`jaxcomp.hlo.traffic.memory_passes`, the bytes of buffers of at least ``n / 4``
 elements read and written, in passes of ``4 n`` bytes. Conditional branches
 (fallbacks most steps skip) are shown apart. Also prints whether any
 ``jax.random`` draw is gradient-sized, and the operations per grid block
-inside each Pallas kernel (:func:`jaxcomp.inspect.kernel_structure.kernel_ops`, a
+inside each Pallas kernel (:func:`jaxcomp.hlo.kernel_structure.kernel_ops`, a
 proxy for its compute)::
 
   python benchmarks/codec_passes.py
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
 
-  from jaxcomp.inspect import traffic as hlo
+  from jaxcomp.hlo import traffic as hlo
   from jaxcomp.cli import parse_compressor_spec
   from jaxcomp.compressors.base import get
 
@@ -87,7 +87,7 @@ def _kernel_ops(n: int) -> None:
   import jax
   import jax.numpy as jnp
   from jaxcomp.kernels import QuantizeConfig, int8_block, qsgd, sign, topk
-  from jaxcomp.inspect import kernel_structure as structure
+  from jaxcomp.hlo import kernel_structure as structure
   x = jax.ShapeDtypeStruct((n,), jnp.float32)
   seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
   cfg = QuantizeConfig()

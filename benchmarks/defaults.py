@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", seed=args.seed,
                                              **kwargs), optax.adam(3e-3))
     params = init(jax.random.key(args.seed))
-    state, state_specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    state, state_specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
     step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
                                    state_specs=state_specs)
     params = jax.device_put(params, NamedSharding(mesh, P()))

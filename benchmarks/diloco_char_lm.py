@@ -231,7 +231,7 @@ def _bytes_without_training(train, cfg: dict) -> tuple[float, float]:
   if config.diloco_every:
     state = jaxcomp.lowcomm.init(tx, params, mesh)[1]
   else:
-    state = jaxcomp.init_sharded(tx, params, mesh, "data")[0]
+    state = jaxcomp.placement.init_sharded(tx, params, mesh, "data")[0]
   stats = common.exchange_stats(state)
   steps = config.epochs * config.steps_per_epoch / max(config.diloco_every, 1)
   return float(stats.bytes_sent) * steps, float(stats.wire_bytes) * steps

@@ -122,7 +122,7 @@ def worker(args) -> None:
       tx = optax.chain(jaxcomp.compressed_mean("identity", axes), inner)
 
       def fresh():
-        state, specs = jaxcomp.init_sharded(tx, params, mesh, axes)
+        state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, axes)
         return distributed.global_array(params, mesh, P()), state, specs
 
       make = lambda specs: jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,

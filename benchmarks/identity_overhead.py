@@ -109,7 +109,7 @@ def _worker(args) -> dict:
 
   plain = [jax.device_put(params0, rep), None]
   plain[1] = jax.device_put(adam.init(plain[0]), rep)
-  comp_state, specs = jaxcomp.init_sharded(chain, params0, mesh, "data")
+  comp_state, specs = jaxcomp.placement.init_sharded(chain, params0, mesh, "data")
   comp_step = jaxcomp.make_train_step(loss_fn, chain, mesh=mesh,
                                       state_specs=specs)
   comp = [jax.device_put(params0, rep), comp_state]

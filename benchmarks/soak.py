@@ -209,7 +209,7 @@ def build(name: str, mesh):
     tx = optax.chain(mean, inner)
 
     def init(params):
-      state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
       return jax.device_put(params, NamedSharding(mesh, P())), state, specs
 
     def make_step(specs):

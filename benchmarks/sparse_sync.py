@@ -135,7 +135,7 @@ def main(argv=None) -> int:
   for name, ctx in methods.items():
     tx = optax.chain(ctx, optax.sgd(0.1))
     with jax.numpy_dtype_promotion("standard"):
-      state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
 
       f = jaxcomp.make_train_step(lambda prm, b: loss_fn(prm, *b), tx,
                                   mesh=mesh, state_specs=specs, donate=False)

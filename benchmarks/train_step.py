@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", **kw),
                      optax.adam(2e-3))
 
-    state, specs = jaxcomp.init_sharded(tx, params0, mesh, "data")
+    state, specs = jaxcomp.placement.init_sharded(tx, params0, mesh, "data")
     f = jaxcomp.make_train_step(lambda p, b: loss_fn(p, *b), tx, mesh=mesh,
                                 state_specs=specs)
     return f, state

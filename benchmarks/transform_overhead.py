@@ -6,7 +6,7 @@ drops the collectives, so what is left is the compute plus the transform:
 flattening into buckets, encode/decode, error feedback and the statistics.
 Prints the median step time of each compressor, its ratio to dense (the
 first spec, ``identity`` by default) and the step's memory passes read from
-the compiled module (:func:`jaxcomp.inspect.traffic.memory_passes`: bytes of
+the compiled module (:func:`jaxcomp.hlo.traffic.memory_passes`: bytes of
 gradient-sized buffers read plus written on every step, over ``4 n``; the
 ops inside conditional branches, fallbacks most steps skip, are shown
 apart). The specs are timed
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
   batch = jax.device_put((xs, ys), NamedSharding(mesh, P("data")))
   print(f"one {jax.devices()[0].platform} device, MLP {'-'.join(map(str, layers))}, "
         f"batch {BATCH}, bucketing={args.bucketing!r}, median of {args.steps} steps")
-  from jaxcomp.inspect import traffic as hlo
+  from jaxcomp.hlo import traffic as hlo
   n = sum(int(np.prod(np.shape(w))) for layer in params for w in layer)
   steps, carries, passes = {}, {}, {}
   for spec in args.specs:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", bucketing=args.bucketing,
                                              nonfinite="zero", error_feedback=ef, **kw),
                      optax.sgd(0.01))
-    state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+    state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx, mesh=mesh,
                                    state_specs=specs, donate=False,
                                    per_device_loss=True)

@@ -206,7 +206,7 @@ def worker(args) -> None:
     name, kw = parse_compressor_spec(spec)
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
                      optax.sgd(lr))
-    state, specs = jaxcomp.init_sharded(tx, prm, on_mesh, "data")
+    state, specs = jaxcomp.placement.init_sharded(tx, prm, on_mesh, "data")
 
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx,
                                    mesh=on_mesh, state_specs=specs,

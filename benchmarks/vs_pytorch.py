@@ -171,7 +171,7 @@ def _jax_systems(args, say):
   for name, ctx in transforms.items():
     tx = optax.chain(ctx, optax.sgd(LR))
     with jax.numpy_dtype_promotion("standard"):
-      state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
 
     # The per-process loss, not averaged (DDP does not average it either).
     step = jaxcomp.make_train_step(lambda prm, b: mlp_loss(prm, *b), tx,

@@ -106,7 +106,7 @@ jaxcomp_api_groups = [
               "state placed per device, the per-device gradient, the "
               "layouts of the parameters, and the ``jax.jit`` idiom.",
      "sections": ["Placement and the train step", "The jax.jit idiom"],
-     "modules": ["jaxcomp.steps", "jaxcomp.placement", "jaxcomp.jit"]},
+     "modules": ["jaxcomp.steps", "jaxcomp.placement", "jaxcomp.gspmd"]},
     {"title": "Low-communication training",
      "about": "DiLoCo (with Streaming DiLoCo's fragments and compressed "
               "pseudo-gradients) and DeMo.",
@@ -132,7 +132,7 @@ jaxcomp_api_groups = [
               "what a compiled step really sends.",
      "sections": ["Reading a compiled step"],
      "modules": ["jaxcomp.perfmodel", "jaxcomp.wire",
-                 "jaxcomp.inspect.traffic"]},
+                 "jaxcomp.hlo.traffic"]},
     {"title": "Kernels and autotuning",
      "about": "Pallas (Mosaic GPU) kernels of the compressors, their XLA "
               "references, and the autotuner that picks one per op and "

@@ -317,7 +317,7 @@ def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
   sync)."""
   import jaxcomp
   init = {
-      "replicated": lambda tx: jaxcomp.init_sharded(tx, params, mesh, "data")[0],
+      "replicated": lambda tx: jaxcomp.placement.init_sharded(tx, params, mesh, "data")[0],
       "diloco": lambda tx: jaxcomp.lowcomm.init(tx, params, mesh)[1],
       "fsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2],
       "hsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh, ("hosts", "devices"),

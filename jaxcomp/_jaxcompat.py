@@ -29,13 +29,13 @@ def varying_axes(x) -> frozenset[str]:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> x = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("data")))
     >>> def f(x):  # this device's block, then the sum over the devices
-    ...   print(jaxcomp.varying_axes(x),
-    ...         jaxcomp.varying_axes(jax.lax.psum(x, "data")))
+    ...   print(jaxcomp.placement.varying_axes(x),
+    ...         jaxcomp.placement.varying_axes(jax.lax.psum(x, "data")))
     ...   return x
     >>> _ = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
     ...                           out_specs=P("data")))(x)
     frozenset({'data'}) frozenset()
-    >>> jaxcomp.varying_axes(jnp.zeros(3))  # outside shard_map
+    >>> jaxcomp.placement.varying_axes(jnp.zeros(3))  # outside shard_map
     frozenset()
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)

@@ -6,7 +6,7 @@ type that says over which manual mesh axes it *varies* (may differ per
 device); the rest of it is *invariant* (identical on every device). jaxcomp
 keeps per-device state (error-feedback residuals) varying and shared state
 (counts, keys, PowerSGD's Q) invariant, and reads those types back to place
-the state (:func:`jaxcomp.init_sharded`).
+the state (:func:`jaxcomp.placement.init_sharded`).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def check_bound(axis_name: AxisName, where: str,
         advice = (
             f"Nothing is bound here: call it inside jax.shard_map(..., "
             f"mesh=mesh) over a mesh with axis {ax!r}, or inside "
-            f"jax.pmap(..., axis_name={ax!r}); jaxcomp.init_sharded and "
-            "jaxcomp.shard_train_step do that for you (with Flax, "
+            f"jax.pmap(..., axis_name={ax!r}); jaxcomp.init and "
+            "jaxcomp.make_train_step do that for you (with Flax, "
             "jaxcomp.flax.Optimizer in place of nnx.Optimizer and "
             "jaxcomp.flax.create_train_state in place of "
             "TrainState.create).")
@@ -125,8 +125,8 @@ def to_varying(tree, axis_name: AxisName):
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> def f(x):  # x replicated: the same on every device
-    ...   print(jaxcomp.varying_axes(x),
-    ...         jaxcomp.varying_axes(jaxcomp.to_varying(x, "data")))
+    ...   print(jaxcomp.placement.varying_axes(x), jaxcomp.placement.varying_axes(
+    ...       jaxcomp.placement.to_varying(x, "data")))
     ...   return x
     >>> _ = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(),
     ...                           out_specs=P()))(jnp.zeros(()))

@@ -48,7 +48,7 @@ class SparseParts:
   scatter-add of its ``k`` entries into them (in place where XLA can reuse
   the parts' buffers), instead of writing ``n`` decoded zeros, copying them
   for each scatter and reading them back in a subtraction (5 passes over
-  the bucket on XLA:CPU, ``jaxcomp.inspect.traffic.memory_passes``). The results are
+  the bucket on XLA:CPU, ``jaxcomp.hlo.traffic.memory_passes``). The results are
   bit for bit those of the dense decode: ``x - (0 + v)`` and ``x + (-v)``
   round alike. Iterating gives the dense parts, for code that needs them.
   """

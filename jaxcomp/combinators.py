@@ -151,7 +151,7 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.multi_steps(optax.chain(
     ...     jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1)), 4)
-    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh,
+    >>> state, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(8)}, mesh,
     ...                                     "data")
     >>> specs.acc_grads  # the accumulator is per device
     {'w': P('data',)}

@@ -453,7 +453,7 @@ class ValueAndGrad:
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Raises:
-    ValueError: as :class:`jaxcomp.CompressedValueAndGrad` (bad axes,
+    ValueError: as :class:`jaxcomp.gspmd.CompressedValueAndGrad` (bad axes,
       parameters sharded over data axes in two dimensions, a transform
       that cannot reduce-scatter such a leaf); when traced, a ``loss_fn``
       that changes variables other than ``wrt``, naming them.
@@ -520,7 +520,7 @@ class ValueAndGrad:
   def init(self, model):
     """The transform's state for the model's ``wrt`` variables (read with
     their ``NamedSharding`` s, which the step keeps); see
-    :meth:`jaxcomp.CompressedValueAndGrad.init`."""
+    :meth:`jaxcomp.gspmd.CompressedValueAndGrad.init`."""
     _, params, _ = nnx.split(model, self.wrt, ...)
     return self._functional.init(params)
 

@@ -193,7 +193,7 @@ class PlacementError(ValueError):
   state's types. The message names JAX's own error (chained as
   ``__cause__``) and the fix; the train step would fail the same way.
 
-  Raised by :func:`jaxcomp.init_sharded`, :func:`state_partition_specs` and
+  Raised by :func:`jaxcomp.placement.init_sharded`, :func:`state_partition_specs` and
   everything that places a state (:func:`jaxcomp.fsdp.init`,
   :class:`jaxcomp.flax.Optimizer`, ...).
 
@@ -212,13 +212,13 @@ class PlacementError(ValueError):
     ...   return grads, total
     >>> tx = optax.chain(optax.GradientTransformation(init, update),
     ...                  jaxcomp.compressed_mean("topk", "data"))
-    >>> jaxcomp.init_sharded(tx, {"w": jnp.zeros((4,))}, mesh, "data")
+    >>> jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros((4,))}, mesh, "data")
     Traceback (most recent call last):
     ...
     jaxcomp.placement.PlacementError: jaxcomp could not place the optimizer state: ...
 
     The fix the message names: ``init`` returns
-    ``jaxcomp.to_varying(jnp.zeros(()), "data")``, a sum per device.
+    ``jaxcomp.placement.to_varying(jnp.zeros(()), "data")``, a sum per device.
   """
 
 
@@ -262,7 +262,7 @@ def _update_axes(update, args, in_axes, mesh) -> list[frozenset[str]]:
         "check_vma=True): where the error is a lax.cond whose branches differ "
         "in varying manual axes, a state leaf is per device in one branch and "
         "not in the other; have tx.init make it per device "
-        "(jaxcomp.to_varying(zeros, axis_name)), or use jaxcomp.multi_steps "
+        "(jaxcomp.placement.to_varying(zeros, axis_name)), or use jaxcomp.multi_steps "
         "and jaxcomp.apply_if_finite, which do so, in place of optax's") from e
   return found[0]
 
@@ -401,7 +401,7 @@ def state_partition_specs(tx, params, mesh, axis_name: AxisName):
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
     ...                  optax.adam(1e-3))
-    >>> specs = jaxcomp.state_partition_specs(tx, {"w": jnp.zeros((64,))},
+    >>> specs = jaxcomp.placement.state_partition_specs(tx, {"w": jnp.zeros((64,))},
     ...                                       mesh, "data")
     >>> specs[0].feedback  # the residual of top-k: one per device
     ((P('data',),),)
@@ -417,7 +417,7 @@ def to_local(tree, specs):
   """Drops the leading device axis of the varying leaves (inside shard_map).
 
   A per-device state leaf is held outside ``shard_map`` with a leading
-  device axis, sharded ``P(axes)`` (:func:`jaxcomp.init_sharded`); inside,
+  device axis, sharded ``P(axes)`` (:func:`jaxcomp.placement.init_sharded`); inside,
   each device sees a block of one and works on the leaf without it.
 
   Args:
@@ -430,7 +430,7 @@ def to_local(tree, specs):
     >>> specs = {"residual": P("data"), "count": P()}
     >>> one_device = {"residual": jnp.zeros((1, 64)),
     ...               "count": jnp.zeros((), jnp.int32)}
-    >>> jax.tree.map(jnp.shape, jaxcomp.to_local(one_device, specs))
+    >>> jax.tree.map(jnp.shape, jaxcomp.placement.to_local(one_device, specs))
     {'count': (), 'residual': (64,)}
   """
   return jax.tree.map(lambda s, x: x if s == P() else x[0], specs, tree,
@@ -447,7 +447,7 @@ def to_global(tree, specs):
     >>> specs = {"residual": P("data"), "count": P()}
     >>> local = {"residual": jnp.zeros((64,)),
     ...          "count": jnp.zeros((), jnp.int32)}
-    >>> jax.tree.map(jnp.shape, jaxcomp.to_global(local, specs))
+    >>> jax.tree.map(jnp.shape, jaxcomp.placement.to_global(local, specs))
     {'count': (), 'residual': (1, 64)}
   """
   return jax.tree.map(lambda s, x: x if s == P() else x[None], specs, tree,
@@ -497,7 +497,7 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
     ...                  optax.adam(1e-3))
-    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((64,))},
+    >>> state, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros((64,))},
     ...                                     mesh, "data")
     >>> specs[0].feedback  # the residual: one per device
     ((P('data',),),)

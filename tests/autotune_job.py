@@ -31,7 +31,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
 import jaxcomp  # pylint: disable=g-import-not-at-top
 from jaxcomp import kernels  # pylint: disable=g-import-not-at-top
-from jaxcomp.inspect import kernel_structure as structure  # pylint: disable=g-import-not-at-top
+from jaxcomp.hlo import kernel_structure as structure  # pylint: disable=g-import-not-at-top
 
 OUT = sys.argv[1]
 ME = jax.process_index()

@@ -41,20 +41,20 @@ def sharded_update(tx, params, mesh, axis="data", *, ref=False,
   and returns the updates (placed by ``updates_spec``: replicated unless
   told, e.g. ``P(axis)`` for ``output="shard"``) and the state's global
   view; ``state`` is ``tx``'s initial state for ``params``
-  (``jaxcomp.init_sharded``), or ``init``, a ``(state, specs)`` made
+  (``jaxcomp.placement.init_sharded``), or ``init``, a ``(state, specs)`` made
   elsewhere (e.g. by ``jaxcomp.fsdp.init``; ``params`` is then unused).
 
   ``ref=True``: ``f`` also returns the pmean of the gradients (replicated),
   ``(updates, mean, state)``. ``params_spec``: ``f(grads, state, params)``
   hands ``params`` (placed by ``params_spec``) to ``tx.update``.
   """
-  state, specs = init or jaxcomp.init_sharded(tx, params, mesh, axis)
+  state, specs = init or jaxcomp.placement.init_sharded(tx, params, mesh, axis)
 
   def body(g, s, *p):
     g = jax.tree.map(lambda x: x[0], g)
-    u, s = tx.update(g, jaxcomp.to_local(s, specs), *p)
+    u, s = tx.update(g, jaxcomp.placement.to_local(s, specs), *p)
     mean = (jax.tree.map(lambda x: lax.pmean(x, axis), g),) if ref else ()
-    return (u, *mean, jaxcomp.to_global(s, specs))
+    return (u, *mean, jaxcomp.placement.to_global(s, specs))
 
   in_specs = (P(axis), specs) + (() if params_spec is None else (params_spec,))
   out_specs = (updates_spec,) + ((P(),) if ref else ()) + (specs,)

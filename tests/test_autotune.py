@@ -29,7 +29,7 @@ from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd as qsgd_kernel
 from jaxcomp.kernels import sign
 from jaxcomp.kernels import topk
-from jaxcomp.inspect import kernel_structure as structure
+from jaxcomp.hlo import kernel_structure as structure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = jax.ShapeDtypeStruct

@@ -229,7 +229,7 @@ def test_auto_leaves_plain_psums_to_xla():
   for name in ("identity", "bf16"):
     tx = jaxcomp.compressed_mean(name, "data")
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    st, _ = jaxcomp.init_sharded(tx, {"a": jnp.zeros(3), "b": jnp.zeros(4)},
+    st, _ = jaxcomp.placement.init_sharded(tx, {"a": jnp.zeros(3), "b": jnp.zeros(4)},
                                  mesh, "data")
     assert jaxcomp.transform_configs(st)[""]["bucketing"] == "layerwise", name
     assert len(st.exchange_state) == 2, name

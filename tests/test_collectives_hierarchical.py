@@ -161,7 +161,7 @@ class TestBadAxes:
   def test_axis_not_in_mesh(self, mesh8):
     tx = jaxcomp.compressed_mean("topk", AX, collective="hierarchical")
     with pytest.raises(ValueError, match="not in the mesh"):
-      jaxcomp.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, AX)
+      jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, AX)
 
   def test_unbound_axis_at_trace_time(self, mesh8):
     coll = Hierarchical(fast_axis="devices", slow_axis="data")

@@ -33,7 +33,7 @@ def _batches(mesh, steps, n=32):
 
 
 def _train(tx, mesh, batches):
-  state, specs = jaxcomp.init_sharded(tx, _params(), mesh, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, _params(), mesh, "data")
   step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, state_specs=specs,
                                  donate=False)
   params = jax.device_put(_params(), NamedSharding(mesh, P()))
@@ -167,7 +167,7 @@ def test_mask_keeps_left_out_leaves_exact_and_passes_integers(mesh8):
   tx = jaxcomp.compressed_mean("topk", "data")
   params = {"w": jnp.zeros((64,)), "step": jnp.zeros((), jnp.int32)}
   with pytest.raises(TypeError, match=r"mask=") as e:
-    jaxcomp.init_sharded(tx, params, mesh8, "data")
+    jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
   assert "optax.masked" not in str(e.value)
   tx = jaxcomp.compressed_mean("topk", "data", mask={"w": True, "step": False})
   f, state, _ = sharded_update(tx, params, mesh8)

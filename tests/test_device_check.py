@@ -13,7 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.inspect import kernel_structure as structure
+from jaxcomp.hlo import kernel_structure as structure
 from jaxcomp.bench import device_check
 from jaxcomp.bench import kernels as bench_kernels
 

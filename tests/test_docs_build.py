@@ -167,7 +167,7 @@ NOT_IN_REFERENCE = {
     "cli": "the `jaxcomp` command; `jaxcomp whatif --help` documents it",
     "bench.*": "`python -m jaxcomp.bench`, the kernel benchmark and the "
                "device check, and their modules",
-    "inspect": "a package; jaxcomp.inspect.traffic is listed",
+    "inspect": "a package; jaxcomp.hlo.traffic is listed",
     "elastic": "needs the optional elastic extra (torch, torchft) to import; "
                "docs/lowcomm.md's \"Elastic islands\" documents it",
     "inspect.kernel_structure": "the kernel tests' reader of exported "

@@ -119,7 +119,7 @@ def test_fsdp_identity_trains_as_replicated_data_parallelism(mesh8):
   shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
   step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-2))
-  ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh8, "data")
+  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
   ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
   ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
   for _ in range(10):
@@ -235,7 +235,7 @@ def test_shard_output_refuses_what_it_cannot_do(mesh8):
   # init of a shard transform on parameters that are not flat shards.
   tx = jaxcomp.compressed_mean("identity", "data", output="shard")
   with pytest.raises(ValueError, match=r"\['w'\] are not 1-D"):
-    jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+    jaxcomp.placement.init_sharded(tx, _params(), mesh8, "data")
 
 
 def _hsdp_run(mesh, tx, steps=5, shard_axis="devices", axes=("hosts", "devices")):
@@ -265,7 +265,7 @@ def test_hsdp_identity_trains_as_replicated(mesh2x4):
   losses, params, _, _, _ = _hsdp_run(mesh2x4, tx)
   axes = ("hosts", "devices")
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", axes), optax.adam(1e-2))
-  ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh2x4, axes)
+  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh2x4, axes)
   ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh2x4, state_specs=ref_specs,
                                      axis_name=axes)
   ref = jax.device_put(_params(), NamedSharding(mesh2x4, P()))
@@ -325,7 +325,7 @@ def test_tensor_parallel_leaves_compress_their_local_shards():
 
   for name in ("identity", "int8_block"):
     tx = optax.chain(jaxcomp.compressed_mean(name, "data"), optax.sgd(0.1))
-    st, specs = jaxcomp.init_sharded(tx, params, mesh, "data", params_spec=specs_p)
+    st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data", params_spec=specs_p)
     step = jaxcomp.make_train_step(loss, tx, mesh=mesh, state_specs=specs,
                                    params_spec=specs_p, batch_spec=(P("data"), P("data", "model")),
                                    donate=False)
@@ -391,7 +391,7 @@ def test_three_axis_mesh_hosts_data_model():
   for slow in ("identity", "int8_block"):
     tx = optax.chain(jaxcomp.compressed_mean("identity", "data"),
                      jaxcomp.compressed_mean(slow, "hosts"), optax.sgd(0.1))
-    st, specs = jaxcomp.init_sharded(tx, params, mesh, dp, params_spec=specs_p)
+    st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, dp, params_spec=specs_p)
     step = jaxcomp.make_train_step(loss, tx, mesh=mesh, state_specs=specs, axis_name=dp,
                                    params_spec=specs_p, batch_spec=(P(dp), P(dp, "model")),
                                    donate=False)
@@ -509,7 +509,7 @@ def test_multi_steps_fsdp_trains_as_replicated_multi_steps(mesh8):
   tx, ref_tx = mk("shard"), mk("mean")
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
     shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
-    ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh8, "data")
+    ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
   step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
   ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
   ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
@@ -616,7 +616,7 @@ def test_compiled_step_holds_a_pth_of_parameters_and_state(mesh8):
     step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs)
     sharded = step.lower(shards, st, x).compile().memory_analysis()
     rtx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-3))
-    rst, rspecs = jaxcomp.init_sharded(rtx, params, mesh8, "data")
+    rst, rspecs = jaxcomp.placement.init_sharded(rtx, params, mesh8, "data")
     rstep = jaxcomp.make_train_step(loss, rtx, mesh=mesh8, state_specs=rspecs)
     rep = rstep.lower(jax.device_put(params, NamedSharding(mesh8, P())), rst, x
                       ).compile().memory_analysis()

@@ -209,7 +209,7 @@ def loss_fn(p, batch):
   x, y = batch
   return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1))
-st, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
 step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
 batch = jax.device_put((jnp.ones((8, 16)), jnp.ones((8, 8))),
                        NamedSharding(mesh, P("data")))

@@ -34,11 +34,11 @@ def test_pmap_warns_that_it_cannot_see_an_averaged_gradient():
 
 def test_shard_map_refuses_the_averaged_gradient_and_does_not_warn(mesh8):
   tx = jaxcomp.compressed_mean("topk", "data", ratio=0.5)
-  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
 
   def body(s):
     g = {"w": jax.lax.pmean(jnp.ones(8), "data")}  # typed invariant
-    return tx.update(g, jaxcomp.to_local(s, specs))[0]
+    return tx.update(g, jaxcomp.placement.to_local(s, specs))[0]
 
   with warnings.catch_warnings():
     warnings.simplefilter("error", PerDeviceUnchecked)
@@ -53,7 +53,7 @@ def test_a_non_array_leaf_is_refused_naming_it_and_the_fix(mesh8):
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
   with pytest.raises(TypeError, match=r"params\['act'\] is a custom_jvp, not "
                      r"an array.*eqx\.partition\(model, eqx\.is_array\)"):
-    jaxcomp.init_sharded(tx, model, mesh8, "data")
+    jaxcomp.placement.init_sharded(tx, model, mesh8, "data")
   grad_fn = jaxcomp.compressed_value_and_grad(
       lambda p, b: jnp.sum(p["w"]), jaxcomp.compressed_mean("topk", "data"),
       mesh8)
@@ -74,7 +74,7 @@ def test_the_partitioned_arrays_train():
 
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
                    optax.sgd(0.1))
-  state, specs = jaxcomp.init_sharded(tx, arrays, mesh, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, arrays, mesh, "data")
   step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
   x = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
                      jax.sharding.NamedSharding(mesh,

@@ -1,7 +1,7 @@
 """What XLA runs around the quantize kernels, read from the CUDA export.
 
 Each quantize path is exported with ``jax.export`` for CUDA (no GPU needed)
-and its StableHLO walked by :mod:`jaxcomp.inspect.kernel_structure`. For float32
+and its StableHLO walked by :mod:`jaxcomp.hlo.kernel_structure`. For float32
 inputs whose length is a whole number of the kernel's (8, bucket) tiles the
 targets hold: ``x`` is read once, by the kernel; no ``n``-sized XLA op runs
 before or after it (no transpose of the codes, no pad, no concatenate, no
@@ -24,7 +24,7 @@ from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd as qsgd_kernel
 from jaxcomp.kernels import sign as sign_kernel
-from jaxcomp.inspect import kernel_structure as structure
+from jaxcomp.hlo import kernel_structure as structure
 
 S = jax.ShapeDtypeStruct
 N_TILED = 1 << 17  # whole (8, 512) tiles: every bucket size below

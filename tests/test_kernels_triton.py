@@ -20,7 +20,7 @@ from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd
 from jaxcomp.kernels import sign
-from jaxcomp.inspect import kernel_structure as structure
+from jaxcomp.hlo import kernel_structure as structure
 
 ROUNDINGS = ("nearest", "array", "bits", "seed")
 

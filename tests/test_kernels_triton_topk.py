@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp.inspect import kernel_structure as structure
+from jaxcomp.hlo import kernel_structure as structure
 from jaxcomp.kernels import _launch
 from jaxcomp.kernels import _triton_select
 from jaxcomp.kernels import topk

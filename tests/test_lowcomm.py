@@ -51,7 +51,7 @@ def test_one_step_interval_with_unit_outer_sgd_is_data_parallel_sgd(mesh8):
   tx = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=1)
   local, st, _, _ = _run(tx, mesh8, batches)
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1))
-  ref_st, ref_specs = jaxcomp.init_sharded(ref_tx, _params(), mesh8, "data")
+  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
   ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
   ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
   for b in batches:
@@ -390,7 +390,7 @@ def test_demo_traffic_from_hlo(mesh8):
 def test_demo_trains_and_refuses_bad_input(mesh8):
   batches = _batches(mesh8, 30)
   tx = jaxcomp.demo(0.01, compression_topk=4, compression_chunk=8)
-  st, specs = jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+  st, specs = jaxcomp.placement.init_sharded(tx, _params(), mesh8, "data")
   step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
   params = jax.device_put(_params(), NamedSharding(mesh8, P()))
   losses = []
@@ -477,7 +477,7 @@ def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
   # (replicated), so the refusal comes at init_sharded, before any step.
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2)
   with pytest.raises(ValueError, match="lowcomm.init and step with"):
-    jaxcomp.init_sharded(tx, _params(), mesh8, "data")
+    jaxcomp.placement.init_sharded(tx, _params(), mesh8, "data")
   # The jit helper averages gradients: DiLoCo there is refused, naming its own.
   grad_fn = jaxcomp.compressed_value_and_grad(_loss, tx, mesh8)
   with pytest.raises(ValueError, match=r"lowcomm\.local_step inside your own jax\.jit"):

@@ -1,5 +1,5 @@
 """Structure of the XLA paths: how many passes over the gradient each
-compressor's update makes (jaxcomp.inspect.traffic.memory_passes on the compiled CPU
+compressor's update makes (jaxcomp.hlo.traffic.memory_passes on the compiled CPU
 module), and that no path draws n-sized random numbers through jax.random.
 
 A pass is ``4 n`` bytes of gradient-sized buffers read or written. The
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.inspect import traffic as hlo
+from jaxcomp.hlo import traffic as hlo
 from jaxcomp.cli import parse_compressor_spec
 from jaxcomp.compressors.base import get
 

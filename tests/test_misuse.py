@@ -31,14 +31,14 @@ def test_plain_jax_grad_inside_shard_map_is_refused(mesh8):
   already summed over the devices: refused, naming the helper to use."""
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
   params = {"w": jnp.ones((4,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
 
   def step(p, s, batch):
     loss, g = jax.value_and_grad(_loss)(p, batch)  # the trap
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
-  f = jax.jit(jaxcomp.shard_train_step(step, mesh=mesh8, state_specs=specs,
+  f = jax.jit(jaxcomp.steps.shard_train_step(step, mesh=mesh8, state_specs=specs,
                                        batch_spec=P("data")))
   with pytest.raises(TypeError, match=r"per_device_value_and_grad.*'data'"):
     f(params, state, _batch(mesh8))
@@ -48,7 +48,7 @@ def test_axis_mismatch_names_both_axes():
   mesh = jax.make_mesh((8,), ("batch",))
   tx = jaxcomp.compressed_mean("topk", "data")
   with pytest.raises(NameError, match=r"'data' is not bound.*\('batch',\)"):
-    jaxcomp.init_sharded(tx, {"w": jnp.ones((4,))}, mesh, "batch")
+    jaxcomp.placement.init_sharded(tx, {"w": jnp.ones((4,))}, mesh, "batch")
 
 
 @pytest.mark.parametrize("other,match", [
@@ -81,7 +81,7 @@ def _accumulator(per_device_init: bool):
   in a lax.cond that passes the state on unchanged in its other branch."""
   def init(params):
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return (jaxcomp.to_varying(zeros, "data") if per_device_init else zeros,
+    return (jaxcomp.placement.to_varying(zeros, "data") if per_device_init else zeros,
             jnp.zeros((), jnp.int32))
 
   def update(updates, state, params=None):
@@ -103,11 +103,11 @@ def test_state_placement_names_the_cause_when_the_update_cannot_be_traced(mesh8)
   with pytest.raises(jaxcomp.PlacementError,
                      match=r"(?s)could not place the optimizer state.*"
                            r"TypeError.*lax\.cond.*jaxcomp\.to_varying") as e:
-    jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+    jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
   assert isinstance(e.value.__cause__, TypeError)  # JAX's own, chained
   # The fix the message names: init makes the accumulator per device.
   tx = optax.chain(_accumulator(True), jaxcomp.compressed_mean("topk", "data"))
-  _, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
+  _, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
   assert specs[0][0]["w"] == P("data") and specs[0][1] == P()
 
 
@@ -118,18 +118,18 @@ def test_optax_apply_if_finite_around_the_exchange_names_the_replacement(mesh8):
   params = {"w": jnp.ones((16,))}
   inner = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"use jaxcomp\.apply_if_finite\(inner, axis_name"):
-    jaxcomp.init_sharded(optax.apply_if_finite(inner, 3), params, mesh8, "data")
+    jaxcomp.placement.init_sharded(optax.apply_if_finite(inner, 3), params, mesh8, "data")
   # Around the optimizer alone (after the exchange) it is fine: every
   # device sees the same averaged gradient.
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
                    optax.apply_if_finite(optax.sgd(0.1), 3))
-  jaxcomp.init_sharded(tx, params, mesh8, "data")
+  jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
 
 
 def test_the_sharding_module_is_deprecated_and_names_each_home():
   import jaxcomp.sharding
   with pytest.warns(DeprecationWarning, match=r"use jaxcomp\.init_sharded \(defined in jaxcomp\.placement\)"):
-    assert jaxcomp.sharding.init_sharded is jaxcomp.init_sharded
+    assert jaxcomp.sharding.init_sharded is jaxcomp.placement.init_sharded
   with pytest.warns(DeprecationWarning, match=r"jaxcomp\.make_train_step \(defined in jaxcomp\.steps\)"):
     from jaxcomp.sharding import make_train_step
   assert make_train_step is jaxcomp.make_train_step

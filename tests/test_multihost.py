@@ -534,7 +534,7 @@ params = distributed.global_array({"w": jnp.zeros((6, hidden))}, mesh)
 tx = optax.chain(jaxcomp.compressed_mean("topk", ("hosts", "devices"),
                                          ratio=ratio), optax.sgd(0.1))
 try:
-  jaxcomp.init_sharded(tx, params, mesh, ("hosts", "devices"))
+  jaxcomp.placement.init_sharded(tx, params, mesh, ("hosts", "devices"))
 except distributed.AgreementError as e:
   # One write: gloo's C++ log lines share the pipe, and print's separate
   # writes of "AGREEMENT", " " and the message were seen split by one.

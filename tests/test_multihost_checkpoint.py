@@ -53,14 +53,14 @@ def _setup(n, compressor, hidden, ef, kw):
     tx = optax.chain(jaxcomp.compressed_mean(compressor, AXES,
                                              error_feedback=ef, **kw),
                      optax.adam(1e-2))
-    opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, AXES)
+    opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, AXES)
 
     def step(p, s, batch):
       g = jaxcomp.per_device_grad(_loss, AXES)(p, *batch)
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s, jnp.zeros(())
 
-    _SETUPS[key] = (mesh, params, opt_state, jax.jit(jaxcomp.shard_train_step(
+    _SETUPS[key] = (mesh, params, opt_state, jax.jit(jaxcomp.steps.shard_train_step(
         step, mesh=mesh, state_specs=specs, batch_spec=P(AXES))))
   return _SETUPS[key]
 
@@ -298,13 +298,13 @@ def test_hierarchical_identity_matches_flat_mean():
               axis_types=(explicit, explicit))
   g = np.random.default_rng(1).standard_normal((8, 5)).astype(np.float32)
   tx = jaxcomp.compressed_mean("topk", "hosts", ratio=1.0)
-  state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros(5)}, mesh, "hosts")
+  state, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(5)}, mesh, "hosts")
   assert specs.feedback[0] == (P("hosts"),)
 
   def body(g, s):
     g = lax.pmean({"w": g[0]}, "devices")
-    u, s = tx.update(g, jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
+    u, s = tx.update(g, jaxcomp.placement.to_local(s, specs))
+    return u, jaxcomp.placement.to_global(s, specs)
 
   u, _ = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), specs),
                                out_specs=(P(), specs)))(
@@ -392,7 +392,7 @@ def _grid_run(shape, compressor, collective=None, steps=2, **kw):
   tx = optax.chain(jaxcomp.compressed_mean(compressor, AXES,
                                            collective=collective, **kw),
                    optax.sgd(1e-2))
-  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, AXES)
+  opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, AXES)
   step = jaxcomp.make_train_step(lambda p, b: _loss(p, *b), tx, mesh=mesh,
                                  state_specs=specs, axis_name=AXES,
                                  donate=False)

@@ -123,7 +123,7 @@ def check_fresh_venv(dist, tmp_path):
         return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
       tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25),
                        optax.adam(1e-1))
-      opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+      opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
       step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
       params = jax.device_put(params, NamedSharding(mesh, P()))
       batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))

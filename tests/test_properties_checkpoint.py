@@ -40,7 +40,7 @@ def saved(mesh8, tmp_path_factory):
                    optax.sgd(1e-2, momentum=0.9))
   params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros((4,)),
             "h": jnp.zeros((5,), jnp.bfloat16)}
-  state, _ = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  state, _ = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
   template = {"params": params, "opt_state": state}
   root = str(tmp_path_factory.mktemp("ckpt") / "template")
   states = {}

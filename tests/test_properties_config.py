@@ -171,7 +171,7 @@ def _trace_update(tx, params, mesh, axis="data"):
   ``shard_map``, with per-device gradients: every trace-time check runs."""
   def body(g):
     state = tx.init(params)
-    grads = jaxcomp.to_varying(jax.tree.map(lambda x: x[0], g), axis)
+    grads = jaxcomp.placement.to_varying(jax.tree.map(lambda x: x[0], g), axis)
     return tx.update(grads, state, params)[0]
 
   stacked = jax.tree.map(

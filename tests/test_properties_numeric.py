@@ -223,12 +223,12 @@ def _run(tx, grads, mesh, axis, *, sequence=None, history=False):
   per_step = [grads] if sequence is None else sequence
   params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype),
                         per_step[0])
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, axis)
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, axis)
 
   def body(g, s):
     u, s = tx.update(jax.tree.map(lambda x: x[0], g),
-                     jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
+                     jaxcomp.placement.to_local(s, specs))
+    return u, jaxcomp.placement.to_global(s, specs)
 
   spec = P(axis)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, specs),
@@ -533,11 +533,11 @@ def test_mean_over_any_axes_of_a_2d_mesh(shape, which, seed):
   rng = np.random.default_rng(seed)
   g = rng.standard_normal((*shape, 3)).astype(np.float32)
   params = {"w": jnp.zeros((3,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, which)
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, which)
 
   def body(g, s):
-    u, s = tx.update({"w": jaxcomp.to_varying(g[0, 0], ("x", "y"))},
-                     jaxcomp.to_local(s, specs))
+    u, s = tx.update({"w": jaxcomp.placement.to_varying(g[0, 0], ("x", "y"))},
+                     jaxcomp.placement.to_local(s, specs))
     return u["w"][None, None]
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x", "y"), specs),

@@ -38,7 +38,7 @@ def _fixture_run(mesh):
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25,
                                            bucketing="layerwise"),
                    optax.adam(1e-2))
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
   return tx, jax.device_put(params, NamedSharding(mesh, P())), state, specs
 
 
@@ -54,7 +54,7 @@ def test_the_configuration_is_static_data_of_the_state(mesh8):
   assert config["collective"]["name"] == "allgather"
   # Another ratio is another configuration, the same arrays' structure.
   other = jaxcomp.compressed_mean("topk", "data", ratio=0.5)
-  s2, _ = jaxcomp.init_sharded(other, {"w": jnp.zeros(8)}, mesh8, "data")
+  s2, _ = jaxcomp.placement.init_sharded(other, {"w": jnp.zeros(8)}, mesh8, "data")
   assert jaxcomp.transform_configs(s2)[""]["compressor"]["ratio"] == 0.5
 
 
@@ -97,7 +97,7 @@ def test_a_format_2_checkpoint_of_another_config_is_refused(mesh8, tmp_path):
   params = {"b": jnp.zeros(4), "w": jnp.zeros((16, 4))}
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
                    optax.adam(1e-2))
-  state, _ = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  state, _ = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
   target = {"params": jax.device_put(params, NamedSharding(mesh8, P())),
             "opt_state": state}
   with checkpoint.Checkpointer(directory,
@@ -119,7 +119,7 @@ def test_an_orbax_restored_state_is_described_in_a_fresh_process(tmp_path):
       mesh = jax.make_mesh((8,), ("data",))
       tx = optax.chain(jaxcomp.compressed_mean("int8_block", "data", bits=4),
                        optax.sgd(0.1))
-      state, _ = jaxcomp.init_sharded(tx, {{"w": jnp.ones(300)}}, mesh, "data")
+      state, _ = jaxcomp.placement.init_sharded(tx, {{"w": jnp.ones(300)}}, mesh, "data")
       path = {str(tmp_path / "orbax")!r}
       ck = ocp.StandardCheckpointer()
       if sys.argv[1] == "save":

@@ -33,7 +33,7 @@ def _traffic(mesh, compressor, lowered, **kwargs):
 
   tx = optax.chain(jaxcomp.compressed_mean(compressor, "data", **kwargs),
                    optax.adam(1e-3))
-  state, specs = jaxcomp.init_sharded(tx, params, mesh, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
   f = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs,
                               donate=False)
   batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
@@ -150,7 +150,7 @@ def test_messages_count_every_operand_of_a_combined_collective(mesh8):
 def test_mesh_form_replica_groups_are_read():
   """XLA writes collectives over mesh axes as replica_groups=mesh[...]
   {axes} (GSPMD's data-parallel all-reduce on a (data, model) mesh)."""
-  from jaxcomp.inspect.traffic import _parse_groups
+  from jaxcomp.hlo.traffic import _parse_groups
   attrs = ("channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=1,"
            "'axis_2'=2] {'axis_0'}, use_global_device_ids=true")
   assert _parse_groups(attrs, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -164,7 +164,7 @@ def test_mesh_form_with_device_ids_is_read():
   """XLA (JAX 0.10.2's GSPMD on a (data, fsdp, tensor) mesh) writes a mesh of
   its own with the devices in another order: replica_groups=mesh[...],
   device_ids=([2,2,2]T(1,0,2)) {axes}; the groups are the listed ids'."""
-  from jaxcomp.inspect.traffic import _parse_groups
+  from jaxcomp.hlo.traffic import _parse_groups
   attrs = ("channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4], "
            "device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, dimensions={0}")
   # ids in mesh order: 0,1,4,5 | 2,3,6,7; groups over axis_0 are columns.

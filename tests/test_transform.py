@@ -118,13 +118,13 @@ def test_random_block_same_block_on_every_device_and_covers(mesh8):
   g = {"w": jnp.broadcast_to(jnp.arange(1, P_DEV + 1, dtype=jnp.float32)[:, None],
                              (P_DEV, n))}
   params = {"w": jnp.zeros((n,))}
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
   from jax.sharding import PartitionSpec as P
   from tests.helpers import stacked
 
   def body(g, s):
-    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
+    u, s = tx.update(jax.tree.map(lambda x: x[0], g), jaxcomp.placement.to_local(s, specs))
+    return u, jaxcomp.placement.to_global(s, specs)
 
   f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("data"), specs),
                             out_specs=(P(), specs)))
@@ -244,7 +244,7 @@ class TestBadInput:
   def test_init_sharded_unknown_axis(self, mesh8):
     tx = jaxcomp.compressed_mean("identity", "batch")
     with pytest.raises(ValueError, match="not in the mesh"):
-      jaxcomp.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, "batch")
+      jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(3)}, mesh8, "batch")
 
 
 def test_a_state_carried_to_another_ratio_reports_that_ratios_bytes(mesh8):
@@ -289,14 +289,14 @@ def test_make_train_step_is_the_hand_written_step(mesh8):
   # (optax.adam does not trace under the strict dtype promotion of the tests)
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.3),
                    optax.sgd(0.1, momentum=0.9))
-  state, specs = jaxcomp.init_sharded(tx, params, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
 
   def hand(p, s, batch):
     loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, batch)
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
-  by_hand = jax.jit(jaxcomp.shard_train_step(
+  by_hand = jax.jit(jaxcomp.steps.shard_train_step(
       hand, mesh=mesh8, state_specs=specs, batch_spec=P("data")))
   step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, state_specs=specs,
                                  donate=False)
@@ -360,8 +360,8 @@ def _trace_update(tx, state, specs, mesh):
   shard_map."""
   def body(g, s):
     u, s = tx.update(jax.tree.map(lambda x: x[0], g),
-                     jaxcomp.to_local(s, specs))
-    return u, jaxcomp.to_global(s, specs)
+                     jaxcomp.placement.to_local(s, specs))
+    return u, jaxcomp.placement.to_global(s, specs)
 
   grads = stacked(jax.tree.map(lambda x: jnp.ones((8,) + x.shape, x.dtype),
                                _SPY_PARAMS), mesh)
@@ -375,14 +375,14 @@ def test_update_does_not_trace_init(mesh8):
   the layout: tracing it calls neither the feedback's nor the collective's
   state init (it used to trace the whole ``init`` on every trace)."""
   tx = _spied()
-  state, specs = jaxcomp.init_sharded(tx, _SPY_PARAMS, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(tx, _SPY_PARAMS, mesh8, "data")
   assert _CALLS.pop("feedback.init") and _CALLS.pop("collective.init_state")
   _CALLS.clear()
   _trace_update(tx, state, specs, mesh8)
   assert "feedback.init" not in _CALLS, _CALLS
   assert "collective.init_state" not in _CALLS, _CALLS
   # The check still runs: a state of another model is refused by name.
-  other, other_specs = jaxcomp.init_sharded(
+  other, other_specs = jaxcomp.placement.init_sharded(
       tx, {"w": jnp.zeros((8, 5)), "b": jnp.zeros((4,))}, mesh8, "data")
   with pytest.raises(ValueError, match=r"the state leaf .* has shape"):
     _trace_update(tx, other, other_specs, mesh8)
@@ -395,7 +395,7 @@ def test_static_stats_are_computed_once_per_layout(mesh8):
   of the same shapes, as a warm-up passes it on) computes them once, and
   finds the state's expected shapes from the per-device state alone; a
   second trace reuses both."""
-  state, specs = jaxcomp.init_sharded(_spied(), _SPY_PARAMS, mesh8, "data")
+  state, specs = jaxcomp.placement.init_sharded(_spied(), _SPY_PARAMS, mesh8, "data")
   tx = _spied()  # the same configuration, never initialised
   _CALLS.clear()
   _trace_update(tx, state, specs, mesh8)

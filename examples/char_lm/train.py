@@ -147,7 +147,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
              for st in stages]
     whole = lambda p, st: jaxcomp.fsdp.unshard_params(p, shapes)
   else:
-    opt_state, specs = jaxcomp.init_sharded(stages[0].tx, params, mesh, "data")
+    opt_state, specs = jaxcomp.placement.init_sharded(stages[0].tx, params, mesh, "data")
     steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh,
                                      state_specs=specs) for st in stages]
     params = jax.device_put(params, NamedSharding(mesh, P()))

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
       inner)
 
   params = distributed.global_array(init_params(args.seed, args.hidden), mesh)
-  opt_state, specs = jaxcomp.init_sharded(tx, params, mesh, axes)
+  opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, axes)
   step = jaxcomp.make_train_step(lambda p, b: loss_fn(p, *b), tx, mesh=mesh,
                                  state_specs=specs, axis_name=axes)
 

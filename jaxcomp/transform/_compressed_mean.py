@@ -65,7 +65,7 @@ class CompressedMeanState(NamedTuple):
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1)
-    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    >>> state, _ = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros((8, 4))},
     ...                                 mesh, "data")
     >>> isinstance(state, jaxcomp.CompressedMeanState)
     True
@@ -103,7 +103,7 @@ def transform_configs(state) -> dict[str, dict]:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
     ...                  optax.sgd(0.1))
-    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    >>> state, _ = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros((8, 4))},
     ...                                 mesh, "data")
     >>> configs = jaxcomp.transform_configs(state)
     >>> list(configs), configs["[0]"]["compressor"]["ratio"]
@@ -433,7 +433,7 @@ def compressed_mean(
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
     ...                  optax.sgd(0.1))
-    >>> state, specs = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
+    >>> state, specs = jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros((8, 4))},
     ...                                     mesh, "data")
     >>> stats = jaxcomp.get_stats(state)  # 4 of 32 values + their indices
     >>> float(stats.bytes_sent), float(stats.dense_bytes)
@@ -464,7 +464,7 @@ def over_axes(tx: optax.GradientTransformation, axis_name: AxisName, *,
   seed, averaging over ``axis_name`` (``output="mean"``) or
   reduce-scattering over it (``output="shard"``). For a layout that
   splits one exchange in two, as
-  :class:`jaxcomp.CompressedValueAndGrad` does for parameters GSPMD shards
+  :class:`jaxcomp.gspmd.CompressedValueAndGrad` does for parameters GSPMD shards
   over a data axis: a reduce-scatter over the axes that shard them, then
   the shards' mean over the other data axes (HSDP).
 

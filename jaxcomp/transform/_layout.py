@@ -209,7 +209,7 @@ def check_per_device(tree, axis_name) -> None:
           "devices, which is what plain jax.grad returns inside shard_map "
           "for replicated parameters. Compute the gradient with "
           f"jaxcomp.per_device_value_and_grad(loss_fn, {axis_name!r}) (or "
-          "jax.grad of the parameters after jaxcomp.to_varying) so that "
+          "jax.grad of the parameters after jaxcomp.placement.to_varying) so that "
           "each device compresses its own gradient.")
 
 
@@ -230,7 +230,7 @@ def check_state(state, expected) -> None:
         "compressed_mean.update: the state does not fit this gradient: its "
         f"structure differs first at {first[0]} where {first[1]} was "
         f"expected ({len(got_paths)} leaves given, {len(want_paths)} "
-        "expected). Initialise the state (jaxcomp.init_sharded) with "
+        "expected). Initialise the state (jaxcomp.init) with "
         "parameters of the same structure and shapes as the gradients.")
   for (path, g), (_, w) in zip(got[0], want[0]):
     if jnp.shape(g) != w.shape or jnp.result_type(g) != w.dtype:
@@ -239,5 +239,5 @@ def check_state(state, expected) -> None:
           f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} and dtype "
           f"{jnp.result_type(g)}, but this gradient needs {w.shape} "
           f"{w.dtype}: the state was made for another model, bucketing or "
-          "compressor. Initialise it (jaxcomp.init_sharded) with parameters "
+          "compressor. Initialise it (jaxcomp.init) with parameters "
           "of the same structure and shapes as the gradients.")
