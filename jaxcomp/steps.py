@@ -124,7 +124,10 @@ class DataParallel(Layout):
   def place(self, tx, params, mesh, axis_name):
     state, specs = init_sharded(tx, params, mesh, axis_name,
                                 params_spec=self.spec)
-    placed = jax.device_put(params, jax.tree.map(
+    # A copy: the step donates the placed parameters, which must not take
+    # the caller's arrays with them (device_put keeps a buffer already on
+    # one of the devices, may_alias=False or not).
+    placed = jax.device_put(jax.tree.map(jnp.copy, params), jax.tree.map(
         lambda s: NamedSharding(mesh, s), self.spec,
         is_leaf=lambda x: isinstance(x, P)))
     return placed, state, specs, self

@@ -42,7 +42,8 @@ def sharded_update(tx, params, mesh, axis="data", *, ref=False,
   told, e.g. ``P(axis)`` for ``output="shard"``) and the state's global
   view; ``state`` is ``tx``'s initial state for ``params``
   (``jaxcomp.placement.init_sharded``), or ``init``, a ``(state, specs)`` made
-  elsewhere (e.g. by ``jaxcomp.fsdp.init``; ``params`` is then unused).
+  elsewhere (e.g. ``(s.opt_state, s.specs)`` of ``jaxcomp.init(...,
+  layout=jaxcomp.FSDP())``; ``params`` is then unused).
 
   ``ref=True``: ``f`` also returns the pmean of the gradients (replicated),
   ``(updates, mean, state)``. ``params_spec``: ``f(grads, state, params)``

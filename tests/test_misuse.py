@@ -102,7 +102,7 @@ def test_state_placement_names_the_cause_when_the_update_cannot_be_traced(mesh8)
   tx = optax.chain(_accumulator(False), jaxcomp.compressed_mean("topk", "data"))
   with pytest.raises(jaxcomp.PlacementError,
                      match=r"(?s)could not place the optimizer state.*"
-                           r"TypeError.*lax\.cond.*jaxcomp\.to_varying") as e:
+                           r"TypeError.*lax\.cond.*jaxcomp\.placement\.to_varying") as e:
     jaxcomp.placement.init_sharded(tx, {"w": jnp.zeros(8)}, mesh8, "data")
   assert isinstance(e.value.__cause__, TypeError)  # JAX's own, chained
   # The fix the message names: init makes the accumulator per device.
@@ -126,24 +126,28 @@ def test_optax_apply_if_finite_around_the_exchange_names_the_replacement(mesh8):
   jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
 
 
-def test_the_sharding_module_is_deprecated_and_names_each_home():
-  import jaxcomp.sharding
-  with pytest.warns(DeprecationWarning, match=r"use jaxcomp\.init_sharded \(defined in jaxcomp\.placement\)"):
-    assert jaxcomp.sharding.init_sharded is jaxcomp.placement.init_sharded
-  with pytest.warns(DeprecationWarning, match=r"jaxcomp\.make_train_step \(defined in jaxcomp\.steps\)"):
-    from jaxcomp.sharding import make_train_step
-  assert make_train_step is jaxcomp.make_train_step
-  with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-    jaxcomp.sharding.nothing  # noqa: B018
-  # Each warning names a place where the name is found, the same object.
-  for name in jaxcomp.sharding.__all__:
-    with pytest.warns(DeprecationWarning) as caught:
-      old = getattr(jaxcomp.sharding, name)
-    found = re.search(r"use (\S+) \(", str(caught[0].message))
-    assert found, caught[0].message
-    use = found.group(1)
-    module, _, attr = use.rpartition(".")
-    assert getattr(importlib.import_module(module), attr) is old, use
+def test_one_door_the_retired_entry_points_are_gone():
+  """0.1.0's API: one init, one shard_map step builder, one jax.jit
+  value-and-grad and the layout values; the retired doors are not public
+  (no shim resolves them)."""
+  for name in ["init_sharded", "shard_train_step", "to_varying", "varying_axes",
+               "to_local", "to_global", "state_partition_specs",
+               "CompressedValueAndGrad", "sharding", "warmup", "jit", "inspect"]:
+    assert not hasattr(jaxcomp, name), name
+  for module, name in [("jaxcomp.fsdp", "init"), ("jaxcomp.fsdp", "make_train_step"),
+                       ("jaxcomp.lowcomm", "init"), ("jaxcomp.lowcomm", "make_train_step"),
+                       ("jaxcomp.lowcomm", "local_step"), ("jaxcomp.lowcomm", "PerDevice")]:
+    assert not hasattr(importlib.import_module(module), name), (module, name)
+  for module in ["jaxcomp.sharding", "jaxcomp.warmup", "jaxcomp.jit", "jaxcomp.inspect"]:
+    with pytest.raises(ImportError):
+      importlib.import_module(module)
+  doors = [n for n in jaxcomp.__all__ if callable(getattr(jaxcomp, n))]
+  assert [n for n in doors if n == "init" or n.endswith("train_step")] == [
+      "init", "make_train_step"]
+  assert {"DataParallel", "FSDP", "Islands", "TrainState",
+          "compressed_value_and_grad"} <= set(jaxcomp.__all__)
+  with pytest.raises(ValueError, match="unknown collective 'compressor'"):
+    jaxcomp.compressed_mean("powersgd", "data", collective="compressor")
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -289,7 +289,7 @@ def test_make_train_step_is_the_hand_written_step(mesh8):
   # (optax.adam does not trace under the strict dtype promotion of the tests)
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.3),
                    optax.sgd(0.1, momentum=0.9))
-  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
+  state = jaxcomp.init(tx, params, mesh8)
 
   def hand(p, s, batch):
     loss, g = jaxcomp.per_device_value_and_grad(loss_fn, "data")(p, batch)
@@ -297,24 +297,22 @@ def test_make_train_step_is_the_hand_written_step(mesh8):
     return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
   by_hand = jax.jit(jaxcomp.steps.shard_train_step(
-      hand, mesh=mesh8, state_specs=specs, batch_spec=P("data")))
-  step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, state_specs=specs,
-                                 donate=False)
+      hand, mesh=mesh8, state_specs=state.specs, batch_spec=P("data")))
+  step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, donate=False)
   batch = jax.device_put(
       (jax.random.normal(jax.random.key(0), (16, 6)),
        jax.random.normal(jax.random.key(1), (16, 3))),
       NamedSharding(mesh8, P("data")))
-  params = jax.device_put(params, NamedSharding(mesh8, P()))
-  a = b = (params, state)
+  a, b = state, (state.params, state.opt_state)
   for _ in range(3):
-    *a, loss_a = step(*a, batch)
+    a, loss_a = step(a, batch)
     *b, loss_b = by_hand(*b, batch)
     assert float(loss_a) == float(loss_b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  assert isinstance(a, jaxcomp.TrainState) and a.specs is state.specs
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   with pytest.raises(ValueError, match="not in the mesh"):
-    jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, state_specs=specs,
-                            axis_name="model")
+    jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, axis_name="model")
 
 
 # Spies: the parts of one transform, counting the calls that init makes
