@@ -478,7 +478,7 @@ class ValueAndGrad:
     >>> batch = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
     ...                        NamedSharding(mesh, P("data")))
     >>> loss, comp_state = train_step(model, optimizer, comp_state, batch)
-    >>> model.kernel.value.shape
+    >>> model.kernel[...].shape
     (4, 1)
   """
 

@@ -113,6 +113,20 @@ class DataParallel(Layout):
   Args:
     spec: the parameters' partition spec(s): ``P()`` (replicated, the
       default), one spec for every leaf, or a pytree of specs.
+
+  Example:
+    Tensor parallelism written per device: ``w`` sharded over ``model``,
+    replicated over ``data``, the gradient averaged over ``data``:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
+    >>> layout = jaxcomp.DataParallel({"w": P(None, "model")})
+    >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data"),
+    ...                  optax.sgd(0.1))
+    >>> state = jaxcomp.init(tx, {"w": jnp.ones((3, 4))}, mesh, layout=layout)
+    >>> state.params["w"].sharding.spec
+    P(None, 'model')
   """
 
   spec: Any = P()

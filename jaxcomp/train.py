@@ -76,6 +76,17 @@ class TrainState:
       each leaf with a leading axis of one copy per device or island.
     opt_state: ``tx``'s state, its per-device leaves with a leading device
       axis (:func:`jaxcomp.get_stats` reads it).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = optax.chain(jaxcomp.compressed_mean("int8_block", "data"),
+    ...                  optax.sgd(0.1))
+    >>> state = jaxcomp.init(tx, {"w": jnp.ones((3, 4))}, mesh)
+    >>> jax.tree.map(jnp.shape, state.params)
+    {'w': (3, 4)}
+    >>> type(state.layout).__name__, state.model_params() is state.params
+    ('DataParallel', True)
   """
 
   params: Any

@@ -9,7 +9,7 @@ import numpy as np
 
 import jaxcomp
 from jaxcomp import collectives
-from jaxcomp import to_varying
+from jaxcomp.placement import to_varying
 
 
 def exchange_fn(mesh, comp, n, steps=1, axis="data", shape=None):

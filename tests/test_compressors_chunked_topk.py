@@ -227,30 +227,30 @@ def test_sparseloco_sync_is_the_references(mesh8, shapes, chunk, topk,
       collective="sender_mean")
   rng = np.random.default_rng(7)
   theta = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
-  local, state, specs = lowcomm.init(tx, jax.tree.map(jnp.asarray, theta), mesh8)
+  state = jaxcomp.init(tx, jax.tree.map(jnp.asarray, theta), mesh8,
+                       layout=jaxcomp.Islands())
   grads_of = [{k: (rng.normal(size=(8,) + s) * 0.01).astype(np.float32)
                for k, s in shapes.items()} for _ in range(2)]
 
   # A loss whose gradient on each device is the gradient given to it.
   loss = lambda p, g: sum(jnp.vdot(p[k], g[k][0]) for k in p)
-  step = lowcomm.make_train_step(loss, tx, mesh=mesh8, state_specs=specs)
+  step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=jaxcomp.Islands())
   error = {k: np.zeros((8,) + s, np.float32) for k, s in shapes.items()}
   for g in grads_of:
-    local, state, _ = step(local, state,
-                           jax.device_put(g, NamedSharding(mesh8, P("data"))))
+    state, _ = step(state, jax.device_put(g, NamedSharding(mesh8, P("data"))))
     for k in shapes:
       # The pseudo-gradient as the step forms it: anchor - (anchor - g).
       pseudo = (theta[k][None] - (theta[k][None] - g[k])).astype(np.float32)
       theta[k], error[k] = _sparseloco_reference_sync(
           theta[k], pseudo, error[k], lr=1.0, decay=decay, topk=topk,
           chunk=chunk, n_bins=value_bits and 2 ** value_bits, range_sigmas=6.0)
-  synced = lowcomm.synced_params(state)
-  feedback = state.exchange_state[0].feedback  # per leaf, sorted: b, w
+  synced = lowcomm.synced_params(state.opt_state)
+  feedback = state.opt_state.exchange_state[0].feedback  # per leaf, sorted: b, w
   for i, k in enumerate(sorted(shapes)):
     np.testing.assert_allclose(np.asarray(synced[k]), theta[k], rtol=1e-6,
                                atol=1e-7)
     for d in range(8):
-      np.testing.assert_array_equal(np.asarray(local[k])[d],
+      np.testing.assert_array_equal(np.asarray(state.params[k])[d],
                                     np.asarray(synced[k]))
     got_error = np.asarray(feedback[i][0]).reshape((8,) + shapes[k])
     np.testing.assert_allclose(got_error, error[k], rtol=1e-5, atol=1e-8)

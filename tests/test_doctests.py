@@ -44,7 +44,7 @@ def test_the_public_entry_points_have_examples():
   """The transform and its helpers show how they are called."""
   import jaxcomp.transform
   import jaxcomp.wire
-  for fn in (jaxcomp.transform.compressed_mean, jaxcomp.placement.init_sharded,
+  for fn in (jaxcomp.transform.compressed_mean, jaxcomp.init,
              jaxcomp.make_train_step, jaxcomp.wire.ring_bytes,
              jaxcomp.compressors.get):
     assert ">>>" in (fn.__doc__ or ""), fn.__qualname__

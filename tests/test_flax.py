@@ -109,7 +109,7 @@ def test_nnx_step_places_a_model_restored_onto_one_device(mesh8):
 
 
 def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
-  """fsdp=True: the model's parameters become flat shards (1/8 per device),
+  """layout=FSDP(): the model's parameters become flat shards (1/8 per device),
   the step gathers them, reduce-scatters the gradient and updates the
   shards; with identity it trains as nnx.Optimizer on the whole batch, and
   unsharded() gives back a whole model for evaluation."""
@@ -119,7 +119,7 @@ def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
   tx = optax.sgd(0.1, momentum=0.9)
   opt = jaxcomp.flax.Optimizer(
       model, optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"), tx),
-      wrt=nnx.Param, mesh=mesh8, fsdp=True)
+      wrt=nnx.Param, mesh=mesh8, layout=jaxcomp.FSDP())
   kernel = nnx.state(model, nnx.Param)["lin"]["kernel"][...]
   assert kernel.shape == (8 * 12,) and kernel.sharding.spec == P("data")
   step = _train_beside_nnx_optimizer(model, opt, ref, tx, batch)
@@ -145,14 +145,14 @@ def test_nnx_fsdp_shards_the_model_and_trains_as_full_batch(mesh8):
     bn_opt = jaxcomp.flax.Optimizer(
         bn, optax.chain(jaxcomp.compressed_mean("int8_block", "data", output="shard",
                                                 rounding="stochastic"), optax.adam(1e-2)),
-        wrt=nnx.Param, mesh=mesh8, fsdp=True)
+        wrt=nnx.Param, mesh=mesh8, layout=jaxcomp.FSDP())
     losses = [float(step(bn, bn_opt, batch)) for _ in range(5)]
   assert losses[-1] < losses[0]
   assert nnx.state(bn, nnx.BatchStat)["bn"]["mean"][...].shape == (16,)
   with pytest.raises(ValueError, match="output='shard'"):
     jaxcomp.flax.Optimizer(MLP(nnx.Rngs(0)), optax.chain(
         jaxcomp.compressed_mean("identity", "data"), tx), wrt=nnx.Param, mesh=mesh8,
-        fsdp=True)
+        layout=jaxcomp.FSDP())
 
 
 def test_nnx_batchnorm_is_averaged_and_dropout_differs_per_device(mesh8):

@@ -209,12 +209,11 @@ def loss_fn(p, batch):
   x, y = batch
   return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1))
-st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
+st = jaxcomp.init(tx, params, mesh)
+step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh)
 batch = jax.device_put((jnp.ones((8, 16)), jnp.ones((8, 8))),
                        NamedSharding(mesh, P("data")))
-placed = jax.device_put(params, NamedSharding(mesh, P()))
-ops = jaxcomp.collective_traffic(step.lower(placed, st, batch).compile()).ops
+ops = jaxcomp.collective_traffic(step.lower(st, batch).compile()).ops
 print(sorted((o.kind, o.group_size) for o in ops))
 """
 

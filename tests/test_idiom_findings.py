@@ -74,14 +74,12 @@ def test_the_partitioned_arrays_train():
 
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
                    optax.sgd(0.1))
-  state, specs = jaxcomp.placement.init_sharded(tx, arrays, mesh, "data")
-  step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
+  state = jaxcomp.init(tx, arrays, mesh)
+  step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh)
   x = jax.device_put(jnp.ones((2 * jax.device_count(), 4)),
                      jax.sharding.NamedSharding(mesh,
                                                 jax.sharding.PartitionSpec("data")))
-  p = jax.device_put(arrays, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))
-  _, _, l0 = step(p, state, x)
+  _, l0 = step(state, x)
   assert np.isfinite(float(l0))
 
 

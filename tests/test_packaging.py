@@ -123,16 +123,15 @@ def check_fresh_venv(dist, tmp_path):
         return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
       tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25),
                        optax.adam(1e-1))
-      opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-      step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs)
-      params = jax.device_put(params, NamedSharding(mesh, P()))
+      state = jaxcomp.init(tx, params, mesh)
+      step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh)
       batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
       losses = []
       for _ in range(3):
-        params, opt_state, loss = step(params, opt_state, batch)
+        state, loss = step(state, batch)
         losses.append(float(loss))
       assert losses[-1] < losses[0], losses
-      stats = jaxcomp.get_stats(opt_state)
+      stats = jaxcomp.get_stats(state.opt_state)
       assert float(stats.bytes_sent) < float(stats.dense_bytes)
       print("trained", jaxcomp.__version__, losses)
       """)

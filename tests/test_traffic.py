@@ -33,15 +33,13 @@ def _traffic(mesh, compressor, lowered, **kwargs):
 
   tx = optax.chain(jaxcomp.compressed_mean(compressor, "data", **kwargs),
                    optax.adam(1e-3))
-  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-  f = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs,
-                              donate=False)
+  state = jaxcomp.init(tx, params, mesh)
+  f = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
   batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  low = f.lower(params, state, batch)
+  low = f.lower(state, batch)
   n = sum(l.size for l in jax.tree.leaves(params))
   traffic = jaxcomp.collective_traffic(low if lowered else low.compile())
-  return traffic, n, jaxcomp.get_stats(state)
+  return traffic, n, jaxcomp.get_stats(state.opt_state)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,24 @@ class FSDP(steps.Layout):
       the fast axis inside a host).
     param_compressor: compress the parameters' all-gather (a deterministic
       compressor, e.g. ``"int8_block"``), or None.
+
+  Example:
+    HSDP: sharded over ``devices`` inside a host, copies across ``hosts``,
+    the gradient reduce-scattered exactly inside a host and its shards
+    averaged across hosts in int8 blocks:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((2, jax.device_count() // 2), ("hosts", "devices"))
+    >>> tx = optax.chain(
+    ...     jaxcomp.compressed_mean("identity", "devices", output="shard"),
+    ...     jaxcomp.compressed_mean("int8_block", "hosts"), optax.sgd(0.1))
+    >>> layout = jaxcomp.FSDP(shard_axis="devices")
+    >>> state = jaxcomp.init(tx, {"w": jnp.ones((10, 4))}, mesh,
+    ...                      layout=layout, axis_name=("hosts", "devices"))
+    >>> state.params["w"].shape, state.params["w"].sharding.spec
+    ((40,), P('devices',))
+    >>> state.layout.shapes["w"].shape  # filled in by jaxcomp.init
+    (10, 4)
   """
 
   shapes: Any = None

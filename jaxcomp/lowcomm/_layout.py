@@ -39,6 +39,22 @@ class Islands(steps.Layout):
       ``compressed_mean("identity", shard_axis, output="shard")``; DiLoCo's
       pseudo-gradient is then each device's shard, exchanged over ``over``
       with the devices holding the same shard in the other islands.
+
+  Example:
+    Two islands of 4 devices: exact averaging inside an island every step,
+    DiLoCo's int8 exchange across islands every 20 steps:
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((2, jax.device_count() // 2), ("hosts", "data"))
+    >>> inner = optax.chain(jaxcomp.compressed_mean("identity", "data"),
+    ...                     optax.sgd(0.1))
+    >>> tx = jaxcomp.diloco(inner, sync_every=20, compressor="int8_block",
+    ...                     axis_name="hosts")
+    >>> state = jaxcomp.init(tx, {"w": jnp.ones((3,))}, mesh,
+    ...                      layout=jaxcomp.Islands(over="hosts"),
+    ...                      axis_name=("hosts", "data"))
+    >>> state.params["w"].shape  # one copy per island
+    (2, 3)
   """
 
   over: AxisName | None = None
