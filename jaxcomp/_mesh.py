@@ -80,7 +80,7 @@ def check_bound(axis_name: AxisName, where: str,
         advice = (
             f"The enclosing shard_map/pmap binds {bound}: pass the same "
             f"axis name to jaxcomp (compressed_mean(axis_name=...)) and to "
-            f"the mesh that init_sharded / shard_train_step run over, e.g. "
+            f"the mesh that jaxcomp.init / jaxcomp.make_train_step (or jaxcomp.compressed_value_and_grad) run over, e.g. "
             f"{param}={bound[0]!r} or a mesh with axis {ax!r}.")
       else:
         advice = (

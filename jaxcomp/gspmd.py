@@ -349,6 +349,7 @@ class CompressedValueAndGrad:
         class).
     """
     placement.check_array_leaves(params)
+    self._check_transform_axes(params)
     grads = self.shapes
     if self.shapes is None:
       specs = _leaf_specs_of(params, self.mesh)
@@ -371,6 +372,24 @@ class CompressedValueAndGrad:
                                      self.axis_name,
                                      params_spec=self.params_spec, grads=grads)
     return state
+
+  def _check_transform_axes(self, params):
+    """Raises ValueError unless the transform's compressed means average
+    over this route's data axes, together and no others, naming both (the
+    mean would otherwise differ between the devices of a data axis, which
+    ``jax.shard_map`` reports as an output that requires replication)."""
+    shapes = placement.init_shapes(self.transform, params, self.mesh)
+    means = {path: tuple(_mesh.axes(c["axis_name"])) for path, c in
+             transform_lib.transform_configs(shapes).items()}
+    covered = {a for axes in means.values() for a in axes}
+    if means and (covered != set(self._data)):
+      raise ValueError(
+          f"compressed_value_and_grad(axis_name={self.axis_name!r}) takes "
+          f"each device's gradient over the data axes {self._data!r}, but "
+          f"the transform's compressed_mean averages over "
+          f"{sorted(covered)!r} ({means}): pass the same axes to both, e.g. "
+          f"compressed_value_and_grad(..., axis_name={tuple(sorted(covered))!r})"
+          f" or compressed_mean(..., axis_name={self.axis_name!r})")
 
   def _group(self, axes: tuple[str, ...]):
     """The transformation of the leaves GSPMD shards over the data axes
