@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.perfmodel import model as _model
+from jaxcomp.perfmodel import pricing as _pricing
 
 __all__ = ["measure_codec", "time_fn"]
 
@@ -78,12 +78,12 @@ def codec_timers(compressor, sizes: Sequence[int], *, seed: int = 0):
 
 
 def fit_codec(sizes: Sequence[int], encode_seconds: Sequence[float],
-              decode_seconds: Sequence[float], device: str = "") -> _model.CodecCost:
+              decode_seconds: Sequence[float], device: str = "") -> _pricing.CodecCost:
   """Affine fit of measured encode/decode times over buffer sizes."""
   ns = [int(n) for n in sizes]
   ea, eb = _fit_affine(ns, list(encode_seconds))
   da, db = _fit_affine(ns, list(decode_seconds))
-  return _model.CodecCost(ea, eb, da, db, device=device)
+  return _pricing.CodecCost(ea, eb, da, db, device=device)
 
 
 def device_name() -> str:
@@ -92,7 +92,7 @@ def device_name() -> str:
 
 
 def measure_codec(compressor, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20), *,
-                  repeats: int = 5, seed: int = 0) -> _model.CodecCost:
+                  repeats: int = 5, seed: int = 0) -> _pricing.CodecCost:
   """Times ``compressor.encode`` / ``decode`` under ``jax.jit`` on the default device.
 
   Args:

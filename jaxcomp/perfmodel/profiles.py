@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from jaxcomp.perfmodel import model as _model
+from jaxcomp.perfmodel import model_profile as _model_profile
 
 __all__ = ["BUILTIN_PROFILES", "builtin_profile", "load_profile", "DEFAULT_TFLOPS"]
 
@@ -119,7 +119,7 @@ _BUILDERS = {
 BUILTIN_PROFILES = tuple(_BUILDERS)
 
 
-def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model.ModelProfile:
+def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model_profile.ModelProfile:
   """A built-in profile with compute times at ``tflops`` effective TFLOP/s.
 
   Raises:
@@ -134,7 +134,7 @@ def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model.Mode
   build, desc = _BUILDERS[name]
   layers = build()
   rate = tflops * 1e12
-  return _model.ModelProfile(
+  return _model_profile.ModelProfile(
       name=name,
       layer_sizes=tuple(n for n, _ in layers),
       backward_times=tuple(2.0 * f / rate for _, f in layers),
@@ -143,7 +143,8 @@ def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model.Mode
             "timing": f"FLOP count at an assumed {tflops:g} effective TFLOP/s (not measured)"})
 
 
-def load_profile(name_or_path: str, *, tflops: float = DEFAULT_TFLOPS) -> _model.ModelProfile:
+def load_profile(name_or_path: str, *,
+                 tflops: float = DEFAULT_TFLOPS) -> _model_profile.ModelProfile:
   """A built-in profile by name, or one saved as JSON by ``save_profile``.
 
   Raises:
@@ -155,5 +156,5 @@ def load_profile(name_or_path: str, *, tflops: float = DEFAULT_TFLOPS) -> _model
   looks_like_path = (os.sep in name_or_path or name_or_path.endswith(".json")
                      or os.path.exists(name_or_path))
   if looks_like_path:
-    return _model.load_profile_file(name_or_path)
+    return _model_profile.load_profile_file(name_or_path)
   return builtin_profile(name_or_path)  # raises the "unknown profile" error

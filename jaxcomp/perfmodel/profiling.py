@@ -18,7 +18,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from jaxcomp.perfmodel import model as _model
+from jaxcomp.perfmodel import model_profile as _model_profile
 from jaxcomp.perfmodel.codec import time_fn
 
 __all__ = ["profile_model", "profile_flax", "forward_order"]
@@ -58,7 +58,7 @@ def forward_order(fn: Callable, *args) -> list[int]:
 
 def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
                   max_groups: int = 16, repeats: int = 5,
-                  update_fn: Callable | None = None) -> _model.ModelProfile:
+                  update_fn: Callable | None = None) -> _model_profile.ModelProfile:
   """Measures a :class:`ModelProfile` of ``loss_fn(params, *batch)`` on the default device.
 
   Args:
@@ -118,7 +118,7 @@ def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
     grads = jax.tree.map(jnp.ones_like, params)
     update = time_fn(jax.jit(update_fn), params, grads, repeats=repeats)
   dev = jax.devices()[0]
-  return _model.ModelProfile(
+  return _model_profile.ModelProfile(
       name=name,
       layer_sizes=tuple(leaves[i].size for i in order),
       backward_times=tuple(bwd[i] for i in order),
@@ -131,7 +131,7 @@ def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
 
 
 def profile_flax(model, *batch, params=None, loss: Callable | None = None,
-                 name: str | None = None, **kwargs) -> _model.ModelProfile:
+                 name: str | None = None, **kwargs) -> _model_profile.ModelProfile:
   """:func:`profile_model` for a Flax model.
 
   Args:

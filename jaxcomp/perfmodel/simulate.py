@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 from collections.abc import Mapping, Sequence
 
 from jaxcomp.perfmodel import costs
-from jaxcomp.perfmodel import model as _model
+from jaxcomp.perfmodel import model_profile as _model_profile
+from jaxcomp.perfmodel import prediction as _prediction
+from jaxcomp.perfmodel import pricing as _pricing
 
 __all__ = ["DEFAULT_WORKERS", "sweep_workers", "sweep_bandwidth", "stops_paying",
            "required_ratio"]
@@ -25,39 +27,39 @@ DEFAULT_WORKERS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 K = TypeVar("K", bound=float)
 
 
-def sweep_workers(profile: _model.ModelProfile, compressors: Mapping[str, Any],
+def sweep_workers(profile: _model_profile.ModelProfile, compressors: Mapping[str, Any],
                   network: costs.Network, workers: Sequence[int] = DEFAULT_WORKERS, *,
                   codecs=None, buckets="layer", overlap: bool | str = True,
                   collective=None, sync_every: int = 1, output: str = "mean"
-                  ) -> dict[int, dict[str, _model.Prediction]]:
+                  ) -> dict[int, dict[str, _prediction.Prediction]]:
   """``{p: compare(...)}`` for each worker count ``p`` (same links)."""
   out = {}
   for p in workers:
     net = network.with_workers(p)
     if net.algorithm == "hierarchical" and p % net.workers_per_node:
       raise ValueError(f"workers={p} is not a multiple of workers_per_node={net.workers_per_node}")
-    out[p] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
+    out[p] = _prediction.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
                             overlap=overlap, collective=collective,
                             sync_every=sync_every, output=output)
   return out
 
 
-def sweep_bandwidth(profile: _model.ModelProfile, compressors: Mapping[str, Any],
+def sweep_bandwidth(profile: _model_profile.ModelProfile, compressors: Mapping[str, Any],
                     network: costs.Network, gbps: Sequence[float], *, codecs=None,
                     buckets="layer", overlap: bool | str = True, collective=None,
                     sync_every: int = 1, output: str = "mean"
-                    ) -> dict[float, dict[str, _model.Prediction]]:
+                    ) -> dict[float, dict[str, _prediction.Prediction]]:
   """``{gbps: compare(...)}``, the inter-worker link set to each bandwidth."""
   out = {}
   for g in gbps:
     net = network.with_link(costs.Link.from_bandwidth(g, network.link.alpha))
-    out[g] = _model.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
+    out[g] = _prediction.compare(profile, compressors, net, codecs=codecs, buckets=buckets,
                             overlap=overlap, collective=collective,
                             sync_every=sync_every, output=output)
   return out
 
 
-def stops_paying(sweep: Mapping[K, Mapping[str, _model.Prediction]], name: str,
+def stops_paying(sweep: Mapping[K, Mapping[str, _prediction.Prediction]], name: str,
                  *, increasing: bool = True) -> K | None:
   """The first sweep key at which ``name``'s speedup over dense drops below 1.
 
@@ -70,7 +72,7 @@ def stops_paying(sweep: Mapping[K, Mapping[str, _model.Prediction]], name: str,
   return None
 
 
-def required_ratio(profile: _model.ModelProfile, network: costs.Network, *,
+def required_ratio(profile: _model_profile.ModelProfile, network: costs.Network, *,
                    target_scaling: float = 0.9, buckets="layer", overlap: bool | str = True,
                    max_ratio: float = 1e4) -> float:
   """Smallest compression ratio of an ideal compressor reaching ``target_scaling``.
@@ -83,7 +85,7 @@ def required_ratio(profile: _model.ModelProfile, network: costs.Network, *,
     raise ValueError(f"target_scaling must be in (0, 1], got {target_scaling!r}")
 
   def scaling(r):
-    return _model.predict(profile, _model.IdealCompressor(r), network, buckets=buckets,
+    return _prediction.predict(profile, _pricing.IdealCompressor(r), network, buckets=buckets,
                           overlap=overlap).scaling_factor
 
   if scaling(1.0) >= target_scaling:
