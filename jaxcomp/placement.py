@@ -47,6 +47,9 @@ def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
 
   Returns:
     ``f(params, *args) -> (value, grads)``; the value is per device too.
+    An integer or boolean leaf of ``params`` (a step counter, a mask) gets
+    a zero gradient of its own dtype, where ``jax.grad`` refuses it: leave
+    it out of the exchange with ``compressed_mean(..., mask=...)``.
 
   Raises:
     NameError: ``f`` is called where ``axis_name`` is not bound (outside
@@ -76,13 +79,24 @@ def per_device_value_and_grad(fun: Callable, axis_name: AxisName, *,
     ...         jnp.float32(1.0), x)  # already summed: nothing to compress
     Array([280., 280., 280., 280., 280., 280., 280., 280.], dtype=float32)
   """
-  vg = jax.value_and_grad(fun, has_aux=has_aux)
+  vg = jax.value_and_grad(fun, has_aux=has_aux, allow_int=True)
 
   def wrapped(params, *args, **kwargs):
     check_bound(axis_name, "per_device_value_and_grad")
-    return vg(to_varying(params, axis_name), *args, **kwargs)
+    params = to_varying(params, axis_name)
+    value, grads = vg(params, *args, **kwargs)
+    return value, jax.tree.map(_zero_for_float0, grads, params)
 
   return wrapped
+
+
+def _zero_for_float0(g, p):
+  """An integer or boolean parameter's gradient as zeros of its own dtype
+  (``jax.grad`` gives ``float0``, which no optimizer can scale), so that
+  ``compressed_mean(..., mask=...)`` leaves it out and its update is zero."""
+  if jnp.result_type(g) == jax.dtypes.float0:
+    return jnp.zeros_like(p)
+  return g
 
 
 def per_device_grad(fun: Callable, axis_name: AxisName, *,

@@ -221,17 +221,22 @@ def check_state(state, expected) -> None:
   stage's to the next)."""
   got = jax.tree_util.tree_flatten_with_path(state)
   want = jax.tree_util.tree_flatten_with_path(expected)
+  made_for = _made_for(state, expected)
   if got[1] != want[1]:
     got_paths = [jax.tree_util.keystr(p) for p, _ in got[0]]
     want_paths = [jax.tree_util.keystr(p) for p, _ in want[0]]
-    first = next((g, w) for g, w in zip(got_paths + ["(end)"],
-                                        want_paths + ["(end)"]) if g != w)
+    first = next(((g, w) for g, w in zip(got_paths + ["(end)"],
+                                         want_paths + ["(end)"]) if g != w),
+                 None)
+    where = ("its leaves' containers differ" if first is None else
+             f"its structure differs first at {first[0]} where {first[1]} "
+             "was expected")
     raise ValueError(
-        "compressed_mean.update: the state does not fit this gradient: its "
-        f"structure differs first at {first[0]} where {first[1]} was "
-        f"expected ({len(got_paths)} leaves given, {len(want_paths)} "
-        "expected). Initialise the state (jaxcomp.init) with "
-        "parameters of the same structure and shapes as the gradients.")
+        f"compressed_mean.update: the state does not fit this transform: "
+        f"{where} ({len(got_paths)} leaves given, {len(want_paths)} "
+        f"expected).{made_for} Initialise the state (jaxcomp.init) with this "
+        "transform and parameters of the same structure and shapes as the "
+        "gradients.")
   for (path, g), (_, w) in zip(got[0], want[0]):
     if jnp.shape(g) != w.shape or jnp.result_type(g) != w.dtype:
       raise ValueError(
@@ -239,5 +244,24 @@ def check_state(state, expected) -> None:
           f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} and dtype "
           f"{jnp.result_type(g)}, but this gradient needs {w.shape} "
           f"{w.dtype}: the state was made for another model, bucketing or "
-          "compressor. Initialise it (jaxcomp.init) with parameters "
-          "of the same structure and shapes as the gradients.")
+          f"compressor.{made_for} Initialise it (jaxcomp.init) with this "
+          "transform and parameters of the same structure and shapes as the "
+          "gradients.")
+
+
+# The parts of a configuration whose change makes a state of other contents.
+_STATE_MAKERS = ("compressor", "collective", "error_feedback", "bucketing",
+                 "output")
+
+
+def _made_for(state, expected) -> str:
+  """`` The state was made for ...``: the parts of the configuration in
+  which the transform that made ``state`` differs from this one, or ``""``
+  where they agree (or either state carries none)."""
+  try:
+    have, want = state.config.as_dict(), expected.config.as_dict()
+  except AttributeError:
+    return ""
+  diffs = [f"{k} {have.get(k)!r} where this transform has {want.get(k)!r}"
+           for k in _STATE_MAKERS if have.get(k) != want.get(k)]
+  return (" The state was made for " + "; ".join(diffs) + ".") if diffs else ""
