@@ -1,7 +1,16 @@
-"""The ``jaxcomp`` command line: a dispatcher of subcommands.
+"""The ``jaxcomp`` command line, one dispatcher of subcommands::
 
-Subcommands register themselves with :func:`register_subcommand`; ``whatif``
-(the performance model) is the first. To add one::
+  jaxcomp whatif ...        # does compression pay for this model and cluster
+  jaxcomp launch -n N -- cmd ...     # an N-process JAX job on this machine
+  jaxcomp islands -n N -m M -- cmd ...   # elastic DiLoCo islands (torchft)
+  jaxcomp lighthouse ...    # torchft's quorum service, for islands elsewhere
+  jaxcomp autotune ...      # time the Pallas kernels against XLA on this GPU
+
+``python -m jaxcomp.cli`` is the same command. Everything here runs from an
+installed wheel; tooling that needs a source checkout (the device check, the
+kernel benchmark) lives in the checkout's ``benchmarks/``.
+
+Subcommands register themselves with :func:`register_subcommand`. To add one::
 
     def _add_mycmd(subparsers):
         p = subparsers.add_parser("mycmd", help="...")
@@ -15,16 +24,33 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
+import json
 import math
 import os
 import sys
 from typing import Any
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+
 from jaxcomp import compressors
+from jaxcomp import kernels
+from jaxcomp import launch
 from jaxcomp import perfmodel
 
-__all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec"]
+# MERGE: jaxcomp.elastic becomes a package with a torch-free ``launcher``
+# module in another branch; once merged this is a plain
+# ``from jaxcomp.elastic import launcher as elastic_launcher``. Until then
+# (jaxcomp/elastic.py, which imports torch) islands/lighthouse are absent.
+if os.path.isdir(os.path.join(os.path.dirname(__file__), "elastic")):
+  elastic_launcher = importlib.import_module("jaxcomp.elastic.launcher")
+else:
+  elastic_launcher = None
+
+__all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec",
+           "autotune_rows", "autotune_table", "cache_entries", "simulated_tuner"]
 
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
@@ -134,7 +160,6 @@ def _build_compressors(specs: Sequence[str]):
 
 
 def _codecs(args, comps):
-  import json
   if args.codec == "none":
     return {}, "encode/decode: not counted (--codec none)"
   if args.codec == "measure":
@@ -189,7 +214,58 @@ def _print_table(header, rows, out):
     print(_fmt_row(r, widths), file=out)
 
 
+def _describe_network(args, network, overlap: str, output: str) -> str:
+  """whatif's ``network:`` line: the cluster, buckets, overlap and layout."""
+  return (f"network: {network.workers} workers, {args.bandwidth:g} Gbit/s, "
+          f"{args.latency:g} us per message, {network.algorithm}"
+          + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
+             if network.algorithm == "hierarchical" else "")
+          + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
+          + {"wfbp": "; overlap with backward (WFBP)",
+             "after_backward": "; collectives after the backward pass",
+             "serial": "; nothing overlaps (serial)"}[overlap]
+          + (f"; compressors as DiLoCo, one exchange every {args.diloco_every} steps"
+             if args.diloco_every > 1 else "")
+          + {"mean": "", "shard": "; FSDP (float32 parameter gathers, compressed "
+             "reduce-scatter)", "hsdp": "; HSDP (sharded inside a node, exact there; "
+             "shards compressed across nodes)",
+             "islands": "; DiLoCo islands (exact data parallelism inside a node, "
+             "pseudo-gradients compressed across nodes; dense: data parallelism)",
+             "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
+             "of the pseudo-gradient across nodes; dense: HSDP)"}[output]
+          + (f"; tensor parallelism over {args.tensor_parallel} devices (each worker "
+             f"exchanges its 1/{args.tensor_parallel} of every tensor; the tensor axis's "
+             "activation collectives are not priced)" if args.tensor_parallel > 1 else ""))
+
+
+def _print_simulation(profile, comps, network, kw, out) -> None:
+  """whatif --simulate: the trace-based simulation from 4 to 2048 workers and
+  where each compressor stops paying."""
+  workers = [p for p in perfmodel.DEFAULT_WORKERS
+             if network.algorithm == "ring" or p % network.workers_per_node == 0]
+  sweep = perfmodel.sweep_workers(profile, comps, network, workers, **kw)
+  print(f"\ntrace-based simulation, {workers[0]} to {workers[-1]} workers "
+        "(speedup over dense; dense column: scaling factor)", file=out)
+  names = list(comps)
+  rows = [[str(p), f"{sweep[p]['dense'].scaling_factor:.3f}"]
+          + [f"{sweep[p][n].speedup:.2f}" for n in names] for p in workers]
+  _print_table(["workers", "dense_scaling"] + names, rows, out)
+  for n in names:
+    k = perfmodel.stops_paying(sweep, n)
+    paid = [p for p in workers if sweep[p][n].speedup >= 1]
+    if k is None:
+      verdict = f"pays at every worker count from {workers[0]} to {workers[-1]}"
+    elif not paid:
+      verdict = "never pays in this range"
+    else:
+      verdict = f"stops paying at {k} workers"
+      if any(p > k for p in paid):
+        verdict += f" (pays again from {min(p for p in paid if p > k)})"
+    print(f"  {n}: {verdict}", file=out)
+
+
 def _run_whatif(args) -> int:
+  """``jaxcomp whatif``: the predictions table (and --simulate, --plot)."""
   out = sys.stdout
   profile = perfmodel.load_profile(args.profile, tflops=args.tflops).tensor_parallel(
       args.tensor_parallel)
@@ -214,27 +290,7 @@ def _run_whatif(args) -> int:
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
         f"{len(profile.layer_sizes)} tensors; compute {profile.compute_time * 1e3:.1f} ms/step "
         f"({profile.meta.get('timing', 'measured')})", file=out)
-  print(f"network: {network.workers} workers, {args.bandwidth:g} Gbit/s, "
-        f"{args.latency:g} us per message, {network.algorithm}"
-        + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
-           if network.algorithm == "hierarchical" else "")
-        + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
-        + {"wfbp": "; overlap with backward (WFBP)",
-           "after_backward": "; collectives after the backward pass",
-           "serial": "; nothing overlaps (serial)"}[overlap]
-        + (f"; compressors as DiLoCo, one exchange every {args.diloco_every} steps"
-           if args.diloco_every > 1 else "")
-        + {"mean": "", "shard": "; FSDP (float32 parameter gathers, compressed "
-           "reduce-scatter)", "hsdp": "; HSDP (sharded inside a node, exact there; "
-           "shards compressed across nodes)",
-           "islands": "; DiLoCo islands (exact data parallelism inside a node, "
-           "pseudo-gradients compressed across nodes; dense: data parallelism)",
-           "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
-           "of the pseudo-gradient across nodes; dense: HSDP)"}[output]
-        + (f"; tensor parallelism over {args.tensor_parallel} devices (each worker "
-           f"exchanges its 1/{args.tensor_parallel} of every tensor; the tensor axis's "
-           "activation collectives are not priced)" if args.tensor_parallel > 1 else ""),
-        file=out)
+  print(_describe_network(args, network, overlap, output), file=out)
   print(codec_note, file=out)
   print(file=out)
   rows = []
@@ -251,27 +307,7 @@ def _run_whatif(args) -> int:
         f"for scaling factor >= {args.target_scaling:g}", file=out)
 
   if args.simulate:
-    workers = [p for p in perfmodel.DEFAULT_WORKERS
-               if network.algorithm == "ring" or p % network.workers_per_node == 0]
-    sweep = perfmodel.sweep_workers(profile, comps, network, workers, **kw)
-    print(f"\ntrace-based simulation, {workers[0]} to {workers[-1]} workers "
-          "(speedup over dense; dense column: scaling factor)", file=out)
-    names = list(comps)
-    rows = [[str(p), f"{sweep[p]['dense'].scaling_factor:.3f}"]
-            + [f"{sweep[p][n].speedup:.2f}" for n in names] for p in workers]
-    _print_table(["workers", "dense_scaling"] + names, rows, out)
-    for n in names:
-      k = perfmodel.stops_paying(sweep, n)
-      paid = [p for p in workers if sweep[p][n].speedup >= 1]
-      if k is None:
-        verdict = f"pays at every worker count from {workers[0]} to {workers[-1]}"
-      elif not paid:
-        verdict = "never pays in this range"
-      else:
-        verdict = f"stops paying at {k} workers"
-        if any(p > k for p in paid):
-          verdict += f" (pays again from {min(p for p in paid if p > k)})"
-      print(f"  {n}: {verdict}", file=out)
+    _print_simulation(profile, comps, network, kw, out)
 
   if args.plot:
     _plot(args, profile, comps, network, kw)
@@ -374,6 +410,158 @@ def _add_whatif(sub):
 
 
 register_subcommand("whatif", _add_whatif)
+
+
+# -------------------------------------------------------------- autotune ---
+
+AUTOTUNE_OPS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
+AUTOTUNE_SIZES = (1 << 20, 1 << 24)
+SIMULATED_SIZES = (4096,)
+
+
+def _element_count(s: str) -> int:
+  """An argparse type: an element count >= 1 (``1048576``, ``1e6``, ``2**20``)."""
+  try:
+    base, sep, exp = s.partition("**")
+    v = int(base) ** int(exp) if sep else int(float(s))
+  except (ValueError, OverflowError):
+    v = None
+  if v is None or v < 1:
+    raise argparse.ArgumentTypeError(
+        f"a size is an element count >= 1 (1048576, 1e6 or 2**20), got {s!r}")
+  return v
+
+
+def simulated_tuner(cache_path: str | None) -> kernels.Autotuner:
+  """An :class:`jaxcomp.kernels.Autotuner` on a simulated GPU: the Pallas
+  candidates run in interpret mode and both paths are timed for real (2
+  trials of at most 2 calls), for trying autotuning off GPUs. Its table is
+  keyed ``simulated GPU (<platform>, interpret)``, never a real GPU's."""
+  return kernels.Autotuner(
+      cache_path=cache_path, nvidia=True, interpret=True,
+      device_kind=f"simulated GPU ({jax.devices()[0].platform}, interpret)",
+      timer=lambda key, impl, fn, a: kernels.measure_seconds(
+          fn, a, repeats=2, max_calls=2))
+
+
+def autotune_rows(ops: Sequence[str], sizes: Sequence[int],
+                  tuner: kernels.Autotuner) -> list[dict]:
+  """Autotunes each compressor in ``ops`` (names for
+  :func:`jaxcomp.compressors.get`) on its encode of a float32 vector of each
+  element count in ``sizes``; every decision is read from ``tuner``'s cache
+  file or measured and written there.
+
+  Returns:
+    One dict per decision: ``key``, ``from`` (``"<op> encode, n=<n>"``),
+    ``source`` and :meth:`jaxcomp.kernels.Decision.to_json`'s fields
+    (``implementation``, ``seconds`` per call of each path, ``errors``,
+    ``n``, ``when``).
+  """
+  rows = []
+  for name in ops:
+    c = compressors.get(name)
+    for n in sizes:
+      for d in kernels.autotune(c.encode, jax.ShapeDtypeStruct((n,), jnp.float32),
+                                jax.random.key(0), tuner=tuner):
+        rows.append({"key": str(d.key), "from": f"{name} encode, n={n:,}",
+                     **d.to_json(), "source": d.source})
+  return rows
+
+
+def cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
+  """The entries of ``table`` in the autotuning cache file at ``path``,
+  sorted by key; none where the file is missing or unreadable."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return sorted(json.load(f)["tables"].get(table, {}).items())
+  except (OSError, ValueError, KeyError):
+    return []
+
+
+def autotune_table(rows: Sequence[dict]) -> str:
+  """A markdown table of decisions (:func:`autotune_rows`' dicts, or cache
+  entries with ``key`` and ``from``): the choice and milliseconds per call."""
+  lines = ["| key | from | choice | pallas ms | xla ms | xla / pallas |",
+           "| --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    s = r.get("seconds", {})
+    p, x = s.get("pallas"), s.get("xla")
+    fmt = lambda v: "failed" if v is None else f"{v * 1e3:.4f}"
+    ratio = f"{x / p:.2f}" if p and x else ""
+    lines.append(f"| {r['key']} | {r['from']} | {r['implementation']} | "
+                 f"{fmt(p) if s else ''} | {fmt(x) if s else ''} | {ratio} |")
+  return "\n".join(lines)
+
+
+def _run_autotune(args) -> int:
+  """``jaxcomp autotune``: tunes (or, with --show, reads) and prints the table."""
+  tuner = simulated_tuner(args.cache) if args.simulate else kernels.Autotuner(
+      cache_path=args.cache)
+  path = tuner.cache_path
+  if args.show:
+    if path is None:
+      raise ValueError("--show reads the cache file, and the cache is memory "
+                       "only (--cache none or JAXCOMP_AUTOTUNE_CACHE=none)")
+    rows = [{"key": key, "from": "cache file", **entry}
+            for key, entry in cache_entries(path, tuner.table_name())]
+  else:
+    if not tuner.nvidia:
+      print("not an NVIDIA GPU: implementation=None takes XLA here and nothing "
+            "is timed (--simulate tries the command in interpret mode)")
+    sizes = args.sizes or (SIMULATED_SIZES if args.simulate else AUTOTUNE_SIZES)
+    rows = autotune_rows(args.ops, sizes, tuner)
+  print(f"device: {tuner.device_kind}")
+  print(f"cache: {path or 'none (memory only)'}, table {tuner.table_name()!r}")
+  if rows:
+    print(autotune_table(rows))
+  elif args.show:
+    print("the cache file has no entries for this device and these versions "
+          "(jaxcomp autotune fills it)")
+  else:
+    print("no decisions: nothing is tuned off NVIDIA GPUs")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"device": tuner.device_kind, "table": tuner.table_name(),
+                 "decisions": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+  return 0
+
+
+def _add_autotune(sub):
+  p = sub.add_parser(
+      "autotune", help="time the Pallas kernels against XLA on this GPU and "
+      "keep the faster in the autotuning cache",
+      description="Autotune the kernel compressors' encodes on this machine's "
+      "NVIDIA GPU: for each op and size, time the Pallas and the XLA path, "
+      "keep the faster in the cache file that implementation=None reads "
+      "(jaxcomp.kernels.Autotuner; one table per GPU kind and JAX, jaxlib and "
+      "jaxcomp version), and print the decisions. Keys already in the cache "
+      "are read, not timed again. Off NVIDIA GPUs XLA is taken and nothing is "
+      "timed.")
+  p.add_argument("--ops", nargs="+", choices=AUTOTUNE_OPS, default=list(AUTOTUNE_OPS),
+                 help=f"compressors whose encode is tuned (default: {' '.join(AUTOTUNE_OPS)})")
+  p.add_argument("--sizes", nargs="+", type=_element_count, default=None, metavar="N",
+                 help="float32 element counts, e.g. 1e6 or 2**20; each tunes its size "
+                 "class (2**(c-1) < n <= 2**c) (default: 2**20 2**24; 4096 with --simulate)")
+  p.add_argument("--cache", default=None, metavar="PATH",
+                 help="the cache file (default: $JAXCOMP_AUTOTUNE_CACHE, else "
+                 "$XDG_CACHE_HOME/jaxcomp/autotune.json or ~/.cache/jaxcomp/autotune.json; "
+                 "'none': memory only)")
+  p.add_argument("--show", action="store_true",
+                 help="print the cache file's table for this GPU and these versions; "
+                 "time nothing")
+  p.add_argument("--json", metavar="PATH", help="also write the decisions here")
+  p.add_argument("--simulate", action="store_true",
+                 help="a simulated GPU: the Pallas kernels in interpret mode, timed for "
+                 "real at small sizes (to try the command off GPUs; its own cache table)")
+  p.set_defaults(func=_run_autotune)
+
+
+register_subcommand("launch", launch.add_launch_command)
+if elastic_launcher is not None:
+  register_subcommand("islands", elastic_launcher.add_islands_command)
+  register_subcommand("lighthouse", elastic_launcher.add_lighthouse_command)
+register_subcommand("autotune", _add_autotune)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Starts an N-process JAX job on one machine, for trying multi-host code::
 
-  python -m jaxcomp.launch -n 2 --devices-per-process 2 -- \\
+  jaxcomp launch -n 2 --devices-per-process 2 -- \\
       python examples/multihost/train_mlp.py --steps 20
 
 Every child gets ``JAXCOMP_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
@@ -226,7 +226,7 @@ def _check_launch_args(command: Sequence[str], num_processes: int, *,
   """Raises ValueError for an empty command, a bad count or time, or a busy port."""
   if not command:
     raise ValueError("command is empty; put it after '--', e.g. "
-                     "python -m jaxcomp.launch -n 2 -- python train.py")
+                     "jaxcomp launch -n 2 -- python train.py")
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes=}")
   if devices_per_process is not None and devices_per_process < 1:
@@ -457,15 +457,15 @@ def _result(job: _Job, num_processes: int) -> JobResult:
   return JobResult(status, codes, failed, ends, job.terminated, seconds,
                    message)
 
-def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if "--" in argv:
-    cut = argv.index("--")
-    own, command = argv[:cut], argv[cut + 1:]
-  else:
-    own, command = argv, []
-  p = argparse.ArgumentParser(
-      prog="python -m jaxcomp.launch", description=__doc__,
+def add_launch_command(subparsers) -> None:
+  """Adds ``launch`` (``jaxcomp launch -n N [options] -- command ...``) to
+  the ``jaxcomp`` command line's ``subparsers``; its ``func(args)`` runs
+  :func:`launch` and returns the job's exit status (see the module
+  docstring). A bad argument raises ValueError, a missing program
+  FileNotFoundError (the command line reports either with exit status 2)."""
+  p = subparsers.add_parser(
+      "launch", help="start an N-process JAX job on this machine, for trying "
+      "multi-host code", description=__doc__,
       usage="%(prog)s -n N [options] -- command [args ...]",
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-n", "--num-processes", type=int, required=True)
@@ -485,20 +485,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--preemption-grace", type=float, default=60.0,
                  help="after SIGTERM, seconds the processes get to checkpoint "
                  "and exit before SIGKILL (default 60)")
-  args = p.parse_args(own)
+  p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command",
+                 help="after '--': the program every process runs, and its "
+                 "arguments")
+  p.set_defaults(func=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+  """``jaxcomp launch``: the job's exit status."""
+  command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
   if not command:
-    p.error("no command: put it after '--', e.g. python -m jaxcomp.launch "
-            "-n 2 -- python examples/multihost/train_mlp.py")
-  try:
-    result = launch(command, args.num_processes,
-                    devices_per_process=args.devices_per_process,
-                    port=args.port, grace=args.grace, timeout=args.timeout,
-                    heartbeat_timeout=args.heartbeat_timeout,
-                    preemption_grace=args.preemption_grace)
-  except (ValueError, FileNotFoundError) as e:
-    p.error(str(e))
+    raise ValueError("no command: put it after '--', e.g. jaxcomp launch "
+                     "-n 2 -- python examples/multihost/train_mlp.py")
+  result = launch(command, args.num_processes,
+                  devices_per_process=args.devices_per_process,
+                  port=args.port, grace=args.grace, timeout=args.timeout,
+                  heartbeat_timeout=args.heartbeat_timeout,
+                  preemption_grace=args.preemption_grace)
   return result.returncode
-
-
-if __name__ == "__main__":
-  sys.exit(main())

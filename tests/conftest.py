@@ -80,8 +80,8 @@ def pytest_configure(config):
 
 
 def pytest_runtest_logreport(report):
-  """With ``JAXCOMP_TEST_PROGRESS`` set to a file (``python -m jaxcomp.bench
-  device-check`` sets it), each test's outcome and seconds are appended as
+  """With ``JAXCOMP_TEST_PROGRESS`` set to a file (``python
+  benchmarks/device_check.py`` sets it), each test's outcome and seconds are appended as
   it finishes, and a failure's traceback at once: a run stopped at its time
   limit still says what failed and where the time went (pytest prints
   failures and durations only at the end). Under pytest-xdist the

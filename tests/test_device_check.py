@@ -1,4 +1,4 @@
-"""``python -m jaxcomp.bench device-check`` in its short interpret-mode form
+"""``python benchmarks/device_check.py`` in its short interpret-mode form
 (what it runs off NVIDIA GPUs), so that the command a GPU owner runs cannot
 rot: every section runs and the results land where the docs say."""
 
@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.hlo import kernel_structure as structure
-from jaxcomp.bench import device_check
-from jaxcomp.bench import kernels as bench_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import device_check  # benchmarks/device_check.py
+import kernels_bench as bench_kernels  # benchmarks/kernels_bench.py
 
 
 def _device_check(tmp_path, *args, timeout=900):
@@ -26,7 +28,7 @@ def _device_check(tmp_path, *args, timeout=900):
   # Two simulated devices per process (the example's step has a mesh of
   # two); each process starts faster than with the tests' eight.
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  r = subprocess.run([sys.executable, "-m", "jaxcomp.bench", "device-check",
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device_check.py"),
                       "--form", "interpret", "--output-dir", str(tmp_path),
                       *args], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=timeout)
@@ -198,3 +200,13 @@ def test_top_k_rows_slower_than_the_last_table_of_the_gpu_are_flagged(tmp_path):
                                                 str(tmp_path))
   assert line == "no earlier kernels table of Lone GPU under results", line
   assert "Regressions" not in table
+
+
+def test_help_names_the_command_a_checkout_runs():
+  """``--help`` of both scripts runs from the checkout and names the command
+  (the tooling left the installed package for benchmarks/)."""
+  for script in ("device_check.py", "kernels_bench.py"):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert f"python benchmarks/{script}" in r.stdout, r.stdout

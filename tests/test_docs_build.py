@@ -152,7 +152,7 @@ def _check_pages_read_in_a_browser(html):
   # A command in a docstring is a code block, not a definition list.
   launch = (html / "api" / "generated" / "jaxcomp.launch.html").read_text()
   assert '<dl class="simple">' not in launch
-  assert "python -m jaxcomp.launch -n 2 --devices-per-process 2" in _text(
+  assert "jaxcomp launch -n 2 --devices-per-process 2" in _text(
       html / "api" / "generated" / "jaxcomp.launch.html")
   # Real signatures, not a wrapper's (*args, **kwargs).
   flax_page = _text(html / "api" / "generated" / "jaxcomp.flax.html")
@@ -164,13 +164,12 @@ def _check_pages_read_in_a_browser(html):
 # their own, and why. A new module must be added to docs/conf.py's
 # jaxcomp_api_modules or here.
 NOT_IN_REFERENCE = {
-    "cli": "the `jaxcomp` command; `jaxcomp whatif --help` documents it",
-    "bench.*": "`python -m jaxcomp.bench`, the kernel benchmark and the "
-               "device check, and their modules",
-    "inspect": "a package; jaxcomp.hlo.traffic is listed",
+    "cli": "the `jaxcomp` command; `jaxcomp --help` and each subcommand's "
+           "--help document it",
+    "hlo": "a package; jaxcomp.hlo.traffic is listed",
     "elastic": "needs the optional elastic extra (torch, torchft) to import; "
                "docs/lowcomm.md's \"Elastic islands\" documents it",
-    "inspect.kernel_structure": "the kernel tests' reader of exported "
+    "hlo.kernel_structure": "the kernel tests' reader of exported "
                                 "StableHLO, not a training API",
 }
 

@@ -104,8 +104,9 @@ def test_the_design_page_draws_the_contract():
 def test_torch_imports_stay_in_the_elastic_module():
   """Only jaxcomp/elastic.py imports torchft, or torch at module level (the
   ``elastic`` extra); the rest of jaxcomp installs and runs without them
-  (``jaxcomp.bench.kernels`` imports torch inside the one function that
-  times PyTorch beside us, the ``bench`` extra)."""
+  (``benchmarks/kernels_bench.py``, outside the package, imports torch
+  inside the one function that times PyTorch beside us, the ``bench``
+  extra)."""
   pattern = re.compile(r"^(\s*(from|import)\s+torchft\b|(from|import)\s+torch\b)")
   found = []
   for base, _, files in os.walk(os.path.join(ROOT, "jaxcomp")):

@@ -303,7 +303,7 @@ def test_launcher_cli_tears_down_the_job_when_one_process_dies():
            "time.sleep(0.5)\n"
            "sys.exit(3) if pid == 1 else time.sleep(600)\n")
   r = subprocess.run(
-      [sys.executable, "-m", "jaxcomp.launch", "-n", "3", "--grace", "0",
+      [sys.executable, "-m", "jaxcomp.cli", "launch", "-n", "3", "--grace", "0",
        "--", sys.executable, "-c", child], capture_output=True, text=True,
       timeout=60, env=_clean_env())
   assert r.returncode == 3, r.stderr
@@ -346,7 +346,7 @@ def test_launcher_refuses_a_port_in_use_and_shows_the_separator():
     busy = s.getsockname()[1]
     with pytest.raises(ValueError, match=f"port {busy} on 127.0.0.1 is in use"):
       launch.launch(["true"], 2, port=busy)
-  r = subprocess.run([sys.executable, "-m", "jaxcomp.launch", "--help"],
+  r = subprocess.run([sys.executable, "-m", "jaxcomp.cli", "launch", "--help"],
                      capture_output=True, text=True, timeout=60,
                      env=_clean_env())
   assert "-- command" in r.stdout.splitlines()[0], r.stdout
@@ -364,7 +364,7 @@ def test_malformed_coordinator_address_is_refused(address, monkeypatch):
 def test_launcher_missing_program_fails_before_starting_any_process():
   with pytest.raises(FileNotFoundError, match=r"command\[0\].*no-such-prog"):
     launch.launch(["no-such-prog-jaxcomp"], 2)
-  r = subprocess.run([sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--",
+  r = subprocess.run([sys.executable, "-m", "jaxcomp.cli", "launch", "-n", "2", "--",
                       "no-such-prog-jaxcomp"], capture_output=True, text=True,
                      timeout=60, env=_clean_env())
   assert r.returncode == 2 and "no-such-prog-jaxcomp" in r.stderr, r.stderr
@@ -470,7 +470,7 @@ def _launch_sleepers(tmp_path, **popen_kw):
            "os.replace(path + '.tmp', path)\n"  # readers never see half
            "time.sleep(600)\n")
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxcomp.launch", "-n", "2", "--", sys.executable,
+      [sys.executable, "-m", "jaxcomp.cli", "launch", "-n", "2", "--", sys.executable,
        "-c", child], env=_clean_env(), **popen_kw)
   done = lambda: [f for f in pids.iterdir() if f.suffix != ".tmp"]
   _wait_until(lambda: len(done()) >= 2, seconds=60)
@@ -593,7 +593,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_is_bit_exact(
   ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
   args = [*BASE, "--checkpoint-dir", ckpt, "--output", out]
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxcomp.launch", "-n", "2",
+      [sys.executable, "-m", "jaxcomp.cli", "launch", "-n", "2",
        "--devices-per-process", "2", "--preemption-grace", "60", "--",
        sys.executable, SCRIPT, *args, "--step-delay", "1.0"],
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,7 +1,8 @@
 """The package a user installs: ``python -m build`` makes an sdist and a
 wheel that ``twine check`` passes, and the wheel, installed into a fresh
 virtual environment outside the checkout, imports, trains and runs its
-command line.
+command line: ``jaxcomp --help`` lists every subcommand and each
+subcommand's ``--help`` runs.
 
 The fresh environment gets every dependency the wheel declares from the
 package index, through pip's cache (the README's test command has just
@@ -22,6 +23,8 @@ import textwrap
 import tomllib
 
 import jaxcomp
+from tests.test_cli import expected_subcommands
+from tests.test_cli import listed_subcommands
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,7 +83,8 @@ def check_build(dist):
                    "jaxcomp/compressors/topk.py", "jaxcomp/perfmodel/profiles.py",
                    "jaxcomp/cli.py"):
     assert required in names, required
-  assert not any(n.startswith(("tests/", "docs/", "examples/")) for n in names)
+  assert not any(n.startswith(("tests/", "docs/", "examples/", "benchmarks/",
+                                "jaxcomp/bench/")) for n in names), names
   with tarfile.open(sdist) as tar:
     members = tar.getnames()
   assert f"jaxcomp-{version}/CHANGELOG.md" in members
@@ -89,7 +93,8 @@ def check_build(dist):
 
 def check_fresh_venv(dist, tmp_path):
   """The wheel in a fresh venv outside the checkout: imports from there,
-  trains 3 compressed steps, runs ``jaxcomp whatif --help``."""
+  trains 3 compressed steps, and its ``jaxcomp`` lists every subcommand and
+  runs each one's ``--help``."""
   venv = tmp_path / "venv"
   _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
   python = venv / "bin" / "python"
@@ -139,10 +144,23 @@ def check_fresh_venv(dist, tmp_path):
              timeout=600)
   assert f"trained {jaxcomp.__version__}" in out.stdout
 
-  cli = _run([str(venv / "bin" / "jaxcomp"), "whatif", "--help"], cwd=work,
-             env=env, timeout=120)
-  assert "usage: jaxcomp whatif" in cli.stdout
-  assert "--profile" in cli.stdout
+  check_command_line(venv / "bin" / "jaxcomp", work, env)
+
+
+def check_command_line(jaxcomp_script, work, env):
+  """``jaxcomp --help`` (the installed console script, run outside the
+  checkout) lists every subcommand, and each ``jaxcomp <sub> --help`` exits
+  0 with its usage."""
+  top = _run([str(jaxcomp_script), "--help"], cwd=work, env=env, timeout=120)
+  assert listed_subcommands(top.stdout) == expected_subcommands(), top.stdout
+  helps = {}
+  for sub in expected_subcommands():
+    helps[sub] = _run([str(jaxcomp_script), sub, "--help"], cwd=work, env=env,
+                      timeout=120).stdout
+    assert f"usage: jaxcomp {sub}" in helps[sub], helps[sub]
+  assert "--profile" in helps["whatif"]
+  assert "-- command" in helps["launch"].splitlines()[0]
+  assert "--show" in helps["autotune"]
 
 
 def test_version_has_one_source():

@@ -16,7 +16,7 @@ from a peer (or from ``--checkpoint-dir`` when every peer is gone).
 
 An island of several JAX processes: start each with
 ``JAXCOMP_COORDINATOR_ADDRESS``, ``JAXCOMP_NUM_PROCESSES`` and
-``JAXCOMP_PROCESS_ID`` (``python -m jaxcomp.launch -n 2 -- python
+``JAXCOMP_PROCESS_ID`` (``jaxcomp launch -n 2 -- python
 examples/elastic/island.py ...`` sets them); its inner steps are exact data
 parallelism over the island's processes (gloo), and ``{process}`` in
 ``--log`` and ``--output`` becomes the process index (``{island}`` the

@@ -3,7 +3,7 @@
 Two processes with two simulated CPU devices each, top-k + error feedback,
 checkpoint every 5 steps:
 
-  python -m jaxcomp.launch -n 2 --devices-per-process 2 -- \\
+  jaxcomp launch -n 2 --devices-per-process 2 -- \\
       python examples/multihost/train_mlp.py --steps 20 \\
       --checkpoint-dir /tmp/ckpt --save-every 5 --output /tmp/out
 

@@ -25,7 +25,7 @@ bytes. Here the selection is two kernels and one small prefix sum.
 Why Triton: the scatter's addresses depend on the data, which Mosaic GPU's
 tiled shared-memory stores and TMA copies do not express; Triton's masked
 pointer stores do. Untimed on a GPU so far: :func:`jaxcomp.kernels.topk.
-topk_triton` is reached only by asking for it (``bench kernels``' ``triton``
+topk_triton` is reached only by asking for it (``benchmarks/kernels_bench.py``' ``triton``
 top-k row), not by ``implementation=None``.
 """
 

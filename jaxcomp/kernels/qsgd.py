@@ -319,8 +319,8 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic QSGD kernel lost to XLA at
   2.5e7 (0.74x) and barely won at 1e8 (1.09x); not yet timed on a GPU
-  itself, so no ``implementation`` picks it (``python -m jaxcomp.bench
-  kernels --ops qsgd``, row ``pallas:triton``).
+  itself, so no ``implementation`` picks it (``python
+  benchmarks/kernels_bench.py --ops qsgd``, row ``pallas:triton``).
 
   Args:
     x: float32, bfloat16 or float16 array of ``n`` elements (any shape).

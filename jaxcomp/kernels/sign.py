@@ -140,8 +140,8 @@ def sign_pack_triton(x: jax.Array, *, rows: int = _triton.SIGN_ROWS,
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic kernel (:func:`sign_pack`)
   was 1.94x XLA at 1e8 float32 but 0.77x at 2.5e7; not yet timed on a GPU
-  itself, so no ``implementation`` picks it (``python -m jaxcomp.bench
-  kernels --ops sign``, row ``pallas:triton``).
+  itself, so no ``implementation`` picks it (``python
+  benchmarks/kernels_bench.py --ops sign``, row ``pallas:triton``).
 
   Args:
     x: float32, bfloat16 or float16 array of ``n`` elements (any shape).

@@ -1,5 +1,5 @@
-"""One command that checks a GPU end to end: ``python -m jaxcomp.bench
-device-check``.
+"""One command that checks a GPU end to end, run from a source checkout:
+``python benchmarks/device_check.py [--budget 600] [--output-dir DIR]``.
 
 Within a wall-time budget (``--budget``, default 600 s: 10 minutes on an
 H100) it runs, in this order, each section in a process of its own:
@@ -15,7 +15,7 @@ H100) it runs, in this order, each section in a process of its own:
    (``JAX_PLATFORMS=cpu``, one pytest worker per core): what CI runs, on the
    JAX the GPU image ships;
 3. **kernels**: the kernel benchmark against XLA (and ``torch.topk`` when
-   PyTorch is importable): ``python -m jaxcomp.bench kernels
+   PyTorch is importable): ``python benchmarks/kernels_bench.py
    --implementation both [--torch]`` at 2.5e7, 1e8 and 1e6 float32 and
    bfloat16 elements, in that order (:data:`KERNEL_SIZES`,
    :data:`KERNEL_OPS`: a run cut short by the budget has the sizes the
@@ -32,7 +32,7 @@ H100) it runs, in this order, each section in a process of its own:
    their buckets into a fresh cache file;
 5. **autotune**: the autotuner's table: every key the example steps
    measured, and each kernel compressor's encode at 2^20 and 2^24
-   elements.
+   elements (what ``jaxcomp autotune`` tunes, with its functions).
 
 Each section gets a share of what is left of the budget (25, 30, 20, 15 and
 10 percent of it, what one leaves unused passing on); a section that runs
@@ -83,10 +83,10 @@ import sys
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's jaxcomp
 
-from jaxcomp import compressors
+from jaxcomp import cli
 from jaxcomp import kernels
 
 SECTIONS = ("tests", "suite", "kernels", "examples", "autotune")
@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(default: <root>/benchmarks/results)")
   parser.add_argument("--root", default=None,
                       help="the source checkout (default: the one holding "
-                      "this jaxcomp, else the current directory)")
+                      "this script, else the current directory)")
   parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
 
@@ -162,8 +162,7 @@ class Result:
 def _root(args) -> str:
   if args.root:
     return os.path.abspath(args.root)
-  here = os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
+  here = os.path.dirname(HERE)
   if os.path.isdir(os.path.join(here, "tests")):
     return here
   return os.getcwd()
@@ -406,7 +405,7 @@ def kernels_summary(run_dir: str, baseline_dir: str, root: str
 def _kernels(args, root, run_dir, timeout, compiled) -> Result:
   baseline_dir = args.baseline_dir or os.path.join(root, "benchmarks",
                                                    "results")
-  cmd = [sys.executable, "-m", "jaxcomp.bench", "kernels",
+  cmd = [sys.executable, os.path.join(HERE, "kernels_bench.py"),
          "--json", os.path.join(run_dir, "kernels.json")]
   if compiled:
     cmd += ["--implementation", "both", "--sizes", *KERNEL_SIZES,
@@ -481,7 +480,7 @@ def _examples(args, root, run_dir, timeout, compiled) -> Result:
 
 
 def _autotune(args, root, run_dir, timeout, compiled) -> Result:
-  cmd = [sys.executable, "-m", "jaxcomp.bench", "device-check",
+  cmd = [sys.executable, os.path.abspath(__file__),
          "--section", "autotune", "--run-dir", run_dir,
          "--form", "compiled" if compiled else "interpret"]
   code, seconds, _ = _run(cmd, root=root, timeout=timeout,
@@ -490,7 +489,7 @@ def _autotune(args, root, run_dir, timeout, compiled) -> Result:
   try:
     with open(os.path.join(run_dir, "autotune.json"), encoding="utf-8") as f:
       rows = json.load(f)["decisions"]
-    table = _autotune_table(rows)
+    table = cli.autotune_table(rows)
     chosen = [r["implementation"] for r in rows]
     detail = (f"{len(rows)} keys: pallas {chosen.count('pallas')}, xla "
               f"{chosen.count('xla')} (autotune.txt, autotune.json)")
@@ -502,19 +501,6 @@ def _autotune(args, root, run_dir, timeout, compiled) -> Result:
                 table)
 
 
-def _autotune_table(rows: list[dict]) -> str:
-  lines = ["| key | from | choice | pallas ms | xla ms | xla / pallas |",
-           "| --- | --- | --- | --- | --- | --- |"]
-  for r in rows:
-    s = r.get("seconds", {})
-    p, x = s.get("pallas"), s.get("xla")
-    fmt = lambda v: "failed" if v is None else f"{v * 1e3:.4f}"
-    ratio = f"{x / p:.2f}" if p and x else ""
-    lines.append(f"| {r['key']} | {r['from']} | {r['implementation']} | "
-                 f"{fmt(p) if s else ''} | {fmt(x) if s else ''} | {ratio} |")
-  return "\n".join(lines)
-
-
 def _autotune_section(run_dir: str, compiled: bool) -> int:
   """The autotune section, in this process: the keys the example steps
   measured (their cache file) and each kernel compressor's encode at a few
@@ -524,37 +510,19 @@ def _autotune_section(run_dir: str, compiled: bool) -> int:
   if compiled:
     tuner = kernels.Autotuner(cache_path=cache)
     sizes = (1 << 20, 1 << 24)
-    for entry_key, entry in kernels_cache_entries(cache, tuner.table_name()):
+    for entry_key, entry in cli.cache_entries(cache, tuner.table_name()):
       rows.append({"key": entry_key, "from": "example steps", **entry})
   else:
-    tuner = kernels.Autotuner(
-        cache_path=cache, nvidia=True, interpret=True,
-        device_kind=f"simulated GPU ({jax.devices()[0].platform}, interpret)",
-        timer=lambda key, impl, fn, a: kernels.measure_seconds(
-            fn, a, repeats=2, max_calls=2))
+    tuner = cli.simulated_tuner(cache)
     sizes = (4096,)
-  for name in AUTOTUNE_OPS if compiled else INTERPRET_AUTOTUNE_OPS:
-    c = compressors.get(name)
-    for n in sizes:
-      for d in kernels.autotune(c.encode, jax.ShapeDtypeStruct((n,), jnp.float32),
-                                jax.random.key(0), tuner=tuner):
-        rows.append({"key": str(d.key), "from": f"{name} encode, n={n:,}",
-                     **d.to_json(), "source": d.source})
+  rows += cli.autotune_rows(
+      AUTOTUNE_OPS if compiled else INTERPRET_AUTOTUNE_OPS, sizes, tuner)
   with open(os.path.join(run_dir, "autotune.json"), "w", encoding="utf-8") as f:
     json.dump({"device": tuner.device_kind, "table": tuner.table_name(),
                "decisions": rows}, f, indent=1)
   print(f"device: {tuner.device_kind}")
-  print(_autotune_table(rows))
+  print(cli.autotune_table(rows))
   return 0
-
-
-def kernels_cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
-  """The entries of ``table`` in the cache file at ``path``."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      return sorted(json.load(f)["tables"].get(table, {}).items())
-  except (OSError, ValueError, KeyError):
-    return []
 
 
 RUNNERS = {"tests": _tests, "suite": _suite, "kernels": _kernels,
@@ -594,7 +562,7 @@ def main(args: argparse.Namespace) -> int:
                "autotune.txt", "autotune_cache.json"):
     if os.path.exists(os.path.join(run_dir, name)):
       os.remove(os.path.join(run_dir, name))
-  command = " ".join(["python -m jaxcomp.bench device-check",
+  command = " ".join(["python benchmarks/device_check.py",
                        *map(shlex.quote, getattr(args, "argv", None) or [])])
   print(f"device check of {info['device_kind']} ({info['form']} form, budget "
         f"{args.budget:.0f} s) -> {run_dir}", flush=True)
@@ -622,3 +590,16 @@ def main(args: argparse.Namespace) -> int:
     f.write(_summary(info, results, command))
   print(f"wrote {os.path.join(run_dir, 'summary.md')}")
   return 1 if any(r.failed for r in results) else 0
+
+
+if __name__ == "__main__":
+  assert __doc__ is not None  # the module's docstring
+  _parser = argparse.ArgumentParser(
+      prog="python benchmarks/device_check.py",
+      description=__doc__.split("\n\n")[0],
+      epilog="Run it from a source checkout; see the module docstring "
+      "(docs/codec_speed.md) for the sections and their budget.")
+  add_arguments(_parser)
+  _args = _parser.parse_args()
+  _args.argv = sys.argv[1:]  # the command line, for the summary
+  sys.exit(main(_args))

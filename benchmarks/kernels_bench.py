@@ -1,4 +1,5 @@
-"""Benchmark of the compression kernels: ``python -m jaxcomp.bench kernels``.
+"""Benchmark of the compression kernels, run from a source checkout:
+``python benchmarks/kernels_bench.py [--ops ...] [--sizes ...]``.
 
 For each dtype, size and op it prints the median time per call, the effective
 bandwidth (bytes the op must read and write at least, divided by the time) and
@@ -45,7 +46,7 @@ once took most of 200 s of compilation at 1e8 elements on a GPU).
 
 ``--json PATH`` writes every row (with the device, date, JAX version and
 the arguments) so that later changes can be compared against a saved run
-(``python -m jaxcomp.bench device-check`` compares its top-k rows with the
+(``python benchmarks/device_check.py`` compares its top-k rows with the
 latest earlier table of the same device kind).
 """
 
@@ -56,11 +57,16 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import statistics
+import sys
 import time
 import traceback
 from typing import Any
 from collections.abc import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the checkout's jaxcomp
 
 import jax
 import jax.numpy as jnp
@@ -451,3 +457,12 @@ def main(args: argparse.Namespace) -> int:
   if args.json:
     print(f"wrote {args.json}")
   return 0
+
+
+if __name__ == "__main__":
+  assert __doc__ is not None  # the module's docstring
+  _parser = argparse.ArgumentParser(
+      prog="python benchmarks/kernels_bench.py",
+      description=__doc__.split("\n\n")[0])
+  add_arguments(_parser)
+  sys.exit(main(_parser.parse_args()) or 0)

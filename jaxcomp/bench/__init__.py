@@ -1,1 +1,0 @@
-"""Benchmarks: ``python -m jaxcomp.bench <subcommand>`` (see ``__main__``)."""
