@@ -120,3 +120,36 @@ def test_torch_imports_stay_in_the_elastic_module():
           if pattern.match(line):
             found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
   assert not found, "\n".join(found)
+
+
+# The sizes a person can hold in mind: a module of jaxcomp/ at most this
+# many lines, a function at most this many from the end of its docstring
+# (or its ``def`` line, where it has none) to its last line.
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_are_of_a_readable_size():
+  import ast
+  too_long = []
+  for base, _, files in os.walk(os.path.join(ROOT, "jaxcomp")):
+    for f in sorted(files):
+      if not f.endswith(".py"):
+        continue
+      path = os.path.join(base, f)
+      rel = os.path.relpath(path, ROOT)
+      with open(path) as fh:
+        text = fh.read()
+      if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+        too_long.append(f"{rel}: {n} lines (module)")
+      for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          continue
+        body = node.body
+        start = (body[0].end_lineno if isinstance(body[0], ast.Expr)
+                 and isinstance(body[0].value, ast.Constant)
+                 and isinstance(body[0].value.value, str) else node.lineno)
+        assert node.end_lineno is not None and start is not None
+        if (n := node.end_lineno - start) > MAX_FUNCTION_LINES:
+          too_long.append(f"{rel}:{node.lineno}: {node.name} {n} lines")
+  assert not too_long, "\n".join(too_long)
