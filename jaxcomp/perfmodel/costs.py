@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 from jaxcomp import wire
 
@@ -44,21 +43,6 @@ __all__ = [
 # The collective kinds a network prices, spelled as jaxcomp.wire (and XLA's
 # HLO) spell them.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-# The spellings of earlier releases, accepted for one more with a
-# DeprecationWarning.
-_RENAMED = {"allreduce": "all-reduce", "allgather": "all-gather",
-            "reduce_scatter": "reduce-scatter", "alltoall": "all-to-all"}
-
-
-def _kind(kind: str) -> str:
-  """``kind`` in this release's spelling (an earlier one warns)."""
-  if kind in _RENAMED:
-    warnings.warn(f"collective kind {kind!r} is deprecated: spell it "
-                  f"{_RENAMED[kind]!r}, as jaxcomp.wire.KINDS does",
-                  DeprecationWarning, stacklevel=3)
-    return _RENAMED[kind]
-  return kind
-
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -132,9 +116,6 @@ class Network:
       if self.intra is None:
         raise ValueError("algorithm='hierarchical' needs the intra-node link: pass intra=Link(...)")
 
-    if self.per_collective:
-      object.__setattr__(self, "per_collective",
-                         {_kind(k): v for k, v in self.per_collective.items()})
     for kind in self.per_collective or {}:
       if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r} in per_collective; expected {COLLECTIVES}")
@@ -207,7 +188,6 @@ def collective_time(kind: str, nbytes: float, network: Network) -> float:
   Raises:
     ValueError: unknown ``kind`` or negative ``nbytes``.
   """
-  kind = _kind(kind)
   if kind not in _FLAT:
     raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
   p = network.workers

@@ -26,7 +26,6 @@ from jaxcomp.perfmodel.model_profile import ModelProfile
 from jaxcomp.perfmodel.pricing import CodecCost
 from jaxcomp.perfmodel.pricing import DenseCompressor
 from jaxcomp.perfmodel.pricing import bucket_comm
-from jaxcomp.perfmodel.pricing import collective_name
 from jaxcomp.perfmodel.pricing import comm_kind
 from jaxcomp.perfmodel.pricing import exchange_pricing
 from jaxcomp.perfmodel.timeline import Timeline
@@ -188,8 +187,6 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
       raise ValueError(f"collective names {unknown}, which are not in compressors")
     chosen = dict(collective)
   else:
-    if collective is not None:
-      collective = collective_name(collective)
     if collective not in (None, "allgather", "two_phase", "auto"):
       raise ValueError("collective must be None, 'allgather', 'two_phase', 'auto' or a "
                        f"mapping of compressor names, got {collective!r}")

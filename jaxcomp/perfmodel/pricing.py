@@ -20,7 +20,6 @@ on a step's two streams.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Protocol, cast, runtime_checkable
 from collections.abc import Mapping
 
@@ -32,7 +31,7 @@ from jaxcomp.compressors import base as _compressors
 from jaxcomp._mesh import AxisName
 
 # The public names; Pricing, exchange_pricing, bucket_comm, bucket_codec,
-# transfers_of, comm_kind, collective_name and OUTPUTS serve
+# transfers_of, comm_kind and OUTPUTS serve
 # the modules timeline and prediction.
 __all__ = [
     "PricedCompressor",
@@ -192,21 +191,9 @@ def default_collective(compressor) -> str:
   return "psum" if compressor.linear else "allgather"
 
 
-def collective_name(collective: str) -> str:
-  """``collective`` by its library name (``"allreduce"``, this model's
-  earlier name for ``"psum"``, warns)."""
-  if collective == "allreduce":
-    warnings.warn("collective='allreduce' is deprecated: the perf model names "
-                  "collectives as jaxcomp.collectives does ('psum')",
-                  DeprecationWarning, stacklevel=4)
-    return "psum"
-  return collective
-
-
 def comm_kind(compressor, collective: str | None) -> str:
   if collective is None:
     return default_collective(compressor)
-  collective = collective_name(collective)
   if collective not in _COLLECTIVE_CHOICES:
     raise ValueError(f"collective must be one of {_COLLECTIVE_CHOICES}, got {collective!r}")
   if getattr(compressor, "own_exchange", False):
