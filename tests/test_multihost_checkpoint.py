@@ -12,6 +12,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import checkpoint, distributed
+from jaxcomp.distributed import _startup as distributed_startup
 from jaxcomp._parts import concat as concat_parts
 
 AXES = ("hosts", "devices")
@@ -364,7 +365,7 @@ def test_initialize_resolution_order(recorded_initialize, monkeypatch):
     monkeypatch.delenv(var)
   # A SLURM job: JAX's auto-detection is asked (no address given) ...
   monkeypatch.setenv("SLURM_JOB_ID", "123")
-  monkeypatch.setattr(distributed, "_cluster_detected",
+  monkeypatch.setattr(distributed_startup, "_cluster_detected",
                       lambda: "SLURM_JOB_ID" in __import__("os").environ)
   assert distributed.initialize_from_env(cpu_collectives=None)
   assert calls[-1]["coordinator_address"] is None

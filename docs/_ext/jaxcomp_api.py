@@ -244,11 +244,14 @@ def link_references(text: str) -> str:
 
 
 def _data_comment(module, name) -> str | None:
-  """The comment beside ``NAME = ...`` in the module's source, if any."""
+  """The comment beside ``NAME = ...`` in the module's source, or, for a
+  name the module imports (``from jaxcomp.pkg._mod import NAME``, a
+  package's re-export), in the source of the module it comes from."""
   try:
-    lines = inspect.getsource(module).splitlines()
+    source = inspect.getsource(module)
   except (OSError, TypeError):
     return None
+  lines = source.splitlines()
   for i, line in enumerate(lines):
     m = re.match(rf"^{re.escape(name)}\s*(:[^=]*)?=.*?#\s*(.*)$", line)
     if m:
@@ -259,6 +262,11 @@ def _data_comment(module, name) -> str | None:
           break
         text.append(c.group(1))
       return " ".join(text)
+  for node in ast.parse(source).body:
+    if (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        and any(a.name == name and a.asname in (None, name)
+                for a in node.names)):
+      return _data_comment(importlib.import_module(node.module), name)
   return None
 
 

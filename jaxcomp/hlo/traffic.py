@@ -23,36 +23,19 @@ from typing import Any
 import numpy as np
 
 from jaxcomp import wire
+from jaxcomp.hlo._text import _CALLS_RE
+from jaxcomp.hlo._text import _COMP_RE
+from jaxcomp.hlo._text import _computations
+from jaxcomp.hlo._text import _elements_and_bytes
+from jaxcomp.hlo._text import _module
+from jaxcomp.hlo._text import _operands_and_attributes
+from jaxcomp.hlo._text import _shape_bytes
+from jaxcomp.hlo._text import _split_top
 
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-    "s32": 4, "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4,
-    "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1, "f8e3m4": 1, "c64": 8, "c128": 16,
-}
-_SHAPE_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTR_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+"
     r"(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
     r"(-start)?\((.*)$")
-_DEF_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s")
-
-
-def _elements_and_bytes(shape_text: str) -> list[tuple[int, float]]:
-  """``(elements, bytes)`` of every typed shape in ``shape_text``."""
-  out = []
-  for dtype, dims in _SHAPE_RE.findall(shape_text):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    n = 1
-    for d in filter(None, dims.split(",")):
-      n *= int(d)
-    out.append((n, n * _DTYPE_BYTES[dtype]))
-  return out
-
-
-def _shape_bytes(text: str) -> int:
-  return int(sum(b for _, b in _elements_and_bytes(text)))
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -232,91 +215,9 @@ class Traffic:
     return "\n".join(rows)
 
 
-def _split_top(args: str) -> list[str]:
-  """Splits an operand list at commas outside brackets."""
-  out, depth, cur = [], 0, []
-  for ch in args:
-    if ch in "[{(":
-      depth += 1
-    elif ch in "]})":
-      depth -= 1
-    if ch == "," and depth == 0:
-      out.append("".join(cur))
-      cur = []
-    else:
-      cur.append(ch)
-  out.append("".join(cur))
-  return out
-
-
-def _operands_and_attributes(rest: str) -> tuple[str, str]:
-  """Splits what follows an op's opening parenthesis into its operand list
-  and its attributes, at the matching closing parenthesis."""
-  depth = 1
-  for i, ch in enumerate(rest):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return rest[:i], rest[i + 1:]
-  return rest, ""
-
-
 def _traffic(ops) -> Traffic:
   return Traffic(ops, sum(o.operand_bytes for o in ops),
                  sum(o.ring_bytes for o in ops))
-
-
-_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_CALLS_RE = re.compile(
-    r"(to_apply|calls|body|condition|true_computation|false_computation"
-    r"|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-
-
-def _computations(lines):
-  """``(computation of each line, branch-only computations)``: the name of
-  the computation every line sits in, and the computations reachable only
-  through a conditional's branches."""
-  where, current = [], ""
-  calls: dict[str, set] = {}
-  branch_roots: set = set()
-  for line in lines:
-    m = _COMP_RE.match(line)
-    if m and not line.startswith(" "):
-      current = m.group(1)
-    where.append(current)
-    for key, target in _CALLS_RE.findall(line):
-      names = {t.strip().lstrip("%") for t in target.strip("{}").split(",")}
-      calls.setdefault(current, set()).update(names)
-      if key in ("true_computation", "false_computation",
-                 "branch_computations"):
-        branch_roots |= names
-  inside = set()
-  todo = list(branch_roots)
-  while todo:
-    c = todo.pop()
-    if c not in inside:
-      inside.add(c)
-      todo.extend(calls.get(c, ()))
-  return where, inside
-
-
-def _module(compiled: Any) -> tuple[list[str], dict[str, str]]:
-  """The lines of a compiled (or lowered) module's HLO text, or of HLO
-  text, and the result type of every named instruction."""
-  if isinstance(compiled, str):
-    text = compiled
-  elif hasattr(compiled, "compile"):  # jax.stages.Lowered
-    text = compiled.as_text(dialect="hlo")
-  else:
-    text = compiled.as_text()
-  text = re.sub(r"/\*.*?\*/", "", text)  # e.g. /*index=5*/ in long tuples
-  lines = text.splitlines()
-  shapes: dict[str, str] = {}
-  for line in lines:
-    m = _DEF_RE.match(line)
-    if m:
-      shapes[m.group(1)] = m.group(2)
-  return lines, shapes
 
 
 def collective_traffic(compiled: Any, num_devices: int | None = None) -> Traffic:
@@ -459,6 +360,109 @@ def _big_bytes(shape_text: str, min_elements: int) -> float:
   return sum(b for n, b in _elements_and_bytes(shape_text) if n >= min_elements)
 
 
+def _layout_of(lines: list[str], where: list[str]
+               ) -> tuple[dict[str, list[str]], set, str]:
+  """``(bodies, inlined, entry)`` of a module: each computation's lines by
+  its name, the computations that are not top level (fusion bodies and
+  reducers, named by ``calls=`` / ``to_apply=``) and the entry
+  computation's name."""
+  bodies: dict[str, list[str]] = {}
+  inlined: set = set()  # fusion bodies and reducers: not top level
+  for line, comp in zip(lines, where):
+    bodies.setdefault(comp, []).append(line)
+    for key, target in _CALLS_RE.findall(line):
+      if key in ("calls", "to_apply"):
+        inlined |= {t.strip().lstrip("%") for t in target.strip("{}").split(",")}
+  entry = next((m.group(1) for line in lines
+                for m in [_COMP_RE.match(line)] if m and line.startswith("ENTRY")),
+               "")
+  return bodies, inlined, entry
+
+
+def _fused_reads(body: list[str]) -> tuple[str, dict[int, int]]:
+  """``(root opcode, {param index: elements read})`` of a fused body (its
+  lines).
+
+  Demand flows from the root to the parameters: an op needs of each
+  operand the share of its output that is demanded (elementwise ops,
+  reshapes, concatenations: proportional), except that slices and
+  gathers need only what they select, and reductions (and sorts,
+  windows, dots) their whole operand once any output is demanded.
+  """
+  instrs = []
+  for line in body:
+    m = _OP_RE.match(line)
+    if not m:
+      continue
+    name, rtype, opcode, rest = m.groups()
+    operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+    elems = sum(n for n, _ in _elements_and_bytes(rtype))
+    instrs.append((name, elems, opcode, operands, rest,
+                   line.lstrip().startswith("ROOT")))
+  size = {name: elems for name, elems, *_ in instrs}
+  demand = {name: elems for name, elems, _, _, _, is_root in instrs
+            if is_root}
+  root = next((op for _, _, op, _, _, is_root in instrs if is_root), "")
+  params = {}
+  for name, elems, opcode, operands, rest, _ in reversed(instrs):
+    if opcode == "parameter":
+      number = re.match(r"\s*(\d+)", rest)
+      assert number is not None  # "parameter(N)"
+      params[int(number.group(1))] = demand.get(name, 0)
+      continue
+    d = demand.get(name, 0)
+    for o in operands:
+      if o not in size:
+        continue
+      if not d:
+        need = 0
+      elif opcode in _SELECTING_OPS:
+        need = min(size[o], elems) if o == operands[0] else size[o]
+      elif opcode in ("reduce", "reduce-window", "sort", "dot",
+                      "convolution", "scatter", "select-and-scatter"):
+        need = size[o]
+      else:
+        need = min(size[o], -(-size[o] * d // max(elems, 1)))
+      demand[o] = max(demand.get(o, 0), need)
+  return root, params
+
+
+def _op_traffic(opcode: str, rtype: str, rest: str, shapes: dict[str, str],
+                bodies: dict[str, list[str]], min_elements: int
+                ) -> tuple[float, float]:
+  """``(reads, writes)``: the bytes of big buffers one top-level op reads
+  and writes (``rtype`` its result type, ``rest`` the text after its
+  opcode's parenthesis; see :func:`memory_passes` for the rules)."""
+  operands, attrs = _operands_and_attributes(rest)
+  args = [a.strip() for a in _split_top(operands) if a.strip()]
+  root, read_elements = opcode, {}
+  called = re.search(r"calls=%?([\w.\-]+)", attrs)
+  if opcode == "fusion" and called:
+    root, read_elements = _fused_reads(bodies.get(called.group(1), []))
+  reads = 0.0
+  arg_types = []
+  for i, arg in enumerate(args):
+    t = arg if "[" in arg else shapes.get(arg.lstrip("%"), "")
+    arg_types.append(t)
+    big = _big_bytes(t, min_elements)
+    if big and i in read_elements:
+      # what the fused body demands of this operand
+      big = min(big, sum(min(n, read_elements[i]) * b / n
+                         for n, b in _elements_and_bytes(t)))
+    if big and opcode in _SELECTING_OPS and i == 0:
+      big = min(big, _shape_bytes(rtype))
+    reads += big
+  writes = _big_bytes(rtype, min_elements)
+  if root in _IN_PLACE_OPS and arg_types:
+    # operand 0 is updated in place: neither read nor written whole
+    whole = _big_bytes(arg_types[0], min_elements)
+    reads -= whole
+    writes = max(writes - whole, 0.0)
+  if opcode.endswith("-start"):  # async collective: (operands, results)
+    writes = max(writes - reads, 0.0)
+  return reads, writes
+
+
 def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   """Counts the reads and writes of big buffers in a compiled module.
 
@@ -487,63 +491,7 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
   """
   lines, shapes = _module(compiled)
   where, branch_only = _computations(lines)
-  bodies: dict[str, list[str]] = {}
-  inlined: set = set()  # fusion bodies and reducers: not top level
-  for line, comp in zip(lines, where):
-    bodies.setdefault(comp, []).append(line)
-    for key, target in _CALLS_RE.findall(line):
-      if key in ("calls", "to_apply"):
-        inlined |= {t.strip().lstrip("%") for t in target.strip("{}").split(",")}
-  entry = next((m.group(1) for line in lines
-                for m in [_COMP_RE.match(line)] if m and line.startswith("ENTRY")),
-               "")
-
-  def body_info(comp: str):
-    """``(root opcode, {param index: elements read})`` of a fused body.
-
-    Demand flows from the root to the parameters: an op needs of each
-    operand the share of its output that is demanded (elementwise ops,
-    reshapes, concatenations: proportional), except that slices and
-    gathers need only what they select, and reductions (and sorts,
-    windows, dots) their whole operand once any output is demanded.
-    """
-    instrs = []
-    for line in bodies.get(comp, []):
-      m = _OP_RE.match(line)
-      if not m:
-        continue
-      name, rtype, opcode, rest = m.groups()
-      operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-      elems = sum(n for n, _ in _elements_and_bytes(rtype))
-      instrs.append((name, elems, opcode, operands, rest,
-                     line.lstrip().startswith("ROOT")))
-    size = {name: elems for name, elems, *_ in instrs}
-    demand = {name: elems for name, elems, _, _, _, is_root in instrs
-              if is_root}
-    root = next((op for _, _, op, _, _, is_root in instrs if is_root), "")
-    params = {}
-    for name, elems, opcode, operands, rest, _ in reversed(instrs):
-      if opcode == "parameter":
-        number = re.match(r"\s*(\d+)", rest)
-        assert number is not None  # "parameter(N)"
-        params[int(number.group(1))] = demand.get(name, 0)
-        continue
-      d = demand.get(name, 0)
-      for o in operands:
-        if o not in size:
-          continue
-        if not d:
-          need = 0
-        elif opcode in _SELECTING_OPS:
-          need = min(size[o], elems) if o == operands[0] else size[o]
-        elif opcode in ("reduce", "reduce-window", "sort", "dot",
-                        "convolution", "scatter", "select-and-scatter"):
-          need = size[o]
-        else:
-          need = min(size[o], -(-size[o] * d // max(elems, 1)))
-        demand[o] = max(demand.get(o, 0), need)
-    return root, params
-
+  bodies, inlined, entry = _layout_of(lines, where)
   ops = []
   for line, comp in zip(lines, where):
     if comp in inlined or not line.startswith(" "):
@@ -554,33 +502,8 @@ def memory_passes(compiled: Any, min_elements: int) -> MemoryPasses:
     name, rtype, opcode, rest = m.groups()
     if opcode in _FREE_OPS:
       continue
-    operands, attrs = _operands_and_attributes(rest)
-    args = [a.strip() for a in _split_top(operands) if a.strip()]
-    root, read_elements = opcode, {}
-    called = re.search(r"calls=%?([\w.\-]+)", attrs)
-    if opcode == "fusion" and called:
-      root, read_elements = body_info(called.group(1))
-    reads = 0.0
-    arg_types = []
-    for i, arg in enumerate(args):
-      t = arg if "[" in arg else shapes.get(arg.lstrip("%"), "")
-      arg_types.append(t)
-      big = _big_bytes(t, min_elements)
-      if big and i in read_elements:
-        # what the fused body demands of this operand
-        big = min(big, sum(min(n, read_elements[i]) * b / n
-                           for n, b in _elements_and_bytes(t)))
-      if big and opcode in _SELECTING_OPS and i == 0:
-        big = min(big, _shape_bytes(rtype))
-      reads += big
-    writes = _big_bytes(rtype, min_elements)
-    if root in _IN_PLACE_OPS and arg_types:
-      # operand 0 is updated in place: neither read nor written whole
-      whole = _big_bytes(arg_types[0], min_elements)
-      reads -= whole
-      writes = max(writes - whole, 0.0)
-    if opcode.endswith("-start"):  # async collective: (operands, results)
-      writes = max(writes - reads, 0.0)
+    reads, writes = _op_traffic(opcode, rtype, rest, shapes, bodies,
+                                min_elements)
     if reads or writes:
       ops.append(MemoryOp(name, opcode, int(reads), int(writes),
                           "ENTRY" if comp == entry else comp,
