@@ -95,7 +95,7 @@ def _check_accumulator(acc, updates) -> None:
         f"multi_steps: the gradient leaf {jax.tree_util.keystr(path)} has shape "
         f"{jnp.shape(g)} but the accumulator was initialised for "
         f"{jnp.shape(a)}; initialise with the parameters the gradients are "
-        "taken of (or, under FSDP, with jaxcomp.fsdp.init)")
+        "taken of (under FSDP, with jaxcomp.init(..., layout=jaxcomp.FSDP()))")
   jax.tree_util.tree_map_with_path(check, acc, updates)
 
 

@@ -34,7 +34,7 @@ class Checkpointer:
 
   The state is any pytree of global ``jax.Array``s, typically ``{"params":
   params, "opt_state": opt_state, ...}`` with ``opt_state`` from
-  :func:`jaxcomp.init_sharded`: per-device residuals (sharded ``P(axes)``,
+  :func:`jaxcomp.init`: per-device residuals (sharded ``P(axes)``,
   leading device axis) are saved shard by shard by the processes that own
   them; replicated leaves once. Next to it, :func:`describe`'s metadata
   (compression config, device count, mesh, leaf paths / shapes / dtypes /

@@ -4,7 +4,7 @@ and a cross-process consistency check (checkpoints: :mod:`jaxcomp.checkpoint`).
 A multi-host job runs one Python process per host (or per GPU); they meet
 through ``jax.distributed.initialize`` and then see one global list of
 devices. Everything in jaxcomp then works unchanged on a mesh built from those
-devices (:func:`global_mesh`): ``init_sharded``, ``shard_train_step`` and
+devices (:func:`global_mesh`): ``jaxcomp.init``, ``jaxcomp.make_train_step`` and
 ``compressed_mean`` see global arrays, and each process holds only the shards
 of its own devices.
 

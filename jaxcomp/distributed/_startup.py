@@ -14,7 +14,7 @@ import jax
 
 from jaxcomp.distributed._watch import _start_watch
 
-# Environment variables set by ``python -m jaxcomp.launch`` (and readable by
+# Environment variables set by ``jaxcomp launch`` (and readable by
 # any other launcher that sets them).
 ENV_COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"  # "host:port" of process 0
 ENV_NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"  # total number of processes
@@ -102,7 +102,7 @@ def initialize_from_env(
   1. the arguments (e.g. from ``--coordinator-address``, ``--num-processes``,
      ``--process-id`` flags);
   2. ``JAXCOMP_COORDINATOR_ADDRESS`` / ``JAXCOMP_NUM_PROCESSES`` /
-     ``JAXCOMP_PROCESS_ID``, as set by ``python -m jaxcomp.launch``;
+     ``JAXCOMP_PROCESS_ID``, as set by ``jaxcomp launch``;
   3. JAX's cluster auto-detection (``jax.distributed.initialize()`` with no
      address: SLURM, Open MPI, Kubernetes, Cloud TPU), when
      ``cluster_detection_method`` is given or such an environment is present

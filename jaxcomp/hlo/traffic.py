@@ -147,11 +147,11 @@ class Traffic:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.compressed_mean("topk", "data", ratio=0.01)
     >>> grads = {"w": jnp.zeros((16384,))}
-    >>> state, specs = jaxcomp.init_sharded(tx, grads, mesh, "data")
+    >>> state, specs = jaxcomp.placement.init_sharded(tx, grads, mesh, "data")
     >>> def exchange(g, state):
-    ...   mean, state = tx.update(jaxcomp.to_varying(g, "data"),
-    ...                           jaxcomp.to_local(state, specs))
-    ...   return mean, jaxcomp.to_global(state, specs)
+    ...   mean, state = tx.update(jaxcomp.placement.to_varying(g, "data"),
+    ...                           jaxcomp.placement.to_local(state, specs))
+    ...   return mean, jaxcomp.placement.to_global(state, specs)
     >>> f = jax.jit(jax.shard_map(exchange, mesh=mesh,
     ...                           in_specs=(P(), specs),
     ...                           out_specs=(P(), specs)))

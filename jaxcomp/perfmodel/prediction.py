@@ -110,15 +110,15 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
       the ``g`` devices of a node sharing it; as
       ``chain(compressed_mean("identity", "devices", output="shard"),
       compressed_mean(compressor, "hosts"))`` runs).
-      ``"islands"`` (DiLoCo across islands, :func:`jaxcomp.lowcomm.init`
-      with ``copies_over``, on a hierarchical ``network`` of ``g =
+      ``"islands"`` (DiLoCo across islands, ``layout=jaxcomp.Islands(over=...)``,
+      on a hierarchical ``network`` of ``g =
       workers_per_node`` devices per island): every step an exact float32
       all-reduce of the gradient inside the island over ``intra`` (with
       ``buckets`` and ``overlap``), and every ``sync_every`` steps each of
       the ``g`` devices exchanges the whole pseudo-gradient with its
       counterparts in the other islands, compressed, the ``g`` devices of
       an island sharing its ``link``; ``"islands_fsdp"`` (FSDP inside each
-      island, :func:`jaxcomp.fsdp.init` with ``copies_over``): the
+      island, ``layout=jaxcomp.Islands(over=..., inside=jaxcomp.FSDP(...))``): the
       parameters all-gathered and the gradient reduce-scattered inside the
       island every step, and at a sync each device exchanges only its
       ``ceil(n / g)``-element shard of every tensor.
