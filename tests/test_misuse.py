@@ -190,3 +190,55 @@ def test_zero_size_leaves_of_mixed_dtypes_give_zero_size_updates(
   assert {k: (v.shape, v.dtype) for k, v in u.items()} == want
   if with_data:
     assert np.all(np.isfinite(np.asarray(u["c"])))
+
+
+# The errors a new user met (issue one-door, item 9).
+
+
+def test_jit_route_with_a_transform_over_other_axes_names_both():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
+  grad_fn = jaxcomp.compressed_value_and_grad(
+      loss, jaxcomp.compressed_mean("topk", "data"), mesh,
+      axis_name=("data", "fsdp"))
+  with pytest.raises(ValueError, match=r"(?s)axis_name=\('data', 'fsdp'\).*"
+                                       r"compressed_mean averages over \['data'\]"):
+    grad_fn.init({"w": jnp.ones((4,))})
+  grad_fn = jaxcomp.compressed_value_and_grad(
+      loss, jaxcomp.compressed_mean("topk", "tensor"), mesh)
+  with pytest.raises(ValueError, match=r"(?s)axis_name='data'.*over \['tensor'\]"):
+    grad_fn.init({"w": jnp.ones((4,))})
+
+
+def test_a_state_made_for_another_compressor_names_the_difference(mesh8):
+  params = {"w": jnp.ones((16,))}
+  made = jaxcomp.init(optax.chain(jaxcomp.compressed_mean("topk", "data"),
+                                  optax.sgd(0.1)), params, mesh8)
+  tx = optax.chain(jaxcomp.compressed_mean("powersgd", "data"), optax.sgd(0.1))
+  step = jaxcomp.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx,
+                                 mesh=mesh8)
+  batch = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh8, P("data")))
+  with pytest.raises(ValueError, match=r"(?s)made for compressor .*'topk'.* "
+                                       r"where this transform has .*'powersgd'"):
+    step(made, batch)
+
+
+def test_the_mask_advice_for_an_integer_leaf_works_through_make_train_step(mesh8):
+  params = {"w": jnp.ones((16,)), "seen": jnp.zeros((), jnp.int32)}
+  loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
+  batch = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh8, P("data")))
+  unmasked = optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"dtype int32.*mask="):
+    jaxcomp.init(unmasked, params, mesh8)
+  tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25,
+                                           mask={"w": True, "seen": False}),
+                   optax.sgd(0.1))
+  # optax.sgd scales the integer leaf's zero update by a float (a user's
+  # default, standard promotion; the suite runs strict).
+  with jax.numpy_dtype_promotion("standard"):
+    state = jaxcomp.init(tx, params, mesh8)
+    state, l = jaxcomp.make_train_step(loss, tx, mesh=mesh8)(state, batch)
+  assert float(l) == 256.0
+  assert int(state.params["seen"]) == 0 and state.params["seen"].dtype == jnp.int32
+  # top-k sent 4 of 16 coordinates: the mean gradient is 32 each.
+  assert int(jnp.sum(state.params["w"] != 1.0)) == 4
