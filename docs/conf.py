@@ -102,11 +102,14 @@ jaxcomp_api_groups = [
      "modules": ["jaxcomp.compressors", "jaxcomp.collectives",
                  "jaxcomp.feedback", "jaxcomp.bucketing"]},
     {"title": "Steps and layouts",
-     "about": "The train step under ``jax.shard_map``: the optimizer "
-              "state placed per device, the per-device gradient, the "
-              "layouts of the parameters, and the ``jax.jit`` idiom.",
-     "sections": ["Placement and the train step", "The jax.jit idiom"],
-     "modules": ["jaxcomp.steps", "jaxcomp.placement", "jaxcomp.gspmd"]},
+     "about": "The train step under ``jax.shard_map``: one init and one "
+              "step builder passing a ``TrainState``, the layouts of the "
+              "parameters, the step body and the state placement they "
+              "are built of, and the ``jax.jit`` (GSPMD) route.",
+     "sections": ["A shard_map train step: one init, one step builder, "
+                  "the layouts", "A jax.jit (GSPMD) step"],
+     "modules": ["jaxcomp.train", "jaxcomp.layouts", "jaxcomp.steps",
+                 "jaxcomp.placement", "jaxcomp.gspmd"]},
     {"title": "Low-communication training",
      "about": "DiLoCo (with Streaming DiLoCo's fragments and compressed "
               "pseudo-gradients) and DeMo.",
@@ -138,11 +141,6 @@ jaxcomp_api_groups = [
               "references, and the autotuner that picks one per op and "
               "size on NVIDIA GPUs.",
      "modules": ["jaxcomp.kernels", "jaxcomp.kernels.*"]},
-    {"title": "Deprecated",
-     "about": "Modules kept so that old imports still work; each name warns "
-              "(``DeprecationWarning``) and is the object documented at "
-              "its new home.",
-     "modules": ["jaxcomp.sharding", "jaxcomp.warmup"]},
 ]
 
 html_theme = "furo"
