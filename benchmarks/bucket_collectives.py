@@ -73,17 +73,15 @@ def main(argv=None) -> int:
     for b in BUCKETINGS:
       tx = optax.chain(jaxcomp.compressed_mean(name, "data", bucketing=b, **kw),
                        optax.adam(1e-3))
-      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-      step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, state_specs=specs,
-                                     donate=False)
-      placed = jax.device_put(params, NamedSharding(mesh, P()))
+      state = jaxcomp.init(tx, params, mesh)
+      step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, donate=False)
       ops = jaxcomp.collective_traffic(
-          step.lower(placed, state, batches[0]).compile()).ops
-      buckets = len(state[0].feedback)
-      holder = [placed, state]
+          step.lower(state, batches[0]).compile()).ops
+      buckets = len(state.opt_state[0].feedback)
+      holder = [state]
 
       def run(t, holder=holder, step=step):
-        holder[0], holder[1], loss = step(holder[0], holder[1], t)
+        holder[0], loss = step(holder[0], t)
         return float(loss)
 
       for t in batches[:2]:  # compile and warm up

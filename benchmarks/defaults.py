@@ -75,20 +75,18 @@ def main(argv=None) -> None:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", seed=args.seed,
                                              **kwargs), optax.adam(3e-3))
     params = init(jax.random.key(args.seed))
-    state, state_specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-    step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-                                   state_specs=state_specs)
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = jaxcomp.init(tx, params, mesh)
+    step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh)
     for idx in order:
       batch = jax.device_put((x_train[idx], ds.train_labels[idx]),
                              batch_sharding)
-      params, state, loss = step(params, state, batch)
+      state, loss = step(state, batch)
       # Wait for each step: on a 2-core machine, XLA:CPU's 8 simulated
       # devices deadlocked in a collective with steps queued unawaited.
       loss.block_until_ready()
-    acc = float(np.mean(np.argmax(np.asarray(logits(params, x_test)), -1)
+    acc = float(np.mean(np.argmax(np.asarray(logits(state.params, x_test)), -1)
                         == ds.test_labels))
-    stats = jaxcomp.get_stats(state)
+    stats = jaxcomp.get_stats(state.opt_state)
     print(f"{spec:<28}{acc:>14.4f}{float(stats.bytes_sent):>12.0f}"
           f"{float(stats.compression_factor):>12.1f}x", flush=True)
 

@@ -4,7 +4,7 @@ against the same model's plain step, in two idioms.
 A small NNX GPT (about 110k parameters: 2 blocks, d_model 64, 4 heads,
 context 64, vocabulary 96), Adam, global batch 32, timed as
 
-* the functional route: ``jaxcomp.make_train_step`` with
+* the functional route: ``jaxcomp.init`` + ``jaxcomp.make_train_step`` with
   ``optax.chain(jaxcomp.compressed_mean("identity", "data"), adam)``
   against a plain ``jax.jit`` step (``jax.value_and_grad`` of the loss of
   the data-sharded global batch, then Adam);
@@ -109,10 +109,8 @@ def _worker(args) -> dict:
 
   plain = [jax.device_put(params0, rep), None]
   plain[1] = jax.device_put(adam.init(plain[0]), rep)
-  comp_state, specs = jaxcomp.placement.init_sharded(chain, params0, mesh, "data")
-  comp_step = jaxcomp.make_train_step(loss_fn, chain, mesh=mesh,
-                                      state_specs=specs)
-  comp = [jax.device_put(params0, rep), comp_state]
+  comp = [jaxcomp.init(chain, params0, mesh)]
+  comp_step = jaxcomp.make_train_step(loss_fn, chain, mesh=mesh)
 
   # The NNX route.
   m_plain = GPT(nnx.Rngs(0))
@@ -133,7 +131,7 @@ def _worker(args) -> dict:
     return float(loss)
 
   def run_comp(t):
-    comp[0], comp[1], loss = comp_step(comp[0], comp[1], t)
+    comp[0], loss = comp_step(comp[0], t)
     return float(loss)
 
   runs = {"jit": run_plain, "jit_identity": run_comp,
@@ -155,7 +153,7 @@ def _worker(args) -> dict:
   ops = lambda c: sorted((o.kind, o.operand_bytes)
                          for o in jaxcomp.collective_traffic(c).ops)
   plain_ops = ops(plain_step.lower(plain[0], plain[1], batches[0]).compile())
-  comp_ops = ops(comp_step.lower(comp[0], comp[1], batches[0]).compile())
+  comp_ops = ops(comp_step.lower(comp[0], batches[0]).compile())
   return {"devices": jax.device_count(), "params": int(n_params),
           "median_ms": {k: 1e3 * v for k, v in med.items()},
           "jit_ratio": med["jit_identity"] / med["jit"],

@@ -135,24 +135,23 @@ def main(argv=None) -> int:
   for name, ctx in methods.items():
     tx = optax.chain(ctx, optax.sgd(0.1))
     with jax.numpy_dtype_promotion("standard"):
-      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
+      state = jaxcomp.init(tx, params, mesh)
 
       f = jaxcomp.make_train_step(lambda prm, b: loss_fn(prm, *b), tx,
-                                  mesh=mesh, state_specs=specs, donate=False)
-      prm = jax.device_put(params, NamedSharding(mesh, P()))
+                                  mesh=mesh, donate=False)
       b0 = jax.device_put(batches[0], data_sharding)
-      traffic = jaxcomp.collective_traffic(f.lower(prm, state, b0).compile())
-      new_prm, new_state, _ = f(prm, state, b0)  # first step: compile + check
-      jax.block_until_ready(new_prm)
+      traffic = jaxcomp.collective_traffic(f.lower(state, b0).compile())
+      new, _ = f(state, b0)  # first step: compile + check
+      jax.block_until_ready(new.params)
       times = []
-      s = state
       for b in batches[1:]:
         b = jax.device_put(b, data_sharding)
         t0 = time.perf_counter()
-        out = f(prm, s, b)
+        out = f(state, b)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
-    results[name] = (traffic, statistics.median(times), new_prm, new_state)
+    results[name] = (traffic, statistics.median(times), new.params,
+                     new.opt_state)
 
   dense = np.asarray(results["psum"][2]["embed"])
   print(f"\n{'method':<11}{'operand B':>12}{'ring B':>12}{'vs psum':>9}"

@@ -77,15 +77,13 @@ def main(argv=None) -> int:
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", bucketing=args.bucketing,
                                              nonfinite="zero", error_feedback=ef, **kw),
                      optax.sgd(0.01))
-    state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx, mesh=mesh,
-                                   state_specs=specs, donate=False,
-                                   per_device_loss=True)
-    carry = [jax.device_put(params, NamedSharding(mesh, P())), state]
-    mp = hlo.memory_passes(step.lower(carry[0], carry[1], batch).compile(), n // 4)
+                                   donate=False, per_device_loss=True)
+    carry = [jaxcomp.init(tx, params, mesh)]
+    mp = hlo.memory_passes(step.lower(carry[0], batch).compile(), n // 4)
     passes[spec] = mp
     for _ in range(3):  # untimed: compile and warm up
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+      carry[0], _ = jax.block_until_ready(step(carry[0], batch))
     steps[spec], carries[spec] = step, carry
   times = {spec: [] for spec in args.specs}
   clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -95,8 +93,7 @@ def main(argv=None) -> int:
       carry = carries[spec]
       for _ in range(per_round):
         t0 = clock()
-        carry[0], carry[1], _ = jax.block_until_ready(
-            steps[spec](carry[0], carry[1], batch))
+        carry[0], _ = jax.block_until_ready(steps[spec](carry[0], batch))
         times[spec].append(clock() - t0)
   print(f"n = {n} gradient elements; passes: big-buffer bytes read + written / (4 n);"
         f" {args.clock} time")

@@ -202,24 +202,24 @@ def worker(args) -> None:
   #    encode/decode and compute without any network (XLA drops collectives
   #    over one device); ``--compute local`` predicts from it.
   def build_step(spec, on_mesh, prm, batch):
-    """(jitted step, carry [params, state]) of compressor ``spec``, warmed up."""
+    """(jitted step, carry [TrainState]) of compressor ``spec``, warmed up."""
     name, kw = parse_compressor_spec(spec)
     tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
                      optax.sgd(lr))
-    state, specs = jaxcomp.placement.init_sharded(tx, prm, on_mesh, "data")
+    state = jaxcomp.init(tx, prm, on_mesh)
 
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx,
-                                   mesh=on_mesh, state_specs=specs,
-                                   donate=False, per_device_loss=True)
-    carry = [prm, state]
+                                   mesh=on_mesh, donate=False,
+                                   per_device_loss=True)
+    carry = [state]
     for _ in range(2):  # compile and warm up
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+      carry[0], _ = jax.block_until_ready(step(carry[0], batch))
     return step, carry
 
   def step_call(step, carry, batch):
-    """One training step that advances ``carry`` ([params, state])."""
+    """One training step that advances ``carry`` ([TrainState])."""
     def call():
-      carry[0], carry[1], _ = jax.block_until_ready(step(carry[0], carry[1], batch))
+      carry[0], _ = jax.block_until_ready(step(carry[0], batch))
     return call
 
   gparams = global_array(params, P())
@@ -236,7 +236,7 @@ def worker(args) -> None:
     step, carry = build_step(spec, mesh, gparams, gbatch)
     # What the compiled program really puts into collectives (XLA:CPU, for
     # one, promotes a bf16 all-reduce to f32).
-    traffic = jaxcomp.collective_traffic(step.lower(*carry, gbatch).compile())
+    traffic = jaxcomp.collective_traffic(step.lower(carry[0], gbatch).compile())
     wire[spec] = traffic.operand_bytes
     ops[spec] = len(traffic.ops)
     msgs[spec] = traffic.messages

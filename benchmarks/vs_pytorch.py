@@ -171,21 +171,22 @@ def _jax_systems(args, say):
   for name, ctx in transforms.items():
     tx = optax.chain(ctx, optax.sgd(LR))
     with jax.numpy_dtype_promotion("standard"):
-      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
+      state = jaxcomp.init(tx, params, mesh)
 
     # The per-process loss, not averaged (DDP does not average it either).
     step = jaxcomp.make_train_step(lambda prm, b: mlp_loss(prm, *b), tx,
-                                   mesh=mesh, state_specs=specs, donate=False,
+                                   mesh=mesh, donate=False,
                                    per_device_loss=True)
     with jax.numpy_dtype_promotion("standard"):
-      compiled = step.lower(params, state, batch).compile()
+      compiled = step.lower(state, batch).compile()
     info["hlo_operand_bytes"][name] = jaxcomp.collective_traffic(
         compiled).operand_bytes
-    info["payload_bytes"][name] = float(jaxcomp.get_stats(state).bytes_sent)
-    carry = {"p": params, "s": state}
+    info["payload_bytes"][name] = float(
+        jaxcomp.get_stats(state.opt_state).bytes_sent)
+    carry = {"s": state}
 
     def run(step=compiled, carry=carry):
-      carry["p"], carry["s"], loss = step(carry["p"], carry["s"], batch)
+      carry["s"], loss = step(carry["s"], batch)
       jax.block_until_ready(loss)
 
     systems[name] = run

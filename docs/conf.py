@@ -103,12 +103,11 @@ jaxcomp_api_groups = [
                  "jaxcomp.feedback", "jaxcomp.bucketing"]},
     {"title": "Steps and layouts",
      "about": "The train step under ``jax.shard_map``: one init and one "
-              "step builder for every layout of the parameters, the "
-              "building blocks of a hand-written per-device step (state "
-              "placement, the per-device gradient), and the ``jax.jit`` "
-              "(GSPMD) value-and-grad.",
-     "sections": ["A shard_map train step: one init, one step builder, the "
-                  "layouts", "A jax.jit (GSPMD) step"],
+              "step builder passing a ``TrainState``, the layouts of the "
+              "parameters, the step body and the state placement they "
+              "are built of, and the ``jax.jit`` (GSPMD) route.",
+     "sections": ["A shard_map train step: one init, one step builder, "
+                  "the layouts", "A jax.jit (GSPMD) step"],
      "modules": ["jaxcomp.train", "jaxcomp.layouts", "jaxcomp.steps",
                  "jaxcomp.placement", "jaxcomp.gspmd"]},
     {"title": "Low-communication training",

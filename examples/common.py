@@ -316,14 +316,15 @@ def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
   hosts) or ``"diloco"`` (each device's own copy, the bytes of one
   sync)."""
   import jaxcomp
-  init = {
-      "replicated": lambda tx: jaxcomp.placement.init_sharded(tx, params, mesh, "data")[0],
-      "diloco": lambda tx: jaxcomp.lowcomm.init(tx, params, mesh)[1],
-      "fsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh)[2],
-      "hsdp": lambda tx: jaxcomp.fsdp.init(tx, params, mesh, ("hosts", "devices"),
-                                           shard_axis="devices")[2],
+  layout, axis_name = {
+      "replicated": (jaxcomp.DataParallel(), "data"),
+      "diloco": (jaxcomp.Islands(), "data"),
+      "fsdp": (jaxcomp.FSDP(), "data"),
+      "hsdp": (jaxcomp.FSDP(shard_axis="devices"), ("hosts", "devices")),
   }[sharding]
-  return [float(exchange_stats(init(s.tx), sharding).bytes_sent) for s in stages]
+  return [float(exchange_stats(jaxcomp.init(s.tx, params, mesh, layout=layout,
+                                            axis_name=axis_name).opt_state,
+                               sharding).bytes_sent) for s in stages]
 
 
 def exchange_stats(opt_state, sharding: str = "replicated"):

@@ -129,8 +129,7 @@ def _check_reference_is_grouped_by_task(html):
       assert f"generated/{modname}.html" in index[at:], modname
   for title in ["Transforms", "Compressors", "Steps and layouts",
                 "Low-communication training", "FSDP", "Flax",
-                "Checkpoints and multi-host", "Kernels and autotuning",
-                "Deprecated"]:
+                "Checkpoints and multi-host", "Kernels and autotuning"]:
     assert any(g["title"] == title for g in _api_groups()), title
   sections = _extension()._all_sections(jaxcomp)
   assert [n for _, names in sections for n in names] == jaxcomp.__all__
@@ -170,7 +169,7 @@ NOT_IN_REFERENCE = {
     "elastic": "needs the optional elastic extra (torch, torchft) to import; "
                "docs/lowcomm.md's \"Elastic islands\" documents it",
     "hlo.kernel_structure": "the kernel tests' reader of exported "
-                                "StableHLO, not a training API",
+                            "StableHLO, not a training API",
 }
 
 

@@ -51,7 +51,7 @@ def test_readme_train_step_runs_as_written():
       snippet,
       "first = float(loss)",
       "for _ in range(20):",
-      "  params, opt_state, loss = train_step(params, opt_state, batch)",
+      "  state, loss = train_step(state, batch)",
       "assert float(loss) < first, (first, float(loss))",
       "print('snippet ok')"])
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT,

@@ -23,6 +23,7 @@ final parameters.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import signal
@@ -159,9 +160,9 @@ def main(argv=None) -> int:
       inner)
 
   params = distributed.global_array(init_params(args.seed, args.hidden), mesh)
-  opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, axes)
+  state = jaxcomp.init(tx, params, mesh, axis_name=axes)
   step = jaxcomp.make_train_step(lambda p, b: loss_fn(p, *b), tx, mesh=mesh,
-                                 state_specs=specs, axis_name=axes)
+                                 axis_name=axes)
 
   ckpt = None
   start = 0
@@ -170,14 +171,15 @@ def main(argv=None) -> int:
     ckpt = checkpoint.Checkpointer(args.checkpoint_dir,
                                    max_to_keep=args.max_to_keep)
     if args.resume and ckpt.latest_step() is not None:
-      start, state = ckpt.restore({"params": params, "opt_state": opt_state})
+      start, saved = ckpt.restore({"params": state.params,
+                                   "opt_state": state.opt_state})
       if start > args.steps:
         print(f"process {pid}: the checkpoint in {ckpt.directory} is at step "
               f"{start}, past --steps {args.steps}: it would report step "
               f"{args.steps} while holding step {start}'s parameters; pass "
               f"--steps {start} or more", file=sys.stderr, flush=True)
         return 2
-      params, opt_state = state["params"], state["opt_state"]
+      state = dataclasses.replace(state, **saved)
       print(f"resumed from step {start} of {ckpt.directory}", flush=True)
     elif args.resume:
       print(f"no checkpoint in {ckpt.directory}; starting at step 0",
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
       # Preempted (SIGTERM to a process or to the launcher): every process
       # stops at this same step, saves and exits 0.
       if ckpt is not None and t not in ckpt.all_steps():
-        ckpt.save(t, {"params": params, "opt_state": opt_state})
+        ckpt.save(t, {"params": state.params, "opt_state": state.opt_state})
       print(f"process {pid}: preempted before step {t}; "
             + ("saved a checkpoint, " if ckpt is not None else "")
             + "exiting", flush=True)
@@ -202,21 +204,21 @@ def main(argv=None) -> int:
       os.kill(os.getpid(), signal.SIGKILL)
     batch = distributed.global_array(batch_at(args.seed, t, args.batch_size),
                                      mesh, P(axes))
-    params, opt_state, loss = step(params, opt_state, batch)
+    state, loss = step(state, batch)
     if args.step_delay:
       time.sleep(args.step_delay)
     done = t + 1
     if args.check_every and done % args.check_every == 0:
       n = distributed.check_consistency(
-          {"params": params, "opt_state": opt_state})
+          {"params": state.params, "opt_state": state.opt_state})
       print(f"step {done}: consistency check passed ({n} leaves)", flush=True)
     if ckpt is not None and args.save_every and done % args.save_every == 0:
-      ckpt.save(done, {"params": params, "opt_state": opt_state})
+      ckpt.save(done, {"params": state.params, "opt_state": state.opt_state})
       print(f"step {done}: saved checkpoint", flush=True)
   seconds = time.perf_counter() - t0
 
   host = {k: np.asarray(v.addressable_shards[0].data)
-          for k, v in params.items()}
+          for k, v in state.params.items()}
   if args.output:
     os.makedirs(args.output, exist_ok=True)
     np.savez(os.path.join(args.output, f"params.p{pid}.npz"), **host)
