@@ -5,8 +5,8 @@ The public API, one door per task:
 * the transform: :func:`compressed_mean` (an Optax gradient
   transformation), its state and :func:`get_stats`; the combinators
   around it;
-* a ``jax.shard_map`` train step for every layout: :func:`init` and
-  :func:`make_train_step`, passing a :class:`TrainState`; the layouts
+* a ``jax.shard_map`` train step for every layout: :func:`jaxcomp.init` and
+  :func:`jaxcomp.make_train_step`, passing a :class:`jaxcomp.TrainState`; the layouts
   :class:`DataParallel`, :class:`FSDP` and :class:`Islands`
   (:mod:`jaxcomp.layouts`); :func:`per_device_value_and_grad` and
   :func:`per_device_grad`, the building blocks of a hand-written

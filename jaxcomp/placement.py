@@ -207,9 +207,9 @@ class PlacementError(ValueError):
   state's types. The message names JAX's own error (chained as
   ``__cause__``) and the fix; the train step would fail the same way.
 
-  Raised by :func:`jaxcomp.placement.init_sharded`, :func:`state_partition_specs` and
-  everything that places a state (:func:`jaxcomp.fsdp.init`,
-  :class:`jaxcomp.flax.Optimizer`, ...).
+  Raised by :func:`jaxcomp.init`, :func:`init_sharded`,
+  :func:`state_partition_specs` and everything that places a state
+  (:class:`jaxcomp.flax.Optimizer`, :func:`jaxcomp.compressed_value_and_grad`).
 
   Example:
     A running sum of the gradient, replicated by ``init``, that one branch
@@ -485,10 +485,10 @@ def init_sharded(tx, params, mesh, axis_name: AxisName, *,
       ``axis_name`` whatever the parameters' placement.
     grads: ``jax.ShapeDtypeStruct`` s of one device's gradient, where it is
       not shaped like one device's parameters (FSDP's gradient of the whole
-      parameters, :func:`jaxcomp.fsdp.init`).
+      parameters, :class:`jaxcomp.FSDP`).
     params_vary_over: the axes over which the update will see separate
       copies of the parameters (DiLoCo's inner steps,
-      :func:`jaxcomp.lowcomm.init`: every device's own, or each island's),
+      :class:`jaxcomp.Islands`: every device's own, or each island's),
       so that state computed from them is placed as it varies.
 
   Returns:

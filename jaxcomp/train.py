@@ -1,6 +1,6 @@
-"""The one way in for a ``jax.shard_map`` train step: :func:`init` places the
-parameters and the optimizer state for a layout, :func:`make_train_step`
-builds the step, and :class:`TrainState` is what passes between them.
+"""The one way in for a ``jax.shard_map`` train step: :func:`jaxcomp.init` places the
+parameters and the optimizer state for a layout, :func:`jaxcomp.make_train_step`
+builds the step, and :class:`jaxcomp.TrainState` is what passes between them.
 
 Every layout of :mod:`jaxcomp.layouts` goes through the same two calls::
 
@@ -32,8 +32,8 @@ from jaxcomp.steps import Layout
 
 
 class _Placement:
-  """What a step needs to know about a :class:`TrainState` besides its
-  arrays: the mesh, the data axes, the layout as :func:`init` resolved it
+  """What a step needs to know about a :class:`jaxcomp.TrainState` besides its
+  arrays: the mesh, the data axes, the layout as :func:`jaxcomp.init` resolved it
   and the state's partition specs. Static pytree data: equal placements
   reuse one compiled step."""
 
@@ -62,8 +62,8 @@ class _Placement:
 @dataclasses.dataclass(frozen=True)
 class TrainState:
   """The parameters and the optimizer state of a ``shard_map`` train step,
-  placed on the mesh as their layout holds them (:func:`init` makes it,
-  the step of :func:`make_train_step` takes and returns it).
+  placed on the mesh as their layout holds them (:func:`jaxcomp.init` makes it,
+  the step of :func:`jaxcomp.make_train_step` takes and returns it).
 
   A pytree: ``params`` and ``opt_state`` are its children (jit, donate,
   ``jax.tree.map`` and Orbax see them); where they live (mesh, axes,
@@ -95,7 +95,7 @@ class TrainState:
 
   @property
   def layout(self) -> Layout:
-    """The layout as :func:`init` resolved it (FSDP's shapes filled in)."""
+    """The layout as :func:`jaxcomp.init` resolved it (FSDP's shapes filled in)."""
     return self.placement.layout
 
   @property
@@ -136,8 +136,8 @@ def init(tx, params, mesh, *, layout: Layout = DataParallel(),
       ``("hosts", "devices")``).
 
   Returns:
-    A :class:`TrainState`: the placed parameters and the state, with what
-    :func:`make_train_step`'s step needs to run them.
+    A :class:`jaxcomp.TrainState`: the placed parameters and the state, with what
+    :func:`jaxcomp.make_train_step`'s step needs to run them.
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; a non-array
@@ -189,7 +189,7 @@ def _check_diloco(opt_state, layout: Layout) -> None:
 
 def _check_same(state: TrainState, mesh, layout: Layout | None,
                 axis_name: AxisName) -> None:
-  """Refuses a state that :func:`init` placed otherwise than this step
+  """Refuses a state that :func:`jaxcomp.init` placed otherwise than this step
   runs it, naming the difference."""
   if not isinstance(state, TrainState):
     raise TypeError(
@@ -233,12 +233,12 @@ def make_train_step(loss_fn: Callable, tx, *, mesh,
     loss_fn: ``loss_fn(params, batch) -> loss`` on the whole parameters (a
       float32 scalar, this device's mean over its share of the batch), or
       ``(loss, aux)`` with ``has_aux``.
-    tx: the optimizer :func:`init` was given.
-    mesh: the device mesh :func:`init` was given.
-    layout: the layout :func:`init` was given; default: whatever it was
+    tx: the optimizer :func:`jaxcomp.init` was given.
+    mesh: the device mesh :func:`jaxcomp.init` was given.
+    layout: the layout :func:`jaxcomp.init` was given; default: whatever it was
       (the state carries it). Given, it must be the same.
     axis_name: the data-parallel axis (or tuple of axes), as for
-      :func:`init`.
+      :func:`jaxcomp.init`.
     batch_spec: partition spec(s) of the batch; default ``P(axis_name)``
       (every leaf split over the devices along its first dimension).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is then averaged
@@ -250,14 +250,14 @@ def make_train_step(loss_fn: Callable, tx, *, mesh,
 
   Returns:
     ``step(state, batch) -> (state, loss)`` (or ``(state, (loss, aux))``),
-    jitted, on the :class:`TrainState` of :func:`init`; ``batch`` placed
+    jitted, on the :class:`jaxcomp.TrainState` of :func:`jaxcomp.init`; ``batch`` placed
     on ``mesh`` with ``batch_spec`` (``jax.device_put(batch,
     NamedSharding(mesh, P("data")))``).
 
   Raises:
     ValueError: ``axis_name`` is not an axis of ``mesh``; at the call, a
-      state that :func:`init` placed on another mesh, axes or layout.
-    TypeError: at the call, a state that is not a :class:`TrainState`.
+      state that :func:`jaxcomp.init` placed on another mesh, axes or layout.
+    TypeError: at the call, a state that is not a :class:`jaxcomp.TrainState`.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp

@@ -413,7 +413,7 @@ def traffic(opt_state) -> LowCommTraffic:
 
   Args:
     opt_state: a global (not per-device) optimizer state holding one
-      :func:`diloco`, as :func:`init` and the train step return it.
+      :func:`diloco`, as :func:`jaxcomp.init` and the train step return it.
 
   Returns:
     A :class:`LowCommTraffic` of Python numbers (it reads the state: call

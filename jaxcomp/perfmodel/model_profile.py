@@ -85,7 +85,7 @@ class ModelProfile:
     ``degree`` ways (``ceil(n / degree)`` elements per device) and the
     compute times divided by ``degree``. The data-parallel exchange
     (replicated, ``"shard"``, ``"hsdp"``) then prices one device's shard of
-    every tensor, as :class:`jaxcomp.CompressedValueAndGrad` compresses it.
+    every tensor, as :func:`jaxcomp.compressed_value_and_grad` compresses it.
 
     The tensor axis's own collectives (the activations' all-reduces inside
     the forward and backward passes, the same with and without
