@@ -228,11 +228,9 @@ def _bytes_without_training(train, cfg: dict) -> tuple[float, float]:
                      muon_dimensions=model_lib.muon_dimensions)[-1].tx
   _, params = train.init_model(config)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  if config.diloco_every:
-    state = jaxcomp.lowcomm.init(tx, params, mesh)[1]
-  else:
-    state = jaxcomp.placement.init_sharded(tx, params, mesh, "data")[0]
-  stats = common.exchange_stats(state)
+  layout = jaxcomp.Islands() if config.diloco_every else jaxcomp.DataParallel()
+  state = jaxcomp.init(tx, params, mesh, layout=layout)
+  stats = common.exchange_stats(state.opt_state)
   steps = config.epochs * config.steps_per_epoch / max(config.diloco_every, 1)
   return float(stats.bytes_sent) * steps, float(stats.wire_bytes) * steps
 

@@ -31,7 +31,7 @@ parallelism then averages over all devices of both axes (the batch sharded
 over both); DiLoCo keeps exact data parallelism inside a process (the inner
 optimizer starts with ``compressed_mean("identity", "data")``) and runs its
 exchange across processes (``axis_name="hosts"``, one copy per island,
-``copies_over="hosts"``). The compute-only step is then each process's
+``layout=jaxcomp.Islands(over="hosts")``). The compute-only step is then each process's
 devices stepping at once with no collective. Beside each run the table
 gives the performance model's prediction of its mean step and of its wall
 time to the target (the steps times that step), made from the link's
@@ -74,7 +74,7 @@ def worker(args) -> None:
   jax.config.update("jax_num_cpu_devices", dpp)
   sys.path.insert(0, REPO)
   import jaxcomp
-  from jaxcomp import distributed, lowcomm
+  from jaxcomp import distributed
   from jaxcomp.perfmodel import codec as pm_codec
   from examples.char_lm import data as data_lib
   from examples.char_lm import model as model_lib
@@ -120,52 +120,40 @@ def worker(args) -> None:
     inner = optax.adam(3e-3)
     if comp is None:
       tx = optax.chain(jaxcomp.compressed_mean("identity", axes), inner)
-
-      def fresh():
-        state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, axes)
-        return distributed.global_array(params, mesh, P()), state, specs
-
-      make = lambda specs: jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-                                                   state_specs=specs, axis_name=axes)
-      synced = lambda p, st: p
+      layout = jaxcomp.DataParallel()
     elif dpp > 1:
       # Islands: exact data parallelism inside a process over "data",
       # DiLoCo's exchange across processes over "hosts".
       tx = jaxcomp.diloco(
           optax.chain(jaxcomp.compressed_mean("identity", "data"), inner),
           sync_every=args.sync_every, axis_name="hosts", **comp)
-      fresh = lambda: lowcomm.init(tx, params, mesh, axes, copies_over="hosts")
-      make = lambda specs: lowcomm.make_train_step(
-          loss_fn, tx, mesh=mesh, state_specs=specs, axis_name=axes,
-          per_device_loss=True, copies_over="hosts")
-      synced = lambda p, st: lowcomm.synced_params(st)
+      layout = jaxcomp.Islands(over="hosts")
     else:
       tx = jaxcomp.diloco(inner, sync_every=args.sync_every, **comp)
-      fresh = lambda: lowcomm.init(tx, params, mesh)
-      # Per-device losses: no collective at all between syncs.
-      make = lambda specs: lowcomm.make_train_step(
-          loss_fn, tx, mesh=mesh, state_specs=specs, per_device_loss=True)
-      synced = lambda p, st: lowcomm.synced_params(st)
+      layout = jaxcomp.Islands()
+    fresh = lambda: jaxcomp.init(tx, params, mesh, layout=layout, axis_name=axes)
+    # DiLoCo's per-device losses: no collective at all between syncs.
+    step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, layout=layout,
+                                   axis_name=axes, per_device_loss=comp is not None)
     # Warm-up on a throwaway copy: one whole interval, so that compiling
     # and gloo's first connections of each collective are not timed.
-    p, state, specs = fresh()
-    step = make(specs)
+    state = fresh()
     for _ in range(args.sync_every if comp else 2):
-      p, state, loss = step(p, state, next_batch())
+      state, loss = step(state, next_batch())
     jax.block_until_ready(loss)
-    p, state, _ = fresh()
+    state = fresh()
     rng = np.random.default_rng(args.rank)  # the timed run's batches
     times, evals, elapsed = [], [], 0.0
     for i in range(1, args.steps + 1):
       b = next_batch()
       t0 = time.perf_counter()
-      p, state, loss = step(p, state, b)
+      state, loss = step(state, b)
       jax.block_until_ready(loss)
       dt = time.perf_counter() - t0
       times.append(dt)
       elapsed += dt
       if i % args.eval_every == 0:
-        evals.append((i, elapsed, float(evaluate(synced(p, state), valid))))
+        evals.append((i, elapsed, float(evaluate(state.model_params(), valid))))
     out[name] = {"evals": evals, "median_step_s": statistics.median(times)}
   # This process's step with no exchange at all (one device, plain jit),
   # the same model and batch share: the compute-only step of every run.

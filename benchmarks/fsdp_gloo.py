@@ -65,7 +65,7 @@ def worker(args) -> None:
   jax.config.update("jax_num_cpu_devices", DEVICES)
   sys.path.insert(0, REPO)
   import jaxcomp
-  from jaxcomp import distributed, fsdp
+  from jaxcomp import distributed
   distributed.initialize_from_env(args.coordinator, args.nproc, args.rank,
                                   initialization_timeout=300)
   mesh = distributed.global_mesh()  # ("hosts", "devices")
@@ -102,21 +102,20 @@ def worker(args) -> None:
   }
   out = {}
   for name, (tx, shard_axis, pc) in runs.items():
-    shards, shapes, st, specs = fsdp.init(tx, params, mesh, axes,
-                                          shard_axis=shard_axis)
-    step = fsdp.make_train_step(loss_fn, tx, shapes, mesh=mesh, state_specs=specs,
-                                axis_name=axes, shard_axis=shard_axis,
-                                param_compressor=pc)
+    layout = jaxcomp.FSDP(shard_axis=shard_axis, param_compressor=pc)
+    state = jaxcomp.init(tx, params, mesh, layout=layout, axis_name=axes)
+    step = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, layout=layout,
+                                   axis_name=axes)
     for _ in range(2):
-      shards, st, loss = step(shards, st, batch)
+      state, loss = step(state, batch)
       float(loss)
     times = []
     for _ in range(args.steps):
       t0 = time.perf_counter()
-      shards, st, loss = step(shards, st, batch)
+      state, loss = step(state, batch)
       float(loss)
       times.append(time.perf_counter() - t0)
-    stats = jaxcomp.get_stats(st)
+    stats = jaxcomp.get_stats(state.opt_state)
     out[name] = {"median_s": statistics.median(times), "loss": float(loss),
                  "bytes_sent": float(stats.bytes_sent),
                  "wire_bytes": float(stats.wire_bytes)}

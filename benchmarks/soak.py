@@ -178,14 +178,7 @@ def build(name: str, mesh):
   if name == "diloco":
     tx = jaxcomp.diloco(optax.adamw(3e-3), sync_every=10,
                         compressor="int8_block", bits=4)
-
-    def init(params):
-      local, state, specs = jaxcomp.lowcomm.init(tx, params, mesh)
-      return local, state, specs
-
-    def make_step(specs):
-      return jaxcomp.lowcomm.make_train_step(loss_fn, tx, mesh=mesh,
-                                             state_specs=specs)
+    layout = jaxcomp.Islands()  # DiLoCo: each device's own copy
   else:
     mean = {
         "powersgd": lambda: jaxcomp.compressed_mean("powersgd", "data",
@@ -207,17 +200,16 @@ def build(name: str, mesh):
              "dgc": optax.sgd(0.05),
              "ef21": optax.sgd(0.05)}.get(name, optax.adam(3e-3))
     tx = optax.chain(mean, inner)
+    layout = jaxcomp.DataParallel()
 
-    def init(params):
-      state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-      return jax.device_put(params, NamedSharding(mesh, P())), state, specs
+  def init(params):
+    return jaxcomp.init(tx, params, mesh, layout=layout)
 
-    def make_step(specs):
-      return jaxcomp.make_train_step(loss_fn, tx, mesh=mesh,
-                                     state_specs=specs)
+  def make_step():
+    return jaxcomp.make_train_step(loss_fn, tx, mesh=mesh, layout=layout)
 
   def with_batch(step):
-    return lambda p, s, t: step(p, s, batch_at(jnp.int32(t)))
+    return lambda s, t: step(s, batch_at(jnp.int32(t)))
 
   return init, make_step, with_batch, ef_norm
 
@@ -239,8 +231,8 @@ def soak(name: str, args, counter) -> dict:
 
   mesh = jax.make_mesh((8,), ("data",))
   init, make_step, with_batch, ef_norm = build(name, mesh)
-  params, state, specs = init(init_params())
-  step = with_batch(make_step(specs))
+  state = init(init_params())
+  step = with_batch(make_step())
   ckpt_dir = tempfile.mkdtemp(prefix=f"soak_{name}_")
   samples = []
   t0 = time.perf_counter()
@@ -248,7 +240,7 @@ def soak(name: str, args, counter) -> dict:
   try:
     with checkpoint.Checkpointer(ckpt_dir, max_to_keep=args.keep) as ckpt:
       for t in range(1, args.steps + 1):
-        params, state, loss = step(params, state, t)
+        state, loss = step(state, t)
         if t % args.sync_every == 0:
           # A loop that never waits let XLA:CPU's 8 simulated devices
           # deadlock on this 2-core machine (an all-reduce's rendezvous
@@ -260,9 +252,9 @@ def soak(name: str, args, counter) -> dict:
           # multi-device program with collectives launched while another
           # thread works on the same devices was seen to leave XLA:CPU's
           # rendezvous waiting for device threads that never came.
-          jax.block_until_ready((params, state))
-          ckpt.save(t, {"params": params, "opt_state": state})
-          jax.block_until_ready((params, state))
+          jax.block_until_ready(state)
+          ckpt.save(t, {"params": state.params, "opt_state": state.opt_state})
+          jax.block_until_ready(state)
         if t % args.every == 0 or t == args.steps:
           jax.block_until_ready(loss)
           live = jax.live_arrays()
@@ -274,8 +266,8 @@ def soak(name: str, args, counter) -> dict:
               "ckpt_bytes": dir_bytes(ckpt_dir),
               "ckpt_steps": len(ckpt.all_steps()),
               "ckpt_step_bytes": step_bytes(ckpt_dir),
-              "residual_norm": ef_norm(state),
-              "state_norm": state_norm(state),
+              "residual_norm": ef_norm(state.opt_state),
+              "state_norm": state_norm(state.opt_state),
               "loss": float(loss),
               "seconds": round(time.perf_counter() - t0, 1)})
           del live

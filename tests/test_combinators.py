@@ -33,13 +33,11 @@ def _batches(mesh, steps, n=32):
 
 
 def _train(tx, mesh, batches):
-  state, specs = jaxcomp.placement.init_sharded(tx, _params(), mesh, "data")
-  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, state_specs=specs,
-                                 donate=False)
-  params = jax.device_put(_params(), NamedSharding(mesh, P()))
+  state = jaxcomp.init(tx, _params(), mesh)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, donate=False)
   for b in batches:
-    params, state, _ = step(params, state, b)
-  return params, state, step
+    state, _ = step(state, b)
+  return state.params, state, step
 
 
 def _chain(name="topk", **kw):
@@ -77,8 +75,8 @@ def test_optax_multisteps_around_the_chain_traces_and_agrees(mesh8):
   for k in ("w", "b"):
     np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(theirs[k]),
                                rtol=1e-5, atol=1e-6)
-  r1 = jax.tree.leaves(s1.inner_state[0].feedback)
-  r2 = jax.tree.leaves(s2.inner_opt_state[0].feedback)
+  r1 = jax.tree.leaves(s1.opt_state.inner_state[0].feedback)
+  r2 = jax.tree.leaves(s2.opt_state.inner_opt_state[0].feedback)
   for a, b in zip(r1, r2):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
@@ -89,14 +87,13 @@ def test_multi_steps_exchanges_only_on_the_kth_micro_step(mesh8):
   loss pmean alone. optax.MultiSteps sends on every micro-step."""
   b = _batches(mesh8, 1)
   _, state, step = _train(jaxcomp.multi_steps(_chain(ratio=0.2), K), mesh8, [])
-  params = jax.device_put(_params(), NamedSharding(mesh8, P()))
-  t = jaxcomp.collective_traffic(step.lower(params, state, b[0]).compile())
+  t = jaxcomp.collective_traffic(step.lower(state, b[0]).compile())
   assert t.every_step().operand_bytes == 4  # the loss
-  stats = jaxcomp.get_stats(state)
+  stats = jaxcomp.get_stats(state.opt_state)
   assert t.in_branches().operand_bytes == float(stats.bytes_sent) + 4  # + flag
   with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps is not strict
     _, state2, step2 = _train(optax.MultiSteps(_chain(ratio=0.2), K), mesh8, [])
-    t2 = jaxcomp.collective_traffic(step2.lower(params, state2, b[0]).compile())
+    t2 = jaxcomp.collective_traffic(step2.lower(state2, b[0]).compile())
   assert t2.every_step().operand_bytes >= float(stats.bytes_sent)
 
 
@@ -167,7 +164,7 @@ def test_mask_keeps_left_out_leaves_exact_and_passes_integers(mesh8):
   tx = jaxcomp.compressed_mean("topk", "data")
   params = {"w": jnp.zeros((64,)), "step": jnp.zeros((), jnp.int32)}
   with pytest.raises(TypeError, match=r"mask=") as e:
-    jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
+    jaxcomp.init(tx, params, mesh8)
   assert "optax.masked" not in str(e.value)
   tx = jaxcomp.compressed_mean("topk", "data", mask={"w": True, "step": False})
   f, state, _ = sharded_update(tx, params, mesh8)

@@ -1,5 +1,6 @@
 """Sharded data parallelism: compressed_mean(output="shard") and jaxcomp.fsdp."""
 
+import dataclasses
 import math
 
 import jax
@@ -31,10 +32,11 @@ def _per_device_grads(seed, p=8):
 def _shard_update(tx, mesh, steps):
   """Runs tx.update on per-device whole gradients ``steps`` (a list) and
   returns (each step's global shards, final state)."""
-  shards, _, state, specs = fsdp.init(tx, _params(), mesh)
-  run = run_steps(tx, steps, mesh, params=shards, init=(state, specs),
+  state = jaxcomp.init(tx, _params(), mesh, layout=jaxcomp.FSDP())
+  run = run_steps(tx, steps, mesh, params=state.params,
+                  init=(state.opt_state, state.specs),
                   params_spec=P("data"), updates_spec=P("data"))
-  return [u for u, _ in run.history], run.state, specs
+  return [u for u, _ in run.history], run.state, state.specs
 
 
 def _padded_mean_shards(g, p=8):
@@ -116,24 +118,24 @@ def test_fsdp_identity_trains_as_replicated_data_parallelism(mesh8):
   batch = _batch(mesh8)
   tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
                    optax.adam(1e-2))
-  shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
+  state = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.FSDP())
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-2))
-  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
-  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
-  ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  ref = jaxcomp.init(ref_tx, _params(), mesh8)
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8)
   for _ in range(10):
     with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-      shards, st, loss = step(shards, st, batch)
-      ref, ref_st, ref_loss = ref_step(ref, ref_st, batch)
+      state, loss = step(state, batch)
+      ref, ref_loss = ref_step(ref, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  got = fsdp.unshard_params(shards, shapes)
+  got = state.model_params()
   for k in SHAPES:
-    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref.params[k]), rtol=1e-5,
+                               atol=1e-6)
   # Adam's moments are sharded: 1/8 of the replicated state per device, up
   # to the padding.
-  adam_bytes = fsdp.state_bytes(st[1])
-  ref_bytes = fsdp.state_bytes(ref_st[1])
+  adam_bytes = fsdp.state_bytes(state.opt_state[1])
+  ref_bytes = fsdp.state_bytes(ref.opt_state[1])
   padded = sum(8 * -(-math.prod(s) // 8) for s in SHAPES.values())
   whole = sum(math.prod(s) for s in SHAPES.values())
   assert adam_bytes - 4 == (ref_bytes - 4) * padded // whole // 8  # the count: 4 B
@@ -153,10 +155,11 @@ def test_compressed_reduce_scatter_traffic_from_hlo(mesh8, name, kw, limit):
   def compiled(compressor, **kw):
     tx = optax.chain(jaxcomp.compressed_mean(compressor, "data", output="shard",
                                              min_compress_size=1000, **kw), optax.sgd(0.1))
-    shards, shapes, st, specs = fsdp.init(tx, big, mesh8)
-    step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs,
-                                per_device_loss=True)
-    return jaxcomp.collective_traffic(step.lower(shards, st, batch).compile()), st
+    state = jaxcomp.init(tx, big, mesh8, layout=jaxcomp.FSDP())
+    step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=jaxcomp.FSDP(),
+                                   per_device_loss=True)
+    return (jaxcomp.collective_traffic(step.lower(state, batch).compile()),
+            state.opt_state)
 
   dense, dense_st = compiled("identity")
   comp, st = compiled(name, **kw)
@@ -226,12 +229,12 @@ def test_shard_output_refuses_what_it_cannot_do(mesh8):
                             collective="hierarchical")
   with pytest.raises(ValueError, match="error_feedback='ef21'"):
     jaxcomp.compressed_mean("topk", "data", output="shard", error_feedback="ef21")
-  # fsdp.init wants every jaxcomp transform to output shards, and one at all.
+  # FSDP's init wants every jaxcomp transform to output shards, and one at all.
   with pytest.raises(ValueError, match="output='shard'"):
-    fsdp.init(optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1)),
-              _params(), mesh8)
+    jaxcomp.init(optax.chain(jaxcomp.compressed_mean("topk", "data"), optax.sgd(0.1)),
+                 _params(), mesh8, layout=jaxcomp.FSDP())
   with pytest.raises(ValueError, match="has no jaxcomp.compressed_mean"):
-    fsdp.init(optax.sgd(0.1), _params(), mesh8)
+    jaxcomp.init(optax.sgd(0.1), _params(), mesh8, layout=jaxcomp.FSDP())
   # init of a shard transform on parameters that are not flat shards.
   tx = jaxcomp.compressed_mean("identity", "data", output="shard")
   with pytest.raises(ValueError, match=r"\['w'\] are not 1-D"):
@@ -240,16 +243,16 @@ def test_shard_output_refuses_what_it_cannot_do(mesh8):
 
 def _hsdp_run(mesh, tx, steps=5, shard_axis="devices", axes=("hosts", "devices")):
   batch = _batch(mesh, axes)
+  layout = jaxcomp.FSDP(shard_axis=shard_axis)
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-    shards, shapes, st, specs = fsdp.init(tx, _params(), mesh, axes, shard_axis=shard_axis)
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh, state_specs=specs,
-                              axis_name=axes, shard_axis=shard_axis)
+    state = jaxcomp.init(tx, _params(), mesh, layout=layout, axis_name=axes)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, layout=layout, axis_name=axes)
   losses = []
   for _ in range(steps):
     with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-      shards, st, loss = step(shards, st, batch)
+      state, loss = step(state, batch)
     losses.append(float(loss))
-  return losses, fsdp.unshard_params(shards, shapes), st, step, (shards, st, batch)
+  return losses, state.model_params(), state.opt_state, step, (state, batch)
 
 
 @pytest.fixture(scope="module")
@@ -265,17 +268,16 @@ def test_hsdp_identity_trains_as_replicated(mesh2x4):
   losses, params, _, _, _ = _hsdp_run(mesh2x4, tx)
   axes = ("hosts", "devices")
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", axes), optax.adam(1e-2))
-  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh2x4, axes)
-  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh2x4, state_specs=ref_specs,
-                                     axis_name=axes)
-  ref = jax.device_put(_params(), NamedSharding(mesh2x4, P()))
+  ref = jaxcomp.init(ref_tx, _params(), mesh2x4, axis_name=axes)
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh2x4, axis_name=axes)
   batch = _batch(mesh2x4, axes)
   for i in range(5):
     with jax.numpy_dtype_promotion("standard"):
-      ref, ref_st, ref_loss = ref_step(ref, ref_st, batch)
+      ref, ref_loss = ref_step(ref, batch)
     np.testing.assert_allclose(losses[i], float(ref_loss), rtol=1e-6)
   for k in SHAPES:
-    np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref.params[k]), rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("name,kw", [("int8_block", {}), ("qsgd", {}), ("topk", {"ratio": 0.1}),
@@ -325,15 +327,15 @@ def test_tensor_parallel_leaves_compress_their_local_shards():
 
   for name in ("identity", "int8_block"):
     tx = optax.chain(jaxcomp.compressed_mean(name, "data"), optax.sgd(0.1))
-    st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data", params_spec=specs_p)
-    step = jaxcomp.make_train_step(loss, tx, mesh=mesh, state_specs=specs,
-                                   params_spec=specs_p, batch_spec=(P("data"), P("data", "model")),
-                                   donate=False)
-    placed = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in specs_p.items()})
+    layout = jaxcomp.DataParallel(specs_p)
+    state = jaxcomp.init(tx, params, mesh, layout=layout)
+    step = jaxcomp.make_train_step(loss, tx, mesh=mesh, layout=layout,
+                                   batch_spec=(P("data"), P("data", "model")), donate=False)
     xy = (jax.device_put(x, NamedSharding(mesh, P("data"))),
           jax.device_put(y, NamedSharding(mesh, P("data", "model"))))
-    new, st, l0 = step(placed, st, xy)
-    stats = jaxcomp.get_stats(st)
+    state, l0 = step(state, xy)
+    new = state.params
+    stats = jaxcomp.get_stats(state.opt_state)
     assert float(stats.dense_bytes) == 4 * (13 * 2 + 8)  # the local shard of w, and b
     if name == "identity":
       full = lambda p: jnp.mean(jnp.sum((x @ p["w"] + p["b"][None] - y) ** 2, 1)) / 8
@@ -350,22 +352,23 @@ def test_fsdp_checkpoint_resumes_bit_exact(mesh8, tmp_path):
   batch = _batch(mesh8)
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", output="shard", ratio=0.1),
                    optax.sgd(0.05, momentum=0.9))
-  shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs, donate=False)
+  state = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.FSDP(), donate=False)
   for _ in range(3):
-    shards, st, _ = step(shards, st, batch)
+    state, _ = step(state, batch)
   ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
-  ckpt.save(3, {"params": shards, "opt_state": st})
-  a, a_st = shards, st
+  ckpt.save(3, {"params": state.params, "opt_state": state.opt_state})
+  a = state
   for _ in range(2):
-    a, a_st, _ = step(a, a_st, batch)
-  fresh, _, fresh_st, _ = fsdp.init(tx, _params(), mesh8)
-  n, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
+    a, _ = step(a, batch)
+  fresh = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+  n, restored = ckpt.restore({"params": fresh.params, "opt_state": fresh.opt_state})
   assert n == 3
-  b, b_st = restored["params"], restored["opt_state"]
+  b = dataclasses.replace(fresh, params=restored["params"],
+                          opt_state=restored["opt_state"])
   for _ in range(2):
-    b, b_st, _ = step(b, b_st, batch)
-  for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((b, b_st))):
+    b, _ = step(b, batch)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -391,12 +394,12 @@ def test_three_axis_mesh_hosts_data_model():
   for slow in ("identity", "int8_block"):
     tx = optax.chain(jaxcomp.compressed_mean("identity", "data"),
                      jaxcomp.compressed_mean(slow, "hosts"), optax.sgd(0.1))
-    st, specs = jaxcomp.placement.init_sharded(tx, params, mesh, dp, params_spec=specs_p)
-    step = jaxcomp.make_train_step(loss, tx, mesh=mesh, state_specs=specs, axis_name=dp,
-                                   params_spec=specs_p, batch_spec=(P(dp), P(dp, "model")),
-                                   donate=False)
-    placed = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in specs_p.items()})
-    new, st, l0 = step(placed, st, xy)
+    layout = jaxcomp.DataParallel(specs_p)
+    state = jaxcomp.init(tx, params, mesh, layout=layout, axis_name=dp)
+    step = jaxcomp.make_train_step(loss, tx, mesh=mesh, layout=layout, axis_name=dp,
+                                   batch_spec=(P(dp), P(dp, "model")), donate=False)
+    state, l0 = step(state, xy)
+    new, st = state.params, state.opt_state
     np.testing.assert_allclose(float(l0), float(full(params)), rtol=1e-5)
     g = jax.grad(full)(params)
     tol = 1e-6 if slow == "identity" else 0.1 * 2 / 127  # lr x one int8 step of max|g|
@@ -422,14 +425,14 @@ def test_quantized_parameter_gather_qwz(mesh8):
                    optax.sgd(0.05))
   runs = {}
   for pc in (None, "int8_block"):
-    shards, shapes, st, specs = fsdp.init(tx, big, mesh8)
-    step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs,
-                                param_compressor=pc, donate=False)
+    layout = jaxcomp.FSDP(param_compressor=pc)
+    state = jaxcomp.init(tx, big, mesh8, layout=layout)
+    step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=layout, donate=False)
     gathers = [o for o in jaxcomp.collective_traffic(
-        step.lower(shards, st, batch).compile()).ops if o.kind == "all-gather"]
+        step.lower(state, batch).compile()).ops if o.kind == "all-gather"]
     losses = []
     for _ in range(10):
-      shards, st, l = step(shards, st, batch)
+      state, l = step(state, batch)
       losses.append(float(l))
     runs[pc] = (sum(o.operand_bytes for o in gathers), losses)
   exact_bytes, exact = runs[None]
@@ -452,8 +455,7 @@ def test_quantized_parameter_gather_qwz(mesh8):
     assert all(np.array_equal(qk[0], qk[d]) for d in range(8))
     assert np.abs(qk[0] - np.asarray(big[k])).max() <= np.abs(np.asarray(big[k])).max() / 127
   with pytest.raises(ValueError, match="param_compressor='qsgd' cannot compress"):
-    fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs,
-                         param_compressor="qsgd")
+    jaxcomp.FSDP(param_compressor="qsgd")
 
 
 def test_fsdp_in_the_combinators(mesh8):
@@ -463,18 +465,18 @@ def test_fsdp_in_the_combinators(mesh8):
   inner = optax.chain(jaxcomp.compressed_mean("int8_block", "data", output="shard"),
                       optax.sgd(0.1))
   tx = jaxcomp.apply_if_finite(inner, "data")
-  shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs, donate=False)
+  state = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.FSDP(), donate=False)
   batch = _batch(mesh8)
-  moved, st, _ = step(shards, st, batch)
-  assert not np.array_equal(np.asarray(moved["w"]), np.asarray(shards["w"]))
+  moved, _ = step(state, batch)
+  assert not np.array_equal(np.asarray(moved.params["w"]), np.asarray(state.params["w"]))
   x, y = (np.array(a) for a in batch)
   x[3, 0] = np.nan
   bad = jax.device_put((x, y), NamedSharding(mesh8, P("data")))
-  same, st, _ = step(moved, st, bad)
+  same, _ = step(moved, bad)
   for k in SHAPES:
-    np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(moved[k]))
-  assert int(st.total_notfinite) == 1
+    np.testing.assert_array_equal(np.asarray(same.params[k]), np.asarray(moved.params[k]))
+  assert int(same.opt_state.total_notfinite) == 1
 
 
 def test_multi_steps_accumulates_whole_gradients_for_shards(mesh8):
@@ -508,27 +510,27 @@ def test_multi_steps_fsdp_trains_as_replicated_multi_steps(mesh8):
       jaxcomp.compressed_mean("identity", "data", output=out), optax.adam(1e-2)), 2)
   tx, ref_tx = mk("shard"), mk("mean")
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-    shards, shapes, st, specs = fsdp.init(tx, _params(), mesh8)
-    ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
-  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
-  ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
+    state = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+    ref = jaxcomp.init(ref_tx, _params(), mesh8)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.FSDP())
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8)
   for i in range(6):
     with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-      shards, st, loss = step(shards, st, batches[i % 2])
-      ref, ref_st, ref_loss = ref_step(ref, ref_st, batches[i % 2])
+      state, loss = step(state, batches[i % 2])
+      ref, ref_loss = ref_step(ref, batches[i % 2])
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  got = fsdp.unshard_params(shards, shapes)
+  got = state.model_params()
   for k in SHAPES:
-    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
-  assert int(st.gradient_step) == 3
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref.params[k]), rtol=1e-5,
+                               atol=1e-6)
+  assert int(state.opt_state.gradient_step) == 3
 
   tx8 = jaxcomp.multi_steps(optax.chain(jaxcomp.compressed_mean(
       "int8_block", "data", output="shard", rounding="stochastic"), optax.sgd(0.1)), 2)
-  shards, shapes, st, specs = fsdp.init(tx8, _params(), mesh8)
-  step = fsdp.make_train_step(_loss, tx8, shapes, mesh=mesh8, state_specs=specs,
-                              donate=False)
-  traffic = jaxcomp.collective_traffic(step.lower(shards, st, batches[0]).compile())
+  state = jaxcomp.init(tx8, _params(), mesh8, layout=jaxcomp.FSDP())
+  step = jaxcomp.make_train_step(_loss, tx8, mesh=mesh8, layout=jaxcomp.FSDP(),
+                                 donate=False)
+  traffic = jaxcomp.collective_traffic(step.lower(state, batches[0]).compile())
   exchange = [o for o in traffic.ops if o.kind in ("reduce-scatter", "all-to-all")]
   assert exchange and all(o.in_branch for o in exchange)
   # The parameters' forward all-gathers run on every micro-step.
@@ -561,7 +563,7 @@ def test_compressed_value_and_grad_in_a_jit_step_on_shards(mesh8):
   # The jit-step idiom with FSDP: the gradient line takes the shards and
   # returns the mean's shards; the optimizer runs outside shard_map on
   # global sharded arrays, and its moments stay sharded (1/8 per device).
-  # It trains as jaxcomp.fsdp.make_train_step does.
+  # It trains as jaxcomp.make_train_step with the FSDP layout does.
   batch = _batch(mesh8)
   shards, shapes = fsdp.shard_params(_params(), mesh8)
   grad_fn = jaxcomp.compressed_value_and_grad(
@@ -580,15 +582,16 @@ def test_compressed_value_and_grad_in_a_jit_step_on_shards(mesh8):
   tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
                    optax.adam(1e-2))
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
-    ref, _, st, specs = fsdp.init(tx, _params(), mesh8)
-  ref_step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh8, state_specs=specs)
+    ref = jaxcomp.init(tx, _params(), mesh8, layout=jaxcomp.FSDP())
+  ref_step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.FSDP())
   with jax.numpy_dtype_promotion("standard"):
     for _ in range(5):
       shards, opt_state, comp_state, loss = train_step(shards, opt_state, comp_state, batch)
-      ref, st, ref_loss = ref_step(ref, st, batch)
+      ref, ref_loss = ref_step(ref, batch)
       np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
   for k in SHAPES:
-    np.testing.assert_allclose(np.asarray(shards[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(shards[k]), np.asarray(ref.params[k]), rtol=1e-6,
+                               atol=1e-7)
     assert shards[k].sharding.spec == P("data")
   mu = opt_state[0].mu
   assert fsdp.state_bytes(mu) == sum(4 * -(-math.prod(s) // 8) for s in SHAPES.values())
@@ -612,14 +615,13 @@ def test_compiled_step_holds_a_pth_of_parameters_and_state(mesh8):
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict
     tx = optax.chain(jaxcomp.compressed_mean("identity", "data", output="shard"),
                      optax.adam(1e-3))
-    shards, shapes, st, specs = fsdp.init(tx, params, mesh8)
-    step = fsdp.make_train_step(loss, tx, shapes, mesh=mesh8, state_specs=specs)
-    sharded = step.lower(shards, st, x).compile().memory_analysis()
+    state = jaxcomp.init(tx, params, mesh8, layout=jaxcomp.FSDP())
+    step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=jaxcomp.FSDP())
+    sharded = step.lower(state, x).compile().memory_analysis()
     rtx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.adam(1e-3))
-    rst, rspecs = jaxcomp.placement.init_sharded(rtx, params, mesh8, "data")
-    rstep = jaxcomp.make_train_step(loss, rtx, mesh=mesh8, state_specs=rspecs)
-    rep = rstep.lower(jax.device_put(params, NamedSharding(mesh8, P())), rst, x
-                      ).compile().memory_analysis()
+    rstate = jaxcomp.init(rtx, params, mesh8)
+    rstep = jaxcomp.make_train_step(loss, rtx, mesh=mesh8)
+    rep = rstep.lower(rstate, x).compile().memory_analysis()
   n = 256 * 256 + 256
   batch = 2 * 256 * 4  # this device's 2 rows
   assert sharded.argument_size_in_bytes >= 3 * 4 * n // 8 + batch

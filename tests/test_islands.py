@@ -1,6 +1,8 @@
 """DiLoCo across islands: exact data parallelism inside each island of
 devices ("data"), DiLoCo's compressed exchange across islands ("hosts")."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +14,7 @@ from jaxcomp import lowcomm
 from tests.test_lowcomm import _loss, _params  # the same model and loss
 
 AXES = ("hosts", "data")
+ISLANDS = jaxcomp.Islands(over="hosts")  # one copy per island of "data" devices
 
 
 @pytest.fixture
@@ -39,12 +42,11 @@ def _islands_tx(inner, *, sync_every, **kwargs):
 
 
 def _setup(tx, mesh):
-  local, st, specs = lowcomm.init(tx, _params(), mesh, AXES,
-                                  copies_over="hosts")
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh, state_specs=specs,
+  state = jaxcomp.init(tx, _params(), mesh, layout=ISLANDS, axis_name=AXES)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, layout=ISLANDS,
                                  axis_name=AXES, per_device_loss=True,
-                                 donate=False, copies_over="hosts")
-  return local, st, step
+                                 donate=False)
+  return state, step
 
 
 def _copies(tree):
@@ -64,16 +66,16 @@ def test_one_step_intervals_with_unit_outer_sgd_are_data_parallel_sgd(mesh24):
   # islands of each island's exact mean gradient, i.e. by the gradient of
   # the whole batch: data-parallel SGD over all 8 devices.
   tx = _islands_tx(optax.sgd(0.1), sync_every=1, outer=optax.sgd(1.0))
-  local, st, step = _setup(tx, mesh24)
+  state, step = _setup(tx, mesh24)
   ref = jax.device_get(_params())
   for batch in _batches(mesh24, 4):
-    local, st, _ = step(local, st, batch)
+    state, _ = step(state, batch)
     g = jax.grad(_loss)(ref, jax.device_get(batch))
     ref = jax.tree.map(lambda p, g: p - 0.1 * g, ref, g)
-  anchor = lowcomm.synced_params(st)
+  anchor = lowcomm.synced_params(state.opt_state)
   for k in ref:
     np.testing.assert_allclose(np.asarray(anchor[k]), ref[k], rtol=2e-6, atol=2e-7)
-    copies = _copies(local)[k]
+    copies = _copies(state.params)[k]
     np.testing.assert_array_equal(copies, np.broadcast_to(copies[:1, :1], copies.shape))
 
 
@@ -84,15 +86,15 @@ def test_devices_in_an_island_stay_equal_and_islands_meet_at_each_sync(
   h = 3
   tx = _islands_tx(optax.sgd(0.3, momentum=0.9), sync_every=h,
                    compressor=compressor, **kw)
-  local, st, step = _setup(tx, mesh24)
+  state, step = _setup(tx, mesh24)
   for i, batch in enumerate(_batches(mesh24, 7)):
-    local, st, _ = step(local, st, batch)
-    for k, c in _copies(local).items():
+    state, _ = step(state, batch)
+    for k, c in _copies(state.params).items():
       # Exact data parallelism inside an island: equal bit for bit.
       np.testing.assert_array_equal(c, np.broadcast_to(c[:, :1], c.shape))
       if (i + 1) % h == 0:  # a sync: every device on the new anchor
         np.testing.assert_array_equal(c, np.broadcast_to(
-            np.asarray(lowcomm.synced_params(st)[k])[None, None], c.shape))
+            np.asarray(lowcomm.synced_params(state.opt_state)[k])[None, None], c.shape))
       else:  # the islands' data differ, and so do their parameters
         assert np.abs(c[0, 0] - c[1, 0]).max() > 1e-4, (i, k)
 
@@ -103,9 +105,9 @@ def _groups_of(op):
 
 def test_collectives_cross_islands_only_in_the_sync_branch(mesh24):
   tx = _islands_tx(optax.sgd(0.1), sync_every=4, compressor="int8_block", bits=4)
-  local, st, step = _setup(tx, mesh24)
+  state, step = _setup(tx, mesh24)
   batch = _batches(mesh24, 1)[0]
-  traffic = jaxcomp.collective_traffic(step.lower(local, st, batch).compile())
+  traffic = jaxcomp.collective_traffic(step.lower(state, batch).compile())
   # Replica groups count devices in the mesh's order: island i is 4i..4i+3.
   island = [frozenset(range(4 * i, 4 * i + 4)) for i in range(2)]
   n = sum(x.size for x in jax.tree.leaves(_params()))
@@ -122,21 +124,22 @@ def test_collectives_cross_islands_only_in_the_sync_branch(mesh24):
 def _assert_resumes_bit_exactly(setup, batches, tmp_path):
   """Two steps, an Orbax checkpoint, the rest of ``batches`` from it and
   from a fresh placement restored from it: equal bit for bit. ``setup()``
-  returns ``(local, opt_state, step)``."""
-  local, st, step = setup()
+  returns ``(state, step)``."""
+  state, step = setup()
   for b in batches[:2]:
-    local, st, _ = step(local, st, b)
+    state, _ = step(state, b)
   ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
-  ckpt.save(2, {"params": local, "opt_state": st})
-  a, a_st = local, st
+  ckpt.save(2, {"params": state.params, "opt_state": state.opt_state})
+  a = state
   for b in batches[2:]:
-    a, a_st, _ = step(a, a_st, b)
-  fresh, fresh_st, _ = setup()
-  _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
-  r, r_st = restored["params"], restored["opt_state"]
+    a, _ = step(a, b)
+  fresh, _ = setup()
+  _, restored = ckpt.restore({"params": fresh.params, "opt_state": fresh.opt_state})
+  r = dataclasses.replace(fresh, params=restored["params"],
+                          opt_state=restored["opt_state"])
   for b in batches[2:]:
-    r, r_st, _ = step(r, r_st, b)
-  for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
+    r, _ = step(r, b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(r)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -151,70 +154,69 @@ def test_islands_refuse_what_would_split_an_island(mesh24):
   # Without the exact mean inside the island, its devices' copies would
   # drift apart: refused at the first trace, naming the fix.
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2, axis_name="hosts")
-  local, st, specs = lowcomm.init(tx, _params(), mesh24, AXES, copies_over="hosts")
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh24, state_specs=specs,
-                                 axis_name=AXES, copies_over="hosts")
+  state = jaxcomp.init(tx, _params(), mesh24, layout=ISLANDS, axis_name=AXES)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh24, layout=ISLANDS, axis_name=AXES)
   with pytest.raises(ValueError, match=r"compressed_mean\('identity', \('data',\)\)"):
-    step(local, st, _batches(mesh24, 1)[0])
+    step(state, _batches(mesh24, 1)[0])
   with pytest.raises(ValueError, match="copies' axes over='model'"):
-    lowcomm.init(tx, _params(), mesh24, AXES, copies_over="model")
+    jaxcomp.init(tx, _params(), mesh24, layout=jaxcomp.Islands(over="model"), axis_name=AXES)
 
 
 def test_streaming_fragments_with_delayed_landing_keep_islands_whole(mesh24):
   tx = _islands_tx(optax.sgd(0.3), sync_every=4, fragments=2, overlap_steps=1,
                    compressor="int8_block", bits=4)
-  local, st, step = _setup(tx, mesh24)
+  state, step = _setup(tx, mesh24)
   for batch in _batches(mesh24, 9):
-    local, st, _ = step(local, st, batch)
-    for c in _copies(local).values():
+    state, _ = step(state, batch)
+    for c in _copies(state.params).values():
       np.testing.assert_array_equal(c, np.broadcast_to(c[:, :1], c.shape))
-  assert np.isfinite(np.asarray(jax.tree.leaves(local)[0])).all()
+  assert np.isfinite(np.asarray(jax.tree.leaves(state.params)[0])).all()
 
 
 # -- Islands in the user's idioms: a jit step, NNX ---------------------------
 
 
 def _functional_run(tx, mesh, batches):
-  local, st, step = _setup(tx, mesh)
+  state, step = _setup(tx, mesh)
   hist = []
   for b in batches:
-    local, st, loss = step(local, st, b)
-    hist.append((jax.device_get(local), jax.device_get(lowcomm.synced_params(st)),
+    state, loss = step(state, b)
+    hist.append((jax.device_get(state.params), jax.device_get(state.model_params()),
                  np.asarray(loss)))
-  return st, hist
+  return state.opt_state, hist
 
 
-def test_local_step_with_islands_is_make_train_step(mesh24):
-  """lowcomm.local_step(copies_over="hosts") inside the user's own jax.jit
-  step runs what make_train_step compiles for islands, bit for bit."""
+def test_the_islands_step_inside_a_users_jit_step_is_the_step(mesh24):
+  """make_train_step's islands step called inside the user's own jax.jit
+  step runs what it compiles alone, bit for bit."""
   tx = _islands_tx(optax.sgd(0.2, momentum=0.9), sync_every=2,
                    compressor="int8_block", bits=4)
   batches = _batches(mesh24, 5)
   ref_st, hist = _functional_run(tx, mesh24, batches)
-  local_step = lowcomm.local_step(_loss, tx, mesh24, axis_name=AXES,
-                                  per_device_loss=True, copies_over="hosts")
-  local, st = local_step.init(_params())
-  assert jax.tree.leaves(local)[0].shape[0] == 2  # one copy per island
+  inner = jaxcomp.make_train_step(_loss, tx, mesh=mesh24, layout=ISLANDS, axis_name=AXES,
+                                  per_device_loss=True, donate=False)
+  state = jaxcomp.init(tx, _params(), mesh24, layout=ISLANDS, axis_name=AXES)
+  assert jax.tree.leaves(state.params)[0].shape[0] == 2  # one copy per island
 
   @jax.jit
-  def train_step(local, st, batch):
-    local, st, loss = local_step(local, st, batch)
-    return local, st, loss, lowcomm.synced_params(st)
+  def train_step(state, batch):
+    state, loss = inner(state, batch)
+    return state, loss, state.model_params()
 
   for b, (ref_local, ref_anchor, ref_loss) in zip(batches, hist):
-    local, st, loss, anchor = train_step(local, st, b)
+    state, loss, anchor = train_step(state, b)
     for k in ref_local:
-      np.testing.assert_array_equal(np.asarray(local[k]), ref_local[k])
+      np.testing.assert_array_equal(np.asarray(state.params[k]), ref_local[k])
       np.testing.assert_array_equal(np.asarray(anchor[k]), ref_anchor[k])
     np.testing.assert_array_equal(np.asarray(loss), ref_loss)
-  for x, y in zip(jax.tree.leaves(st), jax.tree.leaves(ref_st)):
+  for x, y in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_st)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_nnx_optimizer_with_islands_trains_as_the_functional_step(mesh24):
-  """jaxcomp.flax.Optimizer(copies_over="hosts"): one copy per island in
-  optimizer.local, the model on the synchronized parameters, both as
-  lowcomm.make_train_step computes them for the same function."""
+  """jaxcomp.flax.Optimizer(layout=jaxcomp.Islands(over="hosts")): one copy
+  per island in optimizer.local, the model on the synchronized parameters,
+  both as jaxcomp.make_train_step computes them for the same function."""
   from flax import nnx
   import jaxcomp.flax
   from tests.test_lowcomm import _nnx_loss, _nnx_model, _nnx_step_as_functional
@@ -224,27 +226,26 @@ def test_nnx_optimizer_with_islands_trains_as_the_functional_step(mesh24):
   graphdef, params0 = nnx.split(model, nnx.Param)
   params0 = nnx.as_pure(params0)
   opt = jaxcomp.flax.Optimizer(model, tx, wrt=nnx.Param, mesh=mesh24,
-                               axis_name=AXES, copies_over="hosts")
+                               axis_name=AXES, layout=ISLANDS)
   assert opt.local["lin"]["kernel"][...].shape == (2, 13, 7)
   step = jaxcomp.flax.train_step(_nnx_loss)
   fn_loss = lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b)
-  ref_local, ref_st, specs = lowcomm.init(tx, params0, mesh24, AXES,
-                                          copies_over="hosts")
-  ref_step = lowcomm.make_train_step(fn_loss, tx, mesh=mesh24, state_specs=specs,
-                                     axis_name=AXES, copies_over="hosts")
+  ref = jaxcomp.init(tx, params0, mesh24, layout=ISLANDS, axis_name=AXES)
+  ref_step = jaxcomp.make_train_step(fn_loss, tx, mesh=mesh24, layout=ISLANDS,
+                                     axis_name=AXES)
   for i, b in enumerate(_batches(mesh24, 4)):
-    ref_local, ref_st, w_local, _ = _nnx_step_as_functional(
-        step, model, opt, ref_step, ref_local, ref_st, b)
+    ref, w_local, _ = _nnx_step_as_functional(step, model, opt, ref_step, ref, b)
     # The islands meet at each sync and differ between syncs.
     assert np.array_equal(w_local[0], w_local[1]) == ((i + 1) % 2 == 0), i
-  with pytest.raises(ValueError, match="fsdp=True does not hold"):
-    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh24,
-                           axis_name=AXES, fsdp=True, copies_over="hosts")
-  with pytest.raises(ValueError, match="must hold a jaxcomp.diloco"):
+  with pytest.raises(ValueError, match="islands with FSDP inside need jaxcomp.init"):
+    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh24, axis_name=AXES,
+                           layout=jaxcomp.Islands(over="hosts",
+                                                  inside=jaxcomp.FSDP(shard_axis="data")))
+  with pytest.raises(ValueError, match="only jaxcomp.diloco in tx synchronizes"):
     jaxcomp.flax.Optimizer(
         _nnx_model(), optax.chain(jaxcomp.compressed_mean("identity", AXES),
                                   optax.sgd(0.1)),
-        wrt=nnx.Param, mesh=mesh24, axis_name=AXES, copies_over="hosts")
+        wrt=nnx.Param, mesh=mesh24, axis_name=AXES, layout=ISLANDS)
 
 
 # -- FSDP inside each island -------------------------------------------------
@@ -260,15 +261,14 @@ def _fsdp_islands_tx(inner, *, sync_every, **kwargs):
       sync_every=sync_every, axis_name="hosts", **kwargs)
 
 
+FSDP_ISLANDS = jaxcomp.Islands(over="hosts", inside=jaxcomp.FSDP(shard_axis="data"))
+
+
 def _fsdp_setup(tx, mesh):
-  from jaxcomp import fsdp
-  local, shapes, st, specs = fsdp.init(tx, _params(), mesh, AXES,
-                                       shard_axis="data", copies_over="hosts")
-  step = fsdp.make_train_step(_loss, tx, shapes, mesh=mesh, state_specs=specs,
-                              axis_name=AXES, shard_axis="data",
-                              copies_over="hosts", per_device_loss=True,
-                              donate=False)
-  return local, shapes, st, step
+  state = jaxcomp.init(tx, _params(), mesh, layout=FSDP_ISLANDS, axis_name=AXES)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, layout=FSDP_ISLANDS,
+                                 axis_name=AXES, per_device_loss=True, donate=False)
+  return state, step
 
 
 def _whole_copies(local, shapes):
@@ -287,26 +287,25 @@ def test_fsdp_islands_train_as_replicated_islands(mesh24):
   without a sync in the interval, while each device holds a quarter."""
   from jaxcomp import fsdp
   kw = dict(sync_every=3, outer=optax.sgd(0.7, momentum=0.5, nesterov=True))
-  local, shapes, st, step = _fsdp_setup(
-      _fsdp_islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
-  ref_local, ref_st, ref_step = _setup(
-      _islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
+  state, step = _fsdp_setup(_fsdp_islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
+  ref, ref_step = _setup(_islands_tx(optax.sgd(0.2, momentum=0.9), **kw), mesh24)
+  shapes = state.layout.inside.shapes
   n = {k: int(np.prod(s.shape)) for k, s in shapes.items()}
-  for k, x in local.items():  # (islands, p * c): a quarter per device
+  for k, x in state.params.items():  # (islands, p * c): a quarter per device
     assert x.shape[0] == 2
     assert x.addressable_shards[0].data.shape == (1, -(-n[k] // 4))
   for i, batch in enumerate(_batches(mesh24, 7)):
-    local, st, loss = step(local, st, batch)
-    ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, batch)
+    state, loss = step(state, batch)
+    ref, ref_loss = ref_step(ref, batch)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5)
-    whole = _whole_copies(local, shapes)
+    whole = _whole_copies(state.params, shapes)
     for k in whole:
-      np.testing.assert_allclose(whole[k], _copies(ref_local)[k][:, 0],
+      np.testing.assert_allclose(whole[k], _copies(ref.params)[k][:, 0],
                                  rtol=2e-5, atol=2e-6)
-    anchor = fsdp.unshard_params(lowcomm.synced_params(st), shapes)
+    anchor = fsdp.unshard_params(lowcomm.synced_params(state.opt_state), shapes)
     for k in anchor:
       np.testing.assert_allclose(np.asarray(anchor[k]),
-                                 np.asarray(lowcomm.synced_params(ref_st)[k]),
+                                 np.asarray(lowcomm.synced_params(ref.opt_state)[k]),
                                  rtol=2e-5, atol=2e-6)
       if (i + 1) % 3 == 0:  # a sync: both islands on the anchor, exactly
         np.testing.assert_array_equal(whole[k][0], whole[k][1])
@@ -318,19 +317,19 @@ def test_fsdp_islands_streaming_fragments_as_replicated_islands(mesh24):
   island: what the replicated islands compute, within float rounding."""
   from jaxcomp import fsdp
   kw = dict(sync_every=4, fragments=2, overlap_steps=1)
-  local, shapes, st, step = _fsdp_setup(
-      _fsdp_islands_tx(optax.sgd(0.3), **kw), mesh24)
-  ref_local, ref_st, ref_step = _setup(_islands_tx(optax.sgd(0.3), **kw), mesh24)
+  state, step = _fsdp_setup(_fsdp_islands_tx(optax.sgd(0.3), **kw), mesh24)
+  ref, ref_step = _setup(_islands_tx(optax.sgd(0.3), **kw), mesh24)
   for batch in _batches(mesh24, 9):
-    local, st, _ = step(local, st, batch)
-    ref_local, ref_st, _ = ref_step(ref_local, ref_st, batch)
-  whole = _whole_copies(local, shapes)
-  anchor = fsdp.unshard_params(lowcomm.synced_params(st), shapes)
+    state, _ = step(state, batch)
+    ref, _ = ref_step(ref, batch)
+  shapes = state.layout.inside.shapes
+  whole = _whole_copies(state.params, shapes)
+  anchor = fsdp.unshard_params(lowcomm.synced_params(state.opt_state), shapes)
   for k in whole:
-    np.testing.assert_allclose(whole[k], _copies(ref_local)[k][:, 0],
+    np.testing.assert_allclose(whole[k], _copies(ref.params)[k][:, 0],
                                rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(anchor[k]),
-                               np.asarray(lowcomm.synced_params(ref_st)[k]),
+                               np.asarray(lowcomm.synced_params(ref.opt_state)[k]),
                                rtol=2e-5, atol=2e-6)
 
 
@@ -340,9 +339,9 @@ def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
   compressed shard of the pseudo-gradient, inside the sync's branch."""
   tx = _fsdp_islands_tx(optax.sgd(0.1), sync_every=4, compressor="int8_block",
                         bits=4)
-  local, shapes, st, step = _fsdp_setup(tx, mesh24)
+  state, step = _fsdp_setup(tx, mesh24)
   batch = _batches(mesh24, 1)[0]
-  traffic = jaxcomp.collective_traffic(step.lower(local, st, batch).compile())
+  traffic = jaxcomp.collective_traffic(step.lower(state, batch).compile())
   island = [frozenset(range(4 * i, 4 * i + 4)) for i in range(2)]
   inner = [o for o in traffic.ops if not o.in_branch]
   assert {o.kind for o in inner} >= {"all-gather", "reduce-scatter"}, inner
@@ -354,10 +353,10 @@ def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
   # Each device sends its own shard's payload, not the whole model's: a
   # quarter of what the replicated islands send across, up to the blocks'
   # scales and the shards' padding.
-  r_local, r_st, r_step = _setup(
+  r_state, r_step = _setup(
       _islands_tx(optax.sgd(0.1), sync_every=4, compressor="int8_block", bits=4),
       mesh24)
-  r_traffic = jaxcomp.collective_traffic(r_step.lower(r_local, r_st, batch).compile())
+  r_traffic = jaxcomp.collective_traffic(r_step.lower(r_state, batch).compile())
   across = lambda t: sum(o.operand_bytes for o in t.ops if any(
       not any(grp <= isl for isl in island) for grp in _groups_of(o)))
   assert 0 < across(traffic) <= across(r_traffic) / 2
@@ -366,19 +365,15 @@ def test_fsdp_islands_cross_hosts_only_in_the_sync_branch(mesh24):
 def test_fsdp_islands_resume_mid_interval_bit_exactly(mesh24, tmp_path):
   tx = _fsdp_islands_tx(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="topk",
                         ratio=0.2)
-
-  def setup():
-    local, _, st, step = _fsdp_setup(tx, mesh24)
-    return local, st, step
-
-  _assert_resumes_bit_exactly(setup, _batches(mesh24, 5), tmp_path)
+  _assert_resumes_bit_exactly(lambda: _fsdp_setup(tx, mesh24), _batches(mesh24, 5),
+                              tmp_path)
 
 
 def test_fsdp_islands_refuse_what_cannot_work(mesh24):
-  from jaxcomp import fsdp
   tx = _fsdp_islands_tx(optax.sgd(0.1), sync_every=2)
-  with pytest.raises(ValueError, match="copies_over"):
-    fsdp.init(tx, _params(), mesh24, AXES, shard_axis="data")
+  with pytest.raises(ValueError, match=r"layout=jaxcomp\.Islands\(\s*over="):
+    jaxcomp.init(tx, _params(), mesh24, layout=jaxcomp.FSDP(shard_axis="data"),
+                 axis_name=AXES)
   with pytest.raises(ValueError, match="apart from the islands' axes"):
-    fsdp.init(tx, _params(), mesh24, AXES, shard_axis="hosts",
-              copies_over="hosts")
+    jaxcomp.init(tx, _params(), mesh24, axis_name=AXES, layout=jaxcomp.Islands(
+        over="hosts", inside=jaxcomp.FSDP(shard_axis="hosts")))

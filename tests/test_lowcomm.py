@@ -1,5 +1,6 @@
 """DiLoCo with compressed pseudo-gradients (jaxcomp.diloco)."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -15,6 +16,7 @@ from tests import legacy_demo
 from tests.helpers import run_steps, sharded_update, stacked
 
 SHAPES = {"w": (13, 7), "b": (7,)}
+ISLANDS = jaxcomp.Islands()  # DiLoCo's layout: one copy per device
 
 
 def _params():
@@ -37,13 +39,13 @@ def _batches(mesh, n):
 
 
 def _run(tx, mesh, batches, donate=True):
-  local, st, specs = lowcomm.init(tx, _params(), mesh)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh, state_specs=specs, donate=donate)
+  state = jaxcomp.init(tx, _params(), mesh, layout=ISLANDS)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh, layout=ISLANDS, donate=donate)
   history = []
   for b in batches:
-    local, st, loss = step(local, st, b)
-    history.append((np.asarray(local["w"]), float(loss)))
-  return local, st, step, history
+    state, loss = step(state, b)
+    history.append((np.asarray(state.params["w"]), float(loss)))
+  return state.params, state.opt_state, step, history
 
 
 def test_one_step_interval_with_unit_outer_sgd_is_data_parallel_sgd(mesh8):
@@ -51,11 +53,11 @@ def test_one_step_interval_with_unit_outer_sgd_is_data_parallel_sgd(mesh8):
   tx = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=1)
   local, st, _, _ = _run(tx, mesh8, batches)
   ref_tx = optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1))
-  ref_st, ref_specs = jaxcomp.placement.init_sharded(ref_tx, _params(), mesh8, "data")
-  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8, state_specs=ref_specs)
-  ref = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  ref_state = jaxcomp.init(ref_tx, _params(), mesh8)
+  ref_step = jaxcomp.make_train_step(_loss, ref_tx, mesh=mesh8)
   for b in batches:
-    ref, ref_st, _ = ref_step(ref, ref_st, b)
+    ref_state, _ = ref_step(ref_state, b)
+  ref = ref_state.params
   for k in SHAPES:
     got = np.asarray(local[k])
     for d in range(8):  # every device holds the same, synchronized parameters
@@ -71,18 +73,18 @@ def test_devices_drift_between_syncs_and_meet_at_each(mesh8):
     same = all(np.array_equal(w[0], w[d]) for d in range(8))
     assert same == ((i + 1) % 3 == 0), i
   # The collectives run inside the sync branch only: no exchange otherwise.
-  local, st2, specs = lowcomm.init(tx, _params(), mesh8)
-  traffic = jaxcomp.collective_traffic(step.lower(local, st2, _batches(mesh8, 1)[0]).compile())
+  fresh = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  traffic = jaxcomp.collective_traffic(step.lower(fresh, _batches(mesh8, 1)[0]).compile())
   n = sum(int(np.prod(s)) for s in SHAPES.values())
   branch = [o for o in traffic.ops if o.in_branch]
   assert sum(o.operand_bytes for o in branch) == 4 * n + 4  # pseudo-gradient + non-finite flag
   assert sum(o.operand_bytes for o in traffic.ops if not o.in_branch) == 4  # the loss
   # per_device_loss: the steps between syncs run no collective at all.
-  quiet = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs,
+  quiet = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS,
                                   per_device_loss=True)
-  traffic = jaxcomp.collective_traffic(quiet.lower(local, st2, _batches(mesh8, 1)[0]).compile())
+  traffic = jaxcomp.collective_traffic(quiet.lower(fresh, _batches(mesh8, 1)[0]).compile())
   assert not [o for o in traffic.ops if not o.in_branch]
-  _, _, losses = quiet(local, st2, _batches(mesh8, 1)[0])
+  _, losses = quiet(fresh, _batches(mesh8, 1)[0])
   assert losses.shape == (8,)
 
 
@@ -98,20 +100,21 @@ def test_pseudo_gradient_exchange_is_exact_or_bounded(mesh8, compressor, kw, bou
   batches = _batches(mesh8, 2)
   tx = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, compressor=compressor,
                       error_feedback=False if compressor != "topk" else None, **kw)
-  local, st, specs = lowcomm.init(tx, _params(), mesh8)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
-  local, st, _ = step(local, st, batches[0])
-  before = jax.tree.map(np.asarray, local)
-  anchor0 = jax.tree.map(np.asarray, lowcomm.synced_params(st))
+  state = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS, donate=False)
+  state, _ = step(state, batches[0])
+  before = jax.tree.map(np.asarray, state.params)
+  anchor0 = jax.tree.map(np.asarray, lowcomm.synced_params(state.opt_state))
   # The second step's local update, then the sync: recompute the locals
   # the sync saw from a copy that does not sync.
   free = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=1000)
-  f_local, f_st, f_specs = lowcomm.init(free, _params(), mesh8)
-  f_step = lowcomm.make_train_step(_loss, free, mesh=mesh8, state_specs=f_specs)
+  f_state = jaxcomp.init(free, _params(), mesh8, layout=ISLANDS)
+  f_step = jaxcomp.make_train_step(_loss, free, mesh=mesh8, layout=ISLANDS)
   for b in batches:
-    f_local, f_st, _ = f_step(f_local, f_st, b)
-  seen = jax.tree.map(np.asarray, f_local)
-  local, st, _ = step(local, st, batches[1])
+    f_state, _ = f_step(f_state, b)
+  seen = jax.tree.map(np.asarray, f_state.params)
+  state, _ = step(state, batches[1])
+  st = state.opt_state
   new = jax.tree.map(np.asarray, lowcomm.synced_params(st))
   del before
   for k in SHAPES:
@@ -187,24 +190,25 @@ def test_resume_mid_interval_is_bit_exact(mesh8, tmp_path, overlap):
   batches = _batches(mesh8, 5 + overlap)
   tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="topk",
                       ratio=0.2, overlap_steps=overlap)
-  local, st, specs = lowcomm.init(tx, _params(), mesh8)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
+  state = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS, donate=False)
   cut = 3 if overlap else 2  # mid-interval, or with an update pending
   for b in batches[:cut]:
-    local, st, _ = step(local, st, b)
+    state, _ = step(state, b)
   if overlap:
-    assert np.abs(np.asarray(st.pending[0][0])).max() > 0
+    assert np.abs(np.asarray(state.opt_state.pending[0][0])).max() > 0
   ckpt = jaxcomp.checkpoint.Checkpointer(tmp_path)
-  ckpt.save(cut, {"params": local, "opt_state": st})
-  a, a_st = local, st
+  ckpt.save(cut, {"params": state.params, "opt_state": state.opt_state})
+  a = state
   for b in batches[cut:]:
-    a, a_st, _ = step(a, a_st, b)
-  fresh, fresh_st, _ = lowcomm.init(tx, _params(), mesh8)
-  _, restored = ckpt.restore({"params": fresh, "opt_state": fresh_st})
-  r, r_st = restored["params"], restored["opt_state"]
+    a, _ = step(a, b)
+  fresh = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  _, restored = ckpt.restore({"params": fresh.params, "opt_state": fresh.opt_state})
+  r = dataclasses.replace(fresh, params=restored["params"],
+                          opt_state=restored["opt_state"])
   for b in batches[cut:]:
-    r, r_st, _ = step(r, r_st, b)
-  for x, y in zip(jax.tree.leaves((a, a_st)), jax.tree.leaves((r, r_st))):
+    r, _ = step(r, b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(r)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -250,22 +254,23 @@ def test_delayed_outer_updates_follow_the_reference(mesh8, fragments, tau, merge
 
   tx = jaxcomp.diloco(optax.sgd(0.1), optax.sgd(0.7), sync_every=h, fragments=fragments,
                       overlap_steps=tau, merge=merge)
-  local, st, specs = lowcomm.init(tx, params, mesh8)
-  step = lowcomm.make_train_step(loss, tx, mesh=mesh8, state_specs=specs)
+  state = jaxcomp.init(tx, params, mesh8, layout=ISLANDS)
+  step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=ISLANDS)
   t = jax.device_put(targets, NamedSharding(mesh8, P("data")))
   offsets = [j * h // fragments for j in range(fragments)]
   want, want_anchor = _delayed_reference(targets, w0, steps=steps, h=h, tau=tau, merge=merge,
                                          lr=0.1, outer_lr=0.7, offsets=offsets)
   for i in range(steps):
-    local, st, _ = step(local, st, t)
+    state, _ = step(state, t)
+    local = state.params
     got = np.concatenate([np.asarray(local[k]) for k in sorted(local)], axis=1)
     np.testing.assert_allclose(got, want[i], rtol=1e-5, atol=1e-6, err_msg=f"step {i}")
-  anchor = lowcomm.synced_params(st)
+  anchor = lowcomm.synced_params(state.opt_state)
   np.testing.assert_allclose(np.concatenate([np.asarray(anchor[k]) for k in sorted(anchor)]),
                              want_anchor, rtol=1e-5, atol=1e-6)
   # The collectives run in the exchange branches only; landing sends nothing.
-  fresh, st0, _ = lowcomm.init(tx, params, mesh8)
-  traffic = jaxcomp.collective_traffic(step.lower(fresh, st0, t).compile())
+  fresh = jaxcomp.init(tx, params, mesh8, layout=ISLANDS)
+  traffic = jaxcomp.collective_traffic(step.lower(fresh, t).compile())
   branch = sum(o.operand_bytes for o in traffic.ops if o.in_branch)
   assert branch == 4 * 2 * n + 4 * fragments  # each fragment once, with its flag
 
@@ -390,12 +395,11 @@ def test_demo_traffic_from_hlo(mesh8):
 def test_demo_trains_and_refuses_bad_input(mesh8):
   batches = _batches(mesh8, 30)
   tx = jaxcomp.demo(0.01, compression_topk=4, compression_chunk=8)
-  st, specs = jaxcomp.placement.init_sharded(tx, _params(), mesh8, "data")
-  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
-  params = jax.device_put(_params(), NamedSharding(mesh8, P()))
+  state = jaxcomp.init(tx, _params(), mesh8)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8)
   losses = []
   for b in batches:
-    params, st, loss = step(params, st, b)
+    state, loss = step(state, b)
     losses.append(float(loss))
   assert losses[-1] < losses[0]
   for kw, name in [({"compression_decay": 1.0}, "compression_decay"),
@@ -420,22 +424,24 @@ def test_streaming_fragments_sync_on_staggered_steps(mesh8):
   # Two fragments ("b" then "w", in leaf order), H = 4: "b" syncs on steps
   # 4, 8 (1-based) and "w" two steps earlier, on steps 2, 6.
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=2)
-  local, st, specs = lowcomm.init(tx, _params(), mesh8)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
-  traffic = jaxcomp.collective_traffic(step.lower(local, st, _batches(mesh8, 1)[0]).compile())
+  state = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS, donate=False)
+  traffic = jaxcomp.collective_traffic(step.lower(state, _batches(mesh8, 1)[0]).compile())
   branch = sum(o.operand_bytes for o in traffic.ops if o.in_branch)
   assert branch == 4 * (7 + 91) + 2 * 4  # each fragment once, with its flag
   for i, b in enumerate(_batches(mesh8, 8)):
-    local, st, _ = step(local, st, b)
+    state, _ = step(state, b)
     for k, at in (("b", (3, 7)), ("w", (1, 5))):
-      x = np.asarray(local[k])
+      x = np.asarray(state.params[k])
       same = all(np.array_equal(x[0], x[d]) for d in range(8))
       assert same == (i in at), (k, i)
+  st = state.opt_state
   assert len(st.outer_state) == len(st.exchange_state) == 2
   with pytest.raises(ValueError, match="fragments must be an integer in"):
     jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=5)
   with pytest.raises(ValueError, match="fragments=3 needs as many parameter leaves"):
-    lowcomm.init(jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=3), _params(), mesh8)
+    jaxcomp.init(jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=3), _params(), mesh8,
+                 layout=ISLANDS)
 
 
 def test_traffic_counts_each_fragments_syncs(mesh8):
@@ -444,22 +450,24 @@ def test_traffic_counts_each_fragments_syncs(mesh8):
   # bytes per sync are what the compiled sync branch sends (less the
   # non-finite flags, which the statistics do not count).
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=4, fragments=2, compressor="int8_block")
-  local, st, specs = lowcomm.init(tx, _params(), mesh8)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs, donate=False)
-  hlo = jaxcomp.collective_traffic(step.lower(local, st, _batches(mesh8, 1)[0]).compile())
+  state = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS, donate=False)
+  hlo = jaxcomp.collective_traffic(step.lower(state, _batches(mesh8, 1)[0]).compile())
   per_interval = sum(o.operand_bytes for o in hlo.ops if o.in_branch) - 2 * 4
-  frag = [float(jaxcomp.get_stats(ex).bytes_sent) for ex in st.exchange_state]  # b, w
+  frag = [float(jaxcomp.get_stats(ex).bytes_sent)
+          for ex in state.opt_state.exchange_state]  # b, w
   assert sum(frag) == per_interval
-  t0 = lowcomm.traffic(st)
+  t0 = lowcomm.traffic(state.opt_state)
   assert (t0.steps, t0.syncs, t0.total_bytes, t0.reduction) == (0, (0, 0), 0.0, float("inf"))
   batches = _batches(mesh8, 8)
   for i, b in enumerate(batches):
-    local, st, _ = step(local, st, b)
+    state, _ = step(state, b)
     if i == 5:
-      t6 = lowcomm.traffic(st)
+      t6 = lowcomm.traffic(state.opt_state)
   assert t6.syncs == (1, 2)
   assert t6.total_bytes == frag[0] + 2 * frag[1]
   assert t6.bytes_per_step == t6.total_bytes / 6
+  st = state.opt_state
   t8 = lowcomm.traffic(st)
   assert (t8.steps, t8.syncs) == (8, (2, 2))
   assert t8.bytes_per_interval == per_interval
@@ -474,47 +482,49 @@ def test_traffic_counts_each_fragments_syncs(mesh8):
 
 def test_diloco_with_replicated_parameters_says_what_to_use(mesh8):
   # Placing the state traces DiLoCo's update with the parameters as given
-  # (replicated), so the refusal comes at init_sharded, before any step.
+  # (replicated), so the refusal comes at jaxcomp.init, before any step.
   tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=2)
-  with pytest.raises(ValueError, match="lowcomm.init and step with"):
-    jaxcomp.placement.init_sharded(tx, _params(), mesh8, "data")
-  # The jit helper averages gradients: DiLoCo there is refused, naming its own.
+  with pytest.raises(ValueError, match=r"jaxcomp\.init\(\.\.\., layout=jaxcomp\.Islands\(\)\)"):
+    jaxcomp.init(tx, _params(), mesh8)
+  # The jit helper averages gradients: DiLoCo there is refused, naming its layout.
   grad_fn = jaxcomp.compressed_value_and_grad(_loss, tx, mesh8)
-  with pytest.raises(ValueError, match=r"lowcomm\.local_step inside your own jax\.jit"):
+  with pytest.raises(ValueError, match=r"layout=jaxcomp\.Islands\(\)"):
     grad_fn.init(_params())
 
 
 # -- DiLoCo in the user's idioms: a jit step, NNX, Orbax --------------------
 
 
-def test_local_step_inside_a_users_jit_step_is_make_train_step(mesh8):
-  """lowcomm.local_step called inside the user's own jax.jit step (beside
-  their own use of the synchronized parameters) runs what make_train_step
-  runs: the same parameters, state and losses, bit for bit."""
+def test_the_step_inside_a_users_jit_step_is_the_step(mesh8):
+  """make_train_step's step called inside the user's own jax.jit step
+  (beside their own use of the synchronized parameters) runs what it runs
+  alone: the same parameters, state and losses, bit for bit."""
   tx = jaxcomp.diloco(optax.sgd(0.1, momentum=0.9), sync_every=3, compressor="int8_block",
                       bits=4)
   batches = _batches(mesh8, 5)
   _, ref_st, _, ref_hist = _run(tx, mesh8, batches)
-  local_step = lowcomm.local_step(_loss, tx, mesh8)
-  local, st = local_step.init(_params())
+  inner = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=ISLANDS, donate=False)
+  state = jaxcomp.init(tx, _params(), mesh8, layout=ISLANDS)
 
   @jax.jit
-  def train_step(local, st, batch):
-    local, st, loss = local_step(local, st, batch)
-    shared = lowcomm.synced_params(st)  # e.g. an evaluation of the shared model
-    return local, st, loss, _loss(shared, batch)
+  def train_step(state, batch):
+    state, loss = inner(state, batch)
+    shared = state.model_params()  # e.g. an evaluation of the shared model
+    return state, loss, _loss(shared, batch)
 
   for b, (ref_w, ref_loss) in zip(batches, ref_hist):
-    local, st, loss, shared_loss = train_step(local, st, b)
-    np.testing.assert_array_equal(np.asarray(local["w"]), ref_w)
+    state, loss, shared_loss = train_step(state, b)
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), ref_w)
     assert float(loss) == ref_loss and np.isfinite(float(shared_loss))
-  for x, y in zip(jax.tree.leaves(st), jax.tree.leaves(ref_st)):
+  for x, y in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_st)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  with pytest.raises(ValueError, match="init"):
-    lowcomm.local_step(_loss, tx, mesh8)(local, st, batches[0])
-  with pytest.raises(ValueError, match="compressed_value_and_grad"):
-    lowcomm.local_step(_loss, optax.chain(jaxcomp.compressed_mean("identity", "data"),
-                                          optax.sgd(0.1)), mesh8).init(_params())
+  # The step takes the state jaxcomp.init placed, and the Islands layout
+  # wants a jaxcomp.diloco in tx.
+  with pytest.raises(TypeError, match="jaxcomp.init"):
+    inner(state.params, batches[0])
+  with pytest.raises(ValueError, match="jaxcomp.diloco"):
+    jaxcomp.init(optax.chain(jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1)),
+                 _params(), mesh8, layout=ISLANDS)
 
 
 def _nnx_model():
@@ -531,24 +541,23 @@ def _nnx_model():
   return Net(nnx.Rngs(0))
 
 
-def _nnx_step_as_functional(step, model, opt, ref_step, ref_local, ref_st,
-                            batch):
+def _nnx_step_as_functional(step, model, opt, ref_step, ref, batch):
   """One NNX DiLoCo step and one of the functional step it adapts: the same
   loss, each copy's parameters (``optimizer.local``) and the model on the
-  synchronized ones. Returns the functional step's ``(local, state)`` and
-  the NNX step's local and model kernels (numpy)."""
+  synchronized ones. Returns the functional step's TrainState and the NNX
+  step's local and model kernels (numpy)."""
   from flax import nnx
   loss = step(model, opt, batch)
-  ref_local, ref_st, ref_loss = ref_step(ref_local, ref_st, batch)
+  ref, ref_loss = ref_step(ref, batch)
   assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
   w_local = np.asarray(opt.local["lin"]["kernel"][...])
-  np.testing.assert_allclose(w_local, np.asarray(ref_local["lin"]["kernel"]),
+  np.testing.assert_allclose(w_local, np.asarray(ref.params["lin"]["kernel"]),
                              rtol=1e-6, atol=1e-7)
   w_model = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
   np.testing.assert_allclose(
-      w_model, np.asarray(lowcomm.synced_params(ref_st)["lin"]["kernel"]),
+      w_model, np.asarray(lowcomm.synced_params(ref.opt_state)["lin"]["kernel"]),
       rtol=1e-6, atol=1e-7)
-  return ref_local, ref_st, w_local, w_model
+  return ref, w_local, w_model
 
 
 def _nnx_loss(model, batch):
@@ -559,7 +568,7 @@ def _nnx_loss(model, batch):
 def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
   """jaxcomp.flax.Optimizer with jaxcomp.diloco: each device steps its own
   copy (optimizer.local), the model holds the synchronized parameters
-  (changing only on sync steps), both equal to lowcomm.make_train_step on
+  (changing only on sync steps), both equal to jaxcomp.make_train_step on
   the same function; with per_device_loss no collective runs between
   syncs; an Orbax checkpoint mid-interval resumes bit-exactly."""
   from flax import nnx
@@ -568,17 +577,16 @@ def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
   model = _nnx_model()
   graphdef, params0 = nnx.split(model, nnx.Param)
   params0 = nnx.as_pure(params0)
-  opt = jaxcomp.flax.Optimizer(model, tx, wrt=nnx.Param, mesh=mesh8)
+  opt = jaxcomp.flax.Optimizer(model, tx, wrt=nnx.Param, mesh=mesh8, layout=ISLANDS)
   assert opt.local["lin"]["kernel"][...].shape == (8, 13, 7)
   step = jaxcomp.flax.train_step(_nnx_loss)
   fn_loss = lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b)
-  ref_local, ref_st, specs = lowcomm.init(tx, params0, mesh8)
-  ref_step = lowcomm.make_train_step(fn_loss, tx, mesh=mesh8, state_specs=specs)
+  ref = jaxcomp.init(tx, params0, mesh8, layout=ISLANDS)
+  ref_step = jaxcomp.make_train_step(fn_loss, tx, mesh=mesh8, layout=ISLANDS)
   batches = _batches(mesh8, 5)
   prev = np.asarray(nnx.state(model, nnx.Param)["lin"]["kernel"][...])
   for i, b in enumerate(batches[:4]):
-    ref_local, ref_st, w_local, w_model = _nnx_step_as_functional(
-        step, model, opt, ref_step, ref_local, ref_st, b)
+    ref, w_local, w_model = _nnx_step_as_functional(step, model, opt, ref_step, ref, b)
     synced = (i + 1) % 3 == 0
     assert np.array_equal(w_model, prev) != synced, i  # moves on syncs only
     prev = w_model
@@ -595,7 +603,7 @@ def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
                 "opt": nnx.as_pure(nnx.state(opt))})
   assert quiet(model, opt, batches[4]).shape == (8,)
   fresh = _nnx_model()
-  fresh_opt = jaxcomp.flax.Optimizer(fresh, tx, wrt=nnx.Param, mesh=mesh8)
+  fresh_opt = jaxcomp.flax.Optimizer(fresh, tx, wrt=nnx.Param, mesh=mesh8, layout=ISLANDS)
   _, restored = ckpt.restore({"model": nnx.as_pure(nnx.state(fresh)),
                               "opt": nnx.as_pure(nnx.state(fresh_opt))})
   nnx.update(fresh, restored["model"])
@@ -607,4 +615,5 @@ def test_nnx_diloco_trains_as_the_functional_step(mesh8, tmp_path):
   with warnings.catch_warnings(), pytest.raises(
       ValueError, match="diloco, which FSDP cannot shard"):
     warnings.simplefilter("ignore", RuntimeWarning)  # the trace that placed it
-    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh8, fsdp=True)
+    jaxcomp.flax.Optimizer(_nnx_model(), tx, wrt=nnx.Param, mesh=mesh8,
+                           layout=jaxcomp.FSDP())

@@ -393,17 +393,15 @@ def _grid_run(shape, compressor, collective=None, steps=2, **kw):
   tx = optax.chain(jaxcomp.compressed_mean(compressor, AXES,
                                            collective=collective, **kw),
                    optax.sgd(1e-2))
-  opt_state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, AXES)
+  state = jaxcomp.init(tx, params, mesh, axis_name=AXES)
   step = jaxcomp.make_train_step(lambda p, b: _loss(p, *b), tx, mesh=mesh,
-                                 state_specs=specs, axis_name=AXES,
-                                 donate=False)
+                                 axis_name=AXES, donate=False)
   for t in range(steps):
     r = np.random.default_rng(t)
     batch = (r.standard_normal((8 * h * d, 6)).astype(np.float32),
              r.standard_normal((8 * h * d, 1)).astype(np.float32))
-    params, opt_state, _ = step(params, opt_state,
-                                distributed.global_array(batch, mesh, P(AXES)))
-  return {"params": params, "opt_state": opt_state}
+    state, _ = step(state, distributed.global_array(batch, mesh, P(AXES)))
+  return {"params": state.params, "opt_state": state.opt_state}
 
 
 def _pending(state):

@@ -2,6 +2,7 @@
 process, through Orbax, and from checkpoints of the earlier format that held
 a digest leaf instead."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -38,12 +39,12 @@ def _fixture_run(mesh):
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.25,
                                            bucketing="layerwise"),
                    optax.adam(1e-2))
-  state, specs = jaxcomp.placement.init_sharded(tx, params, mesh, "data")
-  return tx, jax.device_put(params, NamedSharding(mesh, P())), state, specs
+  return tx, jaxcomp.init(tx, params, mesh)
 
 
 def test_the_configuration_is_static_data_of_the_state(mesh8):
-  _, _, state, _ = _fixture_run(mesh8)
+  _, state = _fixture_run(mesh8)
+  state = state.opt_state
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   assert not any("config" in jax.tree_util.keystr(p) for p, _ in leaves)
   (path, config), = jaxcomp.transform_configs(state).items()
@@ -54,8 +55,8 @@ def test_the_configuration_is_static_data_of_the_state(mesh8):
   assert config["collective"]["name"] == "allgather"
   # Another ratio is another configuration, the same arrays' structure.
   other = jaxcomp.compressed_mean("topk", "data", ratio=0.5)
-  s2, _ = jaxcomp.placement.init_sharded(other, {"w": jnp.zeros(8)}, mesh8, "data")
-  assert jaxcomp.transform_configs(s2)[""]["compressor"]["ratio"] == 0.5
+  s2 = jaxcomp.init(other, {"w": jnp.zeros(8)}, mesh8)
+  assert jaxcomp.transform_configs(s2.opt_state)[""]["compressor"]["ratio"] == 0.5
 
 
 def test_a_format_2_checkpoint_restores_bit_exactly(mesh8, tmp_path):
@@ -63,8 +64,8 @@ def test_a_format_2_checkpoint_restores_bit_exactly(mesh8, tmp_path):
     pytest.skip("the fixture was written on 8 devices")
   directory = tmp_path / "ckpt"
   shutil.copytree(os.path.join(DATA, "checkpoint_v2"), directory)
-  tx, params, state, specs = _fixture_run(mesh8)
-  target = {"params": params, "opt_state": state}
+  tx, state = _fixture_run(mesh8)
+  target = {"params": state.params, "opt_state": state.opt_state}
   with checkpoint.Checkpointer(directory,
                                config={"fixture": "format 2"}) as ck:
     assert ck.metadata()["format"] == 2
@@ -83,11 +84,13 @@ def test_a_format_2_checkpoint_restores_bit_exactly(mesh8, tmp_path):
   def loss_fn(p, batch):
     x, y = batch
     return jnp.mean((x @ p["w"] + p["b"][None] - y) ** 2)
-  train = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8, state_specs=specs)
+  train = jaxcomp.make_train_step(loss_fn, tx, mesh=mesh8)
   x = jnp.sin(jnp.arange(32 * 16, dtype=jnp.float32)).reshape(32, 16)
   y = jnp.cos(jnp.arange(32 * 4, dtype=jnp.float32)).reshape(32, 4)
   batch = jax.device_put((x, y), NamedSharding(mesh8, P("data")))
-  _, _, loss = train(got["params"], got["opt_state"], batch)
+  restored = dataclasses.replace(state, params=got["params"],
+                                 opt_state=got["opt_state"])
+  _, loss = train(restored, batch)
   assert np.isfinite(float(loss))
 
 
@@ -97,9 +100,8 @@ def test_a_format_2_checkpoint_of_another_config_is_refused(mesh8, tmp_path):
   params = {"b": jnp.zeros(4), "w": jnp.zeros((16, 4))}
   tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.5),
                    optax.adam(1e-2))
-  state, _ = jaxcomp.placement.init_sharded(tx, params, mesh8, "data")
-  target = {"params": jax.device_put(params, NamedSharding(mesh8, P())),
-            "opt_state": state}
+  state = jaxcomp.init(tx, params, mesh8)
+  target = {"params": state.params, "opt_state": state.opt_state}
   with checkpoint.Checkpointer(directory,
                                config={"fixture": "format 2"}) as ck:
     with pytest.raises(checkpoint.CheckpointMismatchError,
@@ -119,7 +121,7 @@ def test_an_orbax_restored_state_is_described_in_a_fresh_process(tmp_path):
       mesh = jax.make_mesh((8,), ("data",))
       tx = optax.chain(jaxcomp.compressed_mean("int8_block", "data", bits=4),
                        optax.sgd(0.1))
-      state, _ = jaxcomp.placement.init_sharded(tx, {{"w": jnp.ones(300)}}, mesh, "data")
+      state = jaxcomp.init(tx, {{"w": jnp.ones(300)}}, mesh).opt_state
       path = {str(tmp_path / "orbax")!r}
       ck = ocp.StandardCheckpointer()
       if sys.argv[1] == "save":

@@ -129,31 +129,24 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.diloco_every:
     # Per-device parameters between syncs; evaluated at the synchronized
     # ones. An exchange happens every diloco_every steps.
-    params, opt_state, specs = jaxcomp.lowcomm.init(stages[0].tx, params, mesh)
-    steps = [jaxcomp.lowcomm.make_train_step(loss_fn, stages[0].tx, mesh=mesh,
-                                             state_specs=specs)]
+    layout = jaxcomp.Islands()
+    stages_run = stages[:1]
     stage_bytes = [b / config.diloco_every for b in stage_bytes]
-    whole = lambda p, st: jaxcomp.lowcomm.synced_params(st)
   elif fsdp or hsdp:
     # Parameters and optimizer state as flat shards over the devices (HSDP:
     # a host's devices); the gradient of the gathered parameters is
     # reduce-scattered, compressed (HSDP: exactly, then compressed across).
-    shard_axis = "devices" if hsdp else axes
-    params, shapes, opt_state, specs = jaxcomp.fsdp.init(
-        stages[0].tx, params, mesh, axes, shard_axis=shard_axis)
-    steps = [jaxcomp.fsdp.make_train_step(
-        loss_fn, st.tx, shapes, mesh=mesh, state_specs=specs, axis_name=axes,
-        shard_axis=shard_axis, param_compressor=config.param_compressor)
-             for st in stages]
-    whole = lambda p, st: jaxcomp.fsdp.unshard_params(p, shapes)
+    layout = jaxcomp.FSDP(shard_axis="devices" if hsdp else None,
+                          param_compressor=config.param_compressor)
+    stages_run = stages
   else:
-    opt_state, specs = jaxcomp.placement.init_sharded(stages[0].tx, params, mesh, "data")
-    steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh,
-                                     state_specs=specs) for st in stages]
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    whole = lambda p, st: p
-  memory = {"param_bytes_per_device": jaxcomp.fsdp.state_bytes(params),
-            "opt_state_bytes_per_device": jaxcomp.fsdp.state_bytes(opt_state)}
+    layout = jaxcomp.DataParallel()
+    stages_run = stages
+  state = jaxcomp.init(stages[0].tx, params, mesh, layout=layout, axis_name=axes)
+  steps = [jaxcomp.make_train_step(loss_fn, st.tx, mesh=mesh, layout=layout,
+                                   axis_name=axes) for st in stages_run]
+  memory = {"param_bytes_per_device": jaxcomp.fsdp.state_bytes(state.params),
+            "opt_state_bytes_per_device": jaxcomp.fsdp.state_bytes(state.opt_state)}
   batch_sharding = NamedSharding(mesh, P(axes))
 
   rng = np.random.default_rng(config.seed)
@@ -165,7 +158,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
   # The traffic of the last stage: what the run sends once warmed up.
   traffic = jaxcomp.collective_traffic(
-      steps[-1].lower(params, opt_state, next_batch()))
+      steps[-1].lower(state, next_batch()))
 
   eval_loss = jax.jit(loss_fn)
 
@@ -188,20 +181,20 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       if config.max_steps is not None and done >= config.max_steps:
         break
       i = jaxcomp.compressors.stage_at(stages, done)
-      params, opt_state, loss = steps[i](params, opt_state, next_batch())
+      state, loss = steps[i](state, next_batch())
       # Wait for each step: with many steps in flight, simulated CPU devices
       # (threads sharing one pool) were seen to deadlock in a collective.
       losses.append(float(loss))
       done += 1
     train_loss = float(np.mean(losses)) if losses else float("nan")
-    valid_loss = evaluate(whole(params, opt_state))
+    valid_loss = evaluate(state.model_params())
     history.append({"epoch": epoch + 1, "loss": train_loss,
                     "valid_loss": valid_loss,
                     "bits_per_char": valid_loss / math.log(2),
                     "seconds": time.perf_counter() - t0})
     if config.max_steps is not None and done >= config.max_steps:
       break
-  stats = common.exchange_stats(opt_state, config.sharding)
+  stats = common.exchange_stats(state.opt_state, config.sharding)
   per_sync = max(config.diloco_every, 1)  # DiLoCo: one exchange per sync
   return {
       "dataset": (f"CPython {corpus.python_version} stdlib: "
@@ -220,5 +213,5 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "wire_compression": float(stats.wire_compression_factor) * per_sync,
       "hlo_operand_bytes": traffic.operand_bytes,
       **memory,
-      "params": whole(params, opt_state),
+      "params": state.model_params(),
   }
