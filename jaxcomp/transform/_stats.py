@@ -133,6 +133,17 @@ class ExchangeStats(NamedTuple):
   sync) sends ``bytes_sent`` once per ``every`` steps, ``bytes_sent /
   every`` on average per step. Exchanges of different cadences or axes are
   never summed into one number.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=50, compressor="bf16")
+    >>> _, state, _ = jaxcomp.lowcomm.init(tx, {"w": jnp.zeros(100)}, mesh)
+    >>> s = jaxcomp.get_stats(state)  # 100 bf16 values, once per 50 steps
+    >>> s.axis_name, s.collective, s.every, float(s.bytes_sent)
+    ('data', 'all-reduce', 50, 200.0)
+    >>> float(s.bytes_sent) / s.every  # a step's average
+    4.0
   """
 
   axis_name: AxisName | None  # the axes it averages over (None: a state
