@@ -192,3 +192,16 @@ def test_hsdp_reports_the_reduce_scatter_and_the_hosts_mean_apart():
   ops = jaxcomp.collective_traffic(step.lower(*args)).ops
   assert _exchange_bytes(ops, 4) == float(rs.bytes_sent)
   assert _exchange_bytes(ops, 2) == float(across.bytes_sent)
+
+
+def test_multi_steps_exchanges_once_per_every_k_calls(mesh8):
+  """Around multi_steps the exchange runs on every 3rd call of the step:
+  its statistics say so, at init and after the steps, whichever branch
+  the last call took."""
+  from tests.helpers import run_steps
+  tx = jaxcomp.multi_steps(optax.chain(
+      jaxcomp.compressed_mean("bf16", "data"), optax.sgd(0.1)), 3)
+  g = {"w": jnp.ones((8, 100))}
+  for steps in (1, 3, 4):
+    stats = jaxcomp.get_stats(run_steps(tx, g, mesh8, steps=steps).state)
+    assert (stats.every, float(stats.bytes_sent)) == (3, 2 * 100)

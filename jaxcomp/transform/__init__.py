@@ -15,6 +15,7 @@ from jaxcomp.transform._compressed_mean import NONFINITE_POLICIES
 from jaxcomp.transform._compressed_mean import OUTPUTS
 from jaxcomp.transform._compressed_mean import CompressedMeanState
 from jaxcomp.transform._compressed_mean import compressed_mean
+from jaxcomp.transform._compressed_mean import in_micro_steps
 from jaxcomp.transform._compressed_mean import over_axes
 from jaxcomp.transform._compressed_mean import transform_configs
 from jaxcomp.transform._compressed_mean import with_cadence

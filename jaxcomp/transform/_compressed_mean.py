@@ -542,3 +542,19 @@ def with_cadence(tx: optax.GradientTransformation,
   return optax.GradientTransformation(
       functools.partial(init, spec),  # pyright: ignore[reportArgumentType]
       functools.partial(update, spec))  # pyright: ignore[reportArgumentType]
+
+
+def in_micro_steps(state, every_k: int):
+  """``state`` with every :func:`compressed_mean` state in it marked as run
+  once per ``every_k`` calls of the train step (``TransformConfig.
+  micro_steps``): :func:`jaxcomp.multi_steps` marks its inner state so, and
+  :func:`jaxcomp.get_stats` reports those exchanges' cadence as ``every *
+  every_k`` calls. Static data only: the arrays are unchanged."""
+  def mark(x):
+    if isinstance(x, CompressedMeanState):
+      return x._replace(config=dataclasses.replace(
+          x.config, micro_steps=int(every_k)))
+    return x
+
+  return jax.tree.map(mark, state,
+                      is_leaf=lambda x: isinstance(x, CompressedMeanState))

@@ -67,6 +67,10 @@ class TransformConfig:
       every step; :func:`jaxcomp.diloco`'s ``sync_every`` for its
       pseudo-gradients' (set by :func:`jaxcomp.transform.with_cadence`,
       read by :func:`jaxcomp.get_stats`); not part of the description.
+    micro_steps: calls of the train step per step of the transform: a
+      :func:`jaxcomp.multi_steps`' ``every_k`` around it (set by
+      :func:`jaxcomp.transform.in_micro_steps`), else 1. The exchange runs
+      once per ``every * micro_steps`` calls.
   """
 
   text: str
@@ -77,6 +81,7 @@ class TransformConfig:
   # wherever it is traced; not part of the configuration's description.
   plan: Any = None
   every: int = 1
+  micro_steps: int = 1
 
   @classmethod
   def of(cls, config: Mapping[str, Any],

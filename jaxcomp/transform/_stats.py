@@ -150,7 +150,8 @@ class ExchangeStats(NamedTuple):
   #                             that does not say)
   collective: str  # the dense exchange it stands for: "all-reduce", or
   #                  "reduce-scatter" (output="shard", FSDP)
-  every: int  # steps per exchange: 1 every step; DiLoCo's sync_every
+  every: int  # steps per exchange (calls of the train step): 1 every
+  #             step; DiLoCo's sync_every; times multi_steps' every_k
   bytes_sent: jax.Array  # shape=(), float32, operand bytes per device per
   #                        exchange
   dense_bytes: jax.Array  # shape=(), float32, dense_bytes_of the gradient
@@ -191,7 +192,7 @@ def _exchange_of(x) -> ExchangeStats:
     axis_name = tuple(axes) if isinstance(axes, list) else axes
     if described.get("output") == "shard":
       collective = "reduce-scatter"
-    every = int(config.every)
+    every = int(config.every) * int(config.micro_steps)
   return ExchangeStats(axis_name, collective, every, **x.stats._asdict())
 
 
