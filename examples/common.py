@@ -328,12 +328,12 @@ def stage_bytes(stages, params, mesh, sharding: str = "replicated"):
 
 
 def exchange_stats(opt_state, sharding: str = "replicated"):
-  """The statistics of the exchange a run compresses: every compressed
-  mean's (their total), or with ``sharding="hsdp"`` the one across hosts
-  (the exact reduce-scatter inside a host is not compressed)."""
+  """The statistics of the exchange a run compresses: its one exchange, or
+  with ``sharding="hsdp"`` the one across hosts (the exact reduce-scatter
+  inside a host, an exchange of its own, is not compressed)."""
   import jaxcomp
   if sharding == "hsdp":
-    return list(jaxcomp.get_stats(opt_state, by_path=True).values())[-1]
+    return jaxcomp.get_stats(opt_state, by_exchange=True)["hosts"]
   return jaxcomp.get_stats(opt_state)
 
 

@@ -45,6 +45,7 @@ from jaxcomp import wire
 # The transform and its state.
 from jaxcomp.transform import CompressedMeanState
 from jaxcomp.transform import CompressionStats
+from jaxcomp.transform import ExchangeStats
 from jaxcomp.transform import compressed_mean
 from jaxcomp.transform import get_stats
 from jaxcomp.transform import transform_configs
@@ -81,8 +82,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     # The transform and its state.
-    "compressed_mean", "CompressedMeanState", "CompressionStats", "get_stats",
-    "transform_configs",
+    "compressed_mean", "CompressedMeanState", "CompressionStats", "ExchangeStats",
+    "get_stats", "transform_configs",
     # Combinators around it.
     "apply_if_finite", "multi_steps", "sparsity_warmup",
     # A shard_map train step: one init, one step builder, the layouts.

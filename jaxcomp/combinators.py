@@ -117,7 +117,9 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
   ``optax.chain(jaxcomp.compressed_mean(...), optax.adam(...))``) runs once
   on the local mean, inside a ``lax.cond`` branch: its compressed
   collectives run on that micro-step only, so each micro-step sends
-  ``1 / every_k`` of the bytes of an unaccumulated step. The other
+  ``1 / every_k`` of the bytes of an unaccumulated step
+  (:func:`jaxcomp.get_stats` reports those exchanges with ``every``
+  multiplied by ``every_k``: calls of the step per exchange). The other
   micro-steps return zero updates and leave ``tx``'s state untouched, as
   ``optax.MultiSteps`` does.
 
@@ -168,7 +170,8 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
   _mesh.check_axis_name(axis_name)
 
   def init_fn(params):
-    inner_state = tx.init(params)
+    # Its exchanges run once per every_k calls (get_stats says so).
+    inner_state = transform.in_micro_steps(tx.init(params), every_k)
     # FSDP: the parameters are flat shards of c elements but the gradient
     # is the whole parameters' (jaxcomp.fsdp); the accumulator holds each
     # leaf flat, zero-padded to the shards' whole size, as (p, c).
@@ -198,6 +201,7 @@ def multi_steps(tx: optax.GradientTransformation, every_k: int,
       return _zeros_like_typed(out), _as_structure(inner_state, state)
 
     new_updates, inner_state = lax.cond(emit, run, wait, state.inner_state)
+    inner_state = transform.in_micro_steps(inner_state, every_k)
     return new_updates, MultiStepsState(
         mini_step=jnp.where(emit, 0, state.mini_step + 1),
         gradient_step=state.gradient_step + emit.astype(jnp.int32),

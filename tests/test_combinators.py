@@ -90,6 +90,7 @@ def test_multi_steps_exchanges_only_on_the_kth_micro_step(mesh8):
   t = jaxcomp.collective_traffic(step.lower(state, b[0]).compile())
   assert t.every_step().operand_bytes == 4  # the loss
   stats = jaxcomp.get_stats(state.opt_state)
+  assert stats.every == K  # one exchange per K calls of the step
   assert t.in_branches().operand_bytes == float(stats.bytes_sent) + 4  # + flag
   with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps is not strict
     _, state2, step2 = _train(optax.MultiSteps(_chain(ratio=0.2), K), mesh8, [])

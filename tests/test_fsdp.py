@@ -291,9 +291,13 @@ def test_hsdp_compresses_the_shards_across_hosts(mesh2x4, name, kw):
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
   by_path = jaxcomp.get_stats(st, by_path=True)
   fast, slow = by_path["[0]"], by_path["[1]"]
-  total = jaxcomp.get_stats(st)  # transforms over different axes: one total
-  assert float(total.bytes_sent) == float(fast.bytes_sent) + float(slow.bytes_sent)
-  assert np.shape(total.residual_norm) == ()
+  # Two exchanges over two links, reported apart, never summed.
+  each = jaxcomp.get_stats(st, by_exchange=True)
+  assert list(each) == ["devices", "hosts"]
+  assert float(each["devices"].bytes_sent) == float(fast.bytes_sent)
+  assert float(each["hosts"].bytes_sent) == float(slow.bytes_sent)
+  with pytest.raises(ValueError, match="2 exchanges"):
+    jaxcomp.get_stats(st)
   assert float(slow.dense_bytes) == float(fast.dense_bytes) / 4
   # The hosts exchange is what the compiled step sends over hosts.
   with jax.numpy_dtype_promotion("standard"):
@@ -308,7 +312,8 @@ def test_hsdp_compresses_the_shards_across_hosts(mesh2x4, name, kw):
   net = pm.Network(8, link, algorithm="hierarchical", workers_per_node=4, intra=link)
   comp = jaxcomp.compressors.get(name, **kw)
   pr = pm.predict(prof, comp, net, output="hsdp", buckets="auto")
-  assert pr.bytes_per_worker == float(total.bytes_sent)
+  # (the model's figure is the step's: both exchanges, of one cadence)
+  assert pr.bytes_per_worker == float(fast.bytes_sent) + float(slow.bytes_sent)
 
 
 def test_tensor_parallel_leaves_compress_their_local_shards():

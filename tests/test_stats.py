@@ -96,3 +96,112 @@ def test_bf16_gradients_travel_in_bf16_with_float32_residuals(mesh8):
       assert residual.dtype == jnp.float32
     u, _ = f(g, state)
     assert u["w"].dtype == jnp.bfloat16
+
+
+def _exchange_bytes(ops, group_size, kinds=("all-reduce", "reduce-scatter")):
+  return sum(o.operand_bytes for o in ops
+             if o.group_size == group_size and o.kind in kinds)
+
+
+def test_dense_bytes_is_each_averaged_element_in_its_own_dtype():
+  assert jaxcomp.transform.dense_bytes_of(
+      [10, 6], [jnp.float32, jnp.bfloat16]) == 4 * 10 + 2 * 6
+  assert jaxcomp.transform.dense_bytes_of([], []) == 0
+
+
+def test_diloco_islands_report_each_step_and_each_sync_apart():
+  """The trial's recipe (islands): an exact float32 mean inside each island
+  every step, and DiLoCo's bf16 sync across islands every 4 steps. Each is
+  its own exchange with its own cadence; the bytes are each one's, from
+  the parameter count, and what the compiled step sends (the sync inside
+  its branch), never their sum."""
+  from tests.test_islands import _batches, _islands_tx, _setup
+  from tests.test_lowcomm import SHAPES
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("hosts", "data"))
+  n = sum(int(np.prod(s)) for s in SHAPES.values())  # 98 float32 parameters
+  tx = _islands_tx(optax.sgd(0.1), sync_every=4, compressor="bf16")
+  local, st, step = _setup(tx, mesh)
+  each = jaxcomp.get_stats(st, by_exchange=True)
+  assert list(each) == ["data", "hosts"]
+  inner, sync = each["data"], each["hosts"]
+  assert (inner.axis_name, inner.collective, inner.every) == (
+      "data", "all-reduce", 1)
+  assert (sync.axis_name, sync.collective, sync.every) == (
+      "hosts", "all-reduce", 4)
+  assert float(inner.bytes_sent) == float(inner.dense_bytes) == 4 * n
+  assert float(sync.bytes_sent) == 2 * n  # bf16, once per 4 steps
+  assert float(sync.dense_bytes) == 4 * n
+  assert float(sync.compression_factor) == 2.0
+  # Ring all-reduces over 4 devices (inside an island) and over 2 islands.
+  assert float(inner.wire_bytes) == pytest.approx(2 * 3 / 4 * 4 * n)
+  assert float(sync.wire_bytes) == pytest.approx(2 * 1 / 2 * 2 * n)
+  # One number for both is refused, naming the two cadences.
+  with pytest.raises(ValueError, match=r"2 exchanges \('data': all-reduce "
+                     r"every step; 'hosts': all-reduce every 4 steps\)"):
+    jaxcomp.get_stats(st)
+  by_path = jaxcomp.get_stats(st, by_path=True)
+  assert sorted((s.axis_name, s.every) for s in by_path.values()) == [
+      ("data", 1), ("hosts", 4)]
+  # The step: the mean over "data" (groups of 4) outside the sync branch,
+  # the sync over "hosts" (groups of 2) inside it (its non-finite flag
+  # spans all 8 devices); bytes as lowered, bf16 as sent (XLA:CPU widens
+  # it when compiling).
+  lowered = step.lower(local, st, _batches(mesh, 1)[0])
+  compiled = jaxcomp.collective_traffic(lowered.compile()).ops
+  assert {(o.group_size, o.in_branch) for o in compiled} == {
+      (4, False), (2, True), (8, True)}
+  ops = jaxcomp.collective_traffic(lowered).ops
+  assert _exchange_bytes(ops, 4) == float(inner.bytes_sent)
+  assert _exchange_bytes(ops, 2) == float(sync.bytes_sent)
+  # lowcomm.traffic counts the syncs alone.
+  for batch in _batches(mesh, 4):
+    local, st, _ = step(local, st, batch)
+  assert jaxcomp.lowcomm.traffic(st).bytes_per_step == 2 * n / 4
+
+
+def test_hsdp_reports_the_reduce_scatter_and_the_hosts_mean_apart():
+  """HSDP: an exact reduce-scatter over "devices" and a bf16 mean of the
+  shards over "hosts", both every step, over different links: two
+  exchanges, each with its own bytes from the parameter count."""
+  from tests.test_fsdp import SHAPES, _hsdp_run
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 4), ("hosts", "devices"))
+  tx = optax.chain(
+      jaxcomp.compressed_mean("identity", "devices", output="shard"),
+      jaxcomp.compressed_mean("bf16", "hosts"), optax.sgd(0.1))
+  _, _, st, step, args = _hsdp_run(mesh, tx, steps=1)
+  # Each leaf padded to 4 shards of c = ceil(n / 4): 92 + 8 + 300 elements.
+  shard = sum(-(-int(np.prod(s)) // 4) for s in SHAPES.values())
+  assert shard == 100
+  each = jaxcomp.get_stats(st, by_exchange=True)
+  assert list(each) == ["devices", "hosts"]
+  rs, across = each["devices"], each["hosts"]
+  assert (rs.collective, rs.every) == ("reduce-scatter", 1)
+  assert (across.collective, across.every) == ("all-reduce", 1)
+  assert float(rs.bytes_sent) == float(rs.dense_bytes) == 4 * 4 * shard
+  assert float(across.bytes_sent) == 2 * shard
+  assert float(across.dense_bytes) == 4 * shard
+  assert float(rs.wire_bytes) == pytest.approx(3 / 4 * 4 * 4 * shard)
+  with pytest.raises(ValueError, match="by_exchange=True"):
+    jaxcomp.get_stats(st)
+  # The lowered step (bf16 as sent): the reduce-scatter in groups of 4
+  # (beside the parameters' all-gathers), the hosts' mean in groups of 2.
+  ops = jaxcomp.collective_traffic(step.lower(*args)).ops
+  assert _exchange_bytes(ops, 4) == float(rs.bytes_sent)
+  assert _exchange_bytes(ops, 2) == float(across.bytes_sent)
+
+
+def test_multi_steps_exchanges_once_per_every_k_calls(mesh8):
+  """Around multi_steps the exchange runs on every 3rd call of the step:
+  its statistics say so, at init and after the steps, whichever branch
+  the last call took."""
+  from tests.helpers import run_steps
+  tx = jaxcomp.multi_steps(optax.chain(
+      jaxcomp.compressed_mean("bf16", "data"), optax.sgd(0.1)), 3)
+  g = {"w": jnp.ones((8, 100))}
+  for steps in (1, 3, 4):
+    stats = jaxcomp.get_stats(run_steps(tx, g, mesh8, steps=steps).state)
+    assert (stats.every, float(stats.bytes_sent)) == (3, 2 * 100)

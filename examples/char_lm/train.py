@@ -195,7 +195,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     if config.max_steps is not None and done >= config.max_steps:
       break
   stats = common.exchange_stats(state.opt_state, config.sharding)
-  per_sync = max(config.diloco_every, 1)  # DiLoCo: one exchange per sync
+  per_sync = stats.every  # steps per exchange (DiLoCo: one per sync)
   return {
       "dataset": (f"CPython {corpus.python_version} stdlib: "
                   f"{len(corpus.train_files)} train files "

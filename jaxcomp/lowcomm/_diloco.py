@@ -85,10 +85,12 @@ def diloco(inner: optax.GradientTransformation,
   this is data-parallel training with ``inner`` applied to the mean of the
   per-device updates (for plain SGD: data-parallel SGD; tested).
 
-  Bytes: one exchange per ``sync_every`` steps; ``get_stats`` reports the
-  exchange's bytes (per sync), so a step averages ``bytes_sent /
-  sync_every``; :func:`traffic` counts the run's total and per-step
-  average from the state's counters.
+  Bytes: one exchange per ``sync_every`` steps; :func:`jaxcomp.get_stats`
+  reports it with ``every=sync_every`` and its bytes per sync (a step
+  averages ``bytes_sent / sync_every``), apart from any exchange of every
+  step in ``inner`` (islands: the mean inside each island);
+  :func:`traffic` counts the run's total and per-step average from the
+  state's counters.
 
   Args:
     inner: the optimizer every device runs on its own gradients (the paper:
@@ -158,8 +160,9 @@ def diloco(inner: optax.GradientTransformation,
       inner=inner,
       outer=(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None
              else outer),
-      mean=transform.compressed_mean(compressor, axis_name,
-                                     **compressed_mean_kwargs),
+      # Its statistics say it runs once per sync_every steps.
+      mean=transform.with_cadence(transform.compressed_mean(
+          compressor, axis_name, **compressed_mean_kwargs), sync_every),
       axis_name=axis_name, sync_every=int(sync_every),
       # Fragment j syncs offsets[j] steps before the interval's end
       # (Streaming DiLoCo's staggered schedule).
@@ -385,9 +388,11 @@ def _find(opt_state) -> DiLoCoState:
 
 
 class LowCommTraffic(NamedTuple):
-  """What a :func:`diloco` run has sent so far, per device (operand bytes,
-  as :class:`jaxcomp.CompressionStats` counts them; wire bytes by the ring
-  algorithms beside them). Read with :func:`traffic`."""
+  """What a :func:`diloco` run's sync has sent so far, per device (operand
+  bytes, as :class:`jaxcomp.CompressionStats` counts them; wire bytes by
+  the ring algorithms beside them), the exchanges of every step inside
+  ``inner`` (islands) not included: :func:`jaxcomp.get_stats` reports them
+  apart. Read with :func:`traffic`."""
 
   steps: int  # inner steps taken
   syncs: tuple  # per fragment: its synchronizations so far
@@ -395,7 +400,8 @@ class LowCommTraffic(NamedTuple):
   total_bytes: float  # sent in the run so far
   total_wire_bytes: float
   bytes_per_step: float  # total_bytes / steps: the interval's average
-  dense_bytes_per_step: float  # data parallelism's dense all-reduce, each step
+  dense_bytes_per_step: float  # data parallelism's dense all-reduce over
+  #                               axis_name, each step (dense_bytes_of)
   reduction: float  # dense_bytes_per_step / bytes_per_step (inf before a sync)
 
 
@@ -408,7 +414,7 @@ def traffic(opt_state) -> LowCommTraffic:
   ``sum over fragments of syncs * bytes per sync``, and the bytes per step
   are that over the steps taken: after whole intervals, ``bytes_per_interval
   / sync_every``. ``reduction`` compares it with data-parallel training's
-  dense float32 all-reduce of the same parameters on every step (the
+  dense all-reduce (``dense_bytes``) of the same parameters on every step (the
   figure DiLoCo's "500x less communication" is).
 
   Args:
@@ -426,8 +432,8 @@ def traffic(opt_state) -> LowCommTraffic:
   steps = int(jax.device_get(st.step))
   syncs, per_interval, total, wire_total, dense = [], 0.0, 0.0, 0.0, 0.0
   for ex in st.exchange_state:
-    # Each exchange state is one compressed_mean's: one CompressionStats.
-    stats = cast(transform.CompressionStats, transform.get_stats(ex))
+    # Each exchange state is one compressed_mean's: one exchange.
+    stats = cast(transform.ExchangeStats, transform.get_stats(ex))
     n = int(jax.device_get(ex.count))
     b = float(jax.device_get(stats.bytes_sent))
     syncs.append(n)

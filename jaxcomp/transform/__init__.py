@@ -15,10 +15,14 @@ from jaxcomp.transform._compressed_mean import NONFINITE_POLICIES
 from jaxcomp.transform._compressed_mean import OUTPUTS
 from jaxcomp.transform._compressed_mean import CompressedMeanState
 from jaxcomp.transform._compressed_mean import compressed_mean
+from jaxcomp.transform._compressed_mean import in_micro_steps
 from jaxcomp.transform._compressed_mean import over_axes
 from jaxcomp.transform._compressed_mean import transform_configs
+from jaxcomp.transform._compressed_mean import with_cadence
 from jaxcomp.transform._config import TransformConfig
 from jaxcomp.transform._stats import CompressionStats
+from jaxcomp.transform._stats import ExchangeStats
+from jaxcomp.transform._stats import dense_bytes_of
 from jaxcomp.transform._stats import get_stats
 from jaxcomp.transform._stats import traffic_stats
 from jaxcomp._mesh import PerDeviceUnchecked

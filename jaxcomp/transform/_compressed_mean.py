@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, NamedTuple
 from collections.abc import Sequence
 
@@ -49,6 +50,7 @@ from jaxcomp.transform._layout import check_state
 from jaxcomp.transform._layout import layout
 from jaxcomp.transform._stats import CompressionStats
 from jaxcomp.transform._stats import as_arrays
+from jaxcomp.transform._stats import dense_bytes_of
 from jaxcomp.transform._stats import traffic_figures
 
 NONFINITE_POLICIES = nonfinite_lib.NONFINITE_POLICIES
@@ -184,11 +186,12 @@ def _static_stats(spec: MeanSpec, lay: BucketLayout, held) -> dict:
     ts = [t for shapes, dtype in zip(lay.shapes, lay.bucket_dtypes)
           for t in coll.transfers(comp, shapes, axis_sizes, dtype)]
   nbytes = lambda i: lay.sizes[i] * lay.dtypes[i].itemsize
+  averaged = [i for i in range(len(lay.sizes)) if i not in lay.passthrough]
   return traffic_figures(
       ts, wire.devices(axis_sizes),
       exact_bytes=sum(nbytes(i) for i in lay.plan.exact),
-      dense_bytes=sum(nbytes(i) for i in range(len(lay.sizes))
-                      if i not in lay.passthrough),
+      dense_bytes=dense_bytes_of([lay.sizes[i] for i in averaged],
+                                 [lay.dtypes[i] for i in averaged]),
       # The dense exchange: an all-reduce, or a reduce-scatter for shards.
       dense_kind="reduce-scatter" if spec.shard else "all-reduce",
       state_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(held)))
@@ -489,12 +492,7 @@ def over_axes(tx: optax.GradientTransformation, axis_name: AxisName, *,
     >>> tx = jaxcomp.compressed_mean("int8_block", ("data", "fsdp"), bits=4)
     >>> rs = jaxcomp.transform.over_axes(tx, "fsdp", output="shard")
   """
-  spec = getattr(tx.init, "args", (None,))[0] if isinstance(
-      tx.init, functools.partial) and tx.init.func is init else None
-  if not isinstance(spec, MeanSpec):
-    raise ValueError(
-        "over_axes takes a jaxcomp.compressed_mean(...) itself, not a chain "
-        "or another transformation: pass the compressed_mean")
+  spec = _spec_of(tx, "over_axes")
   arguments: dict[str, Any] = dict(
       spec.arguments, axis_name=axis_name, output=output)
   if output == "shard":
@@ -502,3 +500,61 @@ def over_axes(tx: optax.GradientTransformation, axis_name: AxisName, *,
   kwargs = arguments.pop("compressor_kwargs")
   compressor = arguments.pop("compressor")
   return compressed_mean(compressor, **arguments, **kwargs)
+
+
+def _spec_of(tx: optax.GradientTransformation, caller: str) -> MeanSpec:
+  """The spec of ``tx``, a ``compressed_mean(...)``; ValueError otherwise."""
+  spec = getattr(tx.init, "args", (None,))[0] if isinstance(
+      tx.init, functools.partial) and tx.init.func is init else None
+  if not isinstance(spec, MeanSpec):
+    raise ValueError(
+        f"{caller} takes a jaxcomp.compressed_mean(...) itself, not a chain "
+        "or another transformation: pass the compressed_mean")
+  return spec
+
+
+def with_cadence(tx: optax.GradientTransformation,
+                 every: int) -> optax.GradientTransformation:
+  """The same :func:`compressed_mean`, run once per ``every`` steps by the
+  transform that holds it (:func:`jaxcomp.diloco`'s pseudo-gradient mean,
+  every ``sync_every`` steps): its state says so
+  (``TransformConfig.every``), and :func:`jaxcomp.get_stats` reports its
+  bytes as per ``every`` steps, apart from the exchanges of every step.
+  The exchange itself is unchanged: the holder decides when it runs.
+
+  Args:
+    tx: a ``compressed_mean(...)`` (not a chain holding one).
+    every: steps per exchange, an integer >= 1.
+
+  Returns:
+    A ``compressed_mean`` whose state records ``every``.
+
+  Raises:
+    ValueError: ``tx`` is not a ``compressed_mean``, or ``every`` is not an
+      integer >= 1.
+  """
+  spec = _spec_of(tx, "with_cadence")
+  if (isinstance(every, bool) or not isinstance(every, numbers.Integral)
+      or every < 1):
+    raise ValueError(f"every must be an integer >= 1, got {every=!r}")
+  spec = dataclasses.replace(
+      spec, config=dataclasses.replace(spec.config, every=int(every)), facts={})
+  return optax.GradientTransformation(
+      functools.partial(init, spec),  # pyright: ignore[reportArgumentType]
+      functools.partial(update, spec))  # pyright: ignore[reportArgumentType]
+
+
+def in_micro_steps(state, every_k: int):
+  """``state`` with every :func:`compressed_mean` state in it marked as run
+  once per ``every_k`` calls of the train step (``TransformConfig.
+  micro_steps``): :func:`jaxcomp.multi_steps` marks its inner state so, and
+  :func:`jaxcomp.get_stats` reports those exchanges' cadence as ``every *
+  every_k`` calls. Static data only: the arrays are unchanged."""
+  def mark(x):
+    if isinstance(x, CompressedMeanState):
+      return x._replace(config=dataclasses.replace(
+          x.config, micro_steps=int(every_k)))
+    return x
+
+  return jax.tree.map(mark, state,
+                      is_leaf=lambda x: isinstance(x, CompressedMeanState))

@@ -63,6 +63,14 @@ class TransformConfig:
       declares (``Feedback.topology``, ``Collective.topology``).
     plan: the bucket plan ``init`` made, where the bucketing depends on
       where ``init`` ran (``"auto"``), else None.
+    every: the exchange's cadence, steps per exchange: 1 for a mean taken
+      every step; :func:`jaxcomp.diloco`'s ``sync_every`` for its
+      pseudo-gradients' (set by :func:`jaxcomp.transform.with_cadence`,
+      read by :func:`jaxcomp.get_stats`); not part of the description.
+    micro_steps: calls of the train step per step of the transform: a
+      :func:`jaxcomp.multi_steps`' ``every_k`` around it (set by
+      :func:`jaxcomp.transform.in_micro_steps`), else 1. The exchange runs
+      once per ``every * micro_steps`` calls.
   """
 
   text: str
@@ -72,6 +80,8 @@ class TransformConfig:
   # apart), so that every ``update`` of the state cuts the gradient alike,
   # wherever it is traced; not part of the configuration's description.
   plan: Any = None
+  every: int = 1
+  micro_steps: int = 1
 
   @classmethod
   def of(cls, config: Mapping[str, Any],
