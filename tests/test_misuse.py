@@ -2,7 +2,6 @@
 names what to do ([integration] item 5)."""
 
 import importlib
-import re
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,7 @@ statistics (:func:`get_stats`).
 
 Pieces, each on one screen: the factory and its ``init`` and ``update``,
 functions of the resolved configuration (``_compressed_mean``), the bucket
-layout and its checks (``_layout``), the bucket loop with its all-reduce and
+bucket plan and its checks (``_buckets``), the bucket loop with its all-reduce and
 reduce-scatter siblings (``_exchange``), the nonfinite policies
 (``_nonfinite``), the statistics (``_stats``) and the configuration,
 validated and resolved at construction and carried as static state

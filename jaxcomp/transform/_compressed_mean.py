@@ -4,7 +4,7 @@ The factory :func:`compressed_mean` resolves its arguments into a
 :class:`~jaxcomp.transform._config.MeanSpec`; :func:`init` and :func:`update`
 are functions of that spec. One gradient's path through ``update``::
 
-  leaves --layout (jaxcomp.bucketing)--> buckets of tensors (parts: one
+  leaves --plan (jaxcomp.bucketing)--> buckets of tensors (parts: one
       flat float32 array each); the nonfinite policy screens them
     per bucket (jaxcomp.transform._exchange):
       v, ctx   = feedback.prepare(parts, feedback_state)        # jaxcomp.feedback
@@ -44,10 +44,10 @@ from jaxcomp.transform._config import TransformConfig
 from jaxcomp.transform._config import resolve
 from jaxcomp.transform._exchange import average
 from jaxcomp.transform._exchange import reduce_scatter
-from jaxcomp.transform._layout import BucketLayout
-from jaxcomp.transform._layout import check_per_device
-from jaxcomp.transform._layout import check_state
-from jaxcomp.transform._layout import layout
+from jaxcomp.transform._buckets import BucketPlan
+from jaxcomp.transform._buckets import check_per_device
+from jaxcomp.transform._buckets import check_state
+from jaxcomp.transform._buckets import plan
 from jaxcomp.transform._stats import CompressionStats
 from jaxcomp.transform._stats import as_arrays
 from jaxcomp.transform._stats import dense_bytes_of
@@ -123,10 +123,10 @@ def transform_configs(state) -> dict[str, dict]:
 
 
 class _Facts(NamedTuple):
-  """What one layout fixes (static), found once per layout."""
+  """What one bucket plan fixes (static), found once per plan."""
 
   state: Any  # CompressedMeanState of jax.ShapeDtypeStruct: the shapes and
-  #             dtypes of the state init makes for the layout
+  #             dtypes of the state init makes for the plan
   stats: dict  # the statistics' static fields, as Python floats
 
 
@@ -145,24 +145,24 @@ def _leaf_update(policy, any_bad, m, leaf, shard_shape, passthrough: bool):
   return policy.leaf(any_bad, m).reshape(shape).astype(leaf.dtype)
 
 
-def _layout(spec: MeanSpec, tree, what: str, shards: bool = False,
-            made=None) -> BucketLayout:
-  return layout(tree, spec.buckets, what,
+def _plan(spec: MeanSpec, tree, what: str, shards: bool = False,
+            made=None) -> BucketPlan:
+  return plan(tree, spec.buckets, what,
                 shard_axis=spec.axis_name if spec.shard else None,
                 shards=shards, axis_name=spec.axis_name, made=made)
 
 
-def _config_of(spec: MeanSpec, lay: BucketLayout) -> TransformConfig:
+def _config_of(spec: MeanSpec, lay: BucketPlan) -> TransformConfig:
   """The configuration, with the plan that "auto" made where it ran."""
   if not spec.plans_at_init:
     return spec.config
   return dataclasses.replace(spec.config, plan=lay.plan)
 
 
-def _per_device_state(spec: MeanSpec, lay: BucketLayout):
+def _per_device_state(spec: MeanSpec, lay: BucketPlan):
   """``(feedback, exchange_state)``: per bucket, the feedback's state and
   the collective's (a reduce-scatter keeps none: no second phase)."""
-  comp, coll, fb, _ = spec.parts
+  comp, coll, fb, _ = spec.components
   init_key = jax.random.fold_in(jax.random.key(spec.seed), _INIT_STREAM)
   return (tuple(fb.init(lay.bucket_sizes(b), spec.axis_name)
                 for b in range(len(lay.shapes))),
@@ -172,11 +172,11 @@ def _per_device_state(spec: MeanSpec, lay: BucketLayout):
                 for b, shapes in enumerate(lay.shapes)))
 
 
-def _static_stats(spec: MeanSpec, lay: BucketLayout, held) -> dict:
-  """The statistics' fields that the layout fixes, as Python floats: bytes
+def _static_stats(spec: MeanSpec, lay: BucketPlan, held) -> dict:
+  """The statistics' fields that the bucket plan fixes, as Python floats: bytes
   and factors (from the collectives' declared transfers), state bytes (of
   ``held``, the per-device state or its shapes)."""
-  comp, coll = spec.parts.compressor, spec.parts.collective
+  comp, coll = spec.components.compressor, spec.components.collective
   axis_sizes = _mesh.axis_sizes(spec.axis_name)
   if spec.shard:
     ts = [t for b, dtype in enumerate(lay.bucket_dtypes)
@@ -201,13 +201,13 @@ def _shapes(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _facts_key(spec: MeanSpec, lay: BucketLayout) -> tuple:
+def _facts_key(spec: MeanSpec, lay: BucketPlan) -> tuple:
   return lay.key(), tuple(_mesh.axis_sizes(spec.axis_name).items())
 
 
-def _facts(spec: MeanSpec, lay: BucketLayout) -> _Facts:
-  """What ``lay`` fixes, found once per layout: ``init`` records it, and an
-  ``update`` whose layout no ``init`` saw finds it from the shapes of the
+def _facts(spec: MeanSpec, lay: BucketPlan) -> _Facts:
+  """What ``lay`` fixes, found once per bucket plan: ``init`` records it, and an
+  ``update`` whose plan no ``init`` saw finds it from the shapes of the
   per-device state alone."""
   key = _facts_key(spec, lay)
   if key not in spec.facts:
@@ -228,9 +228,9 @@ def init(spec: MeanSpec, params) -> CompressedMeanState:
   :func:`compressed_mean`)."""
   axis_name = spec.axis_name
   _mesh.check_bound(axis_name, "compressed_mean.init")
-  lay = _layout(spec, params, "params", shards=True)
+  lay = _plan(spec, params, "params", shards=True)
   for b in range(len(lay.shapes)):
-    spec.parts.compressor.check_size(sum(lay.bucket_sizes(b)))
+    spec.components.compressor.check_size(sum(lay.bucket_sizes(b)))
   feedback, exchange_state = _per_device_state(spec, lay)
   figures = _static_stats(spec, lay, (feedback, exchange_state))
   state = CompressedMeanState(
@@ -250,12 +250,12 @@ def update(spec: MeanSpec, updates, state: CompressedMeanState, params=None
   """``compressed_mean(...).update``: the mean of ``updates`` over the axis
   and the next state (see :func:`compressed_mean`)."""
   del params
-  comp, coll, _, policy = parts = spec.parts
+  comp, coll, _, policy = components = spec.components
   axis_name = spec.axis_name
   leaves, treedef = jax.tree.flatten(updates)
   _mesh.check_bound(axis_name, "compressed_mean.update")
   made = getattr(getattr(state, "config", None), "plan", None)
-  lay = _layout(spec, updates, "gradient",
+  lay = _plan(spec, updates, "gradient",
                 made=made if spec.plans_at_init else None)
   check_per_device([x for i, x in enumerate(leaves)
                     if i not in lay.passthrough], axis_name)
@@ -270,10 +270,10 @@ def update(spec: MeanSpec, updates, state: CompressedMeanState, params=None
   step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key),
                                 state.count)
   if spec.shard:
-    ex = reduce_scatter(parts, lay, flat, any_bad, state, step_key,
+    ex = reduce_scatter(components, lay, flat, any_bad, state, step_key,
                         axis_name, p)
   else:
-    ex = average(parts, lay, flat, any_bad, state, step_key, axis_name)
+    ex = average(components, lay, flat, any_bad, state, step_key, axis_name)
   mean_leaves = [_leaf_update(policy, any_bad, ex.out[i], leaf,
                               (lay.sizes[i] // p,) if spec.shard else None,
                               i in lay.passthrough)

@@ -29,8 +29,8 @@ from jaxcomp import compressors as compressors_lib
 from jaxcomp import feedback as feedback_lib
 from jaxcomp._mesh import AxisName
 from jaxcomp.transform import _nonfinite as nonfinite_lib
-from jaxcomp.transform._exchange import Parts
-from jaxcomp.transform._layout import Bucketing
+from jaxcomp.transform._exchange import Components
+from jaxcomp.transform._buckets import Bucketing
 
 OUTPUTS = ("mean", "shard")
 
@@ -147,7 +147,7 @@ class MeanSpec:
   :func:`resolve`, when the transform is constructed.
 
   Attributes:
-    parts: the compressor, collective, feedback and nonfinite policy.
+    components: the compressor, collective, feedback and nonfinite policy.
     axis_name: the averaging axes.
     buckets: the bucketing arguments, the strategy resolved (``"auto"``
       reads ``"layerwise"`` where that is what it means: a compressor bound
@@ -156,16 +156,16 @@ class MeanSpec:
     shard: ``output="shard"``: each device gets its shard of the mean.
     config: the configuration the state carries (before ``init`` made a
       plan, see :attr:`plans_at_init`).
-    facts: what a layout fixes (the state's shapes and the statistics'
-      static fields), by the layout it was found for: each is found once,
-      by ``init`` or by the first ``update`` traced for that layout, and
+    facts: what a bucket plan fixes (the state's shapes and the statistics'
+      static fields), by the bucket plan it was found for: each is found once,
+      by ``init`` or by the first ``update`` traced for that bucket plan, and
       reused by every later trace.
     arguments: :func:`resolve`'s arguments, as given: the same transform
       over other axes is resolved from them
       (:func:`jaxcomp.transform.over_axes`).
   """
 
-  parts: Parts
+  components: Components
   axis_name: AxisName
   buckets: Bucketing
   seed: int
@@ -299,7 +299,7 @@ def resolve(compressor, axis_name: AxisName, *, collective, error_feedback,
       "nonfinite": nonfinite, "seed": seed, "output": output},
       rules={"feedback": fb.topology, "exchange_state": coll.topology})
   return MeanSpec(
-      parts=Parts(comp, coll, fb, policy), axis_name=axis_name,
+      components=Components(comp, coll, fb, policy), axis_name=axis_name,
       buckets=Bucketing(bucketing, min_compress_size, bucket_elements,
                         bucket_bytes, plan, mask),
       seed=seed, shard=output == "shard", config=config, arguments=arguments)

@@ -1,7 +1,7 @@
 """The bucket loop of :func:`jaxcomp.compressed_mean`'s ``update``: exact
 groups and compressed buckets, through the feedback and the collective.
 
-Two siblings share the layout and the loop: :func:`average` gives every
+Two siblings share the bucket plan and the loop: :func:`average` gives every
 device the whole mean (an all-reduce of compressed payloads), and
 :func:`reduce_scatter` each device its shard of the mean (sharded data
 parallelism). They differ in how the exact group travels and in the one
@@ -21,12 +21,13 @@ from jaxcomp import _parts
 from jaxcomp.collectives import Collective
 from jaxcomp.compressors import Compressor
 from jaxcomp.feedback import Feedback
-from jaxcomp.transform._layout import BucketLayout
+from jaxcomp.transform._buckets import BucketPlan
 from jaxcomp.transform._nonfinite import Policy
 
 
-class Parts(NamedTuple):
-  """The composed parts of one transform (static)."""
+class Components(NamedTuple):
+  """The components of one transform's exchange (static): compressor,
+  collective, feedback and nonfinite policy."""
 
   compressor: Compressor
   collective: Collective
@@ -43,19 +44,19 @@ class Exchanged(NamedTuple):
   sq_residual: jax.Array  # float32 (): this device's squared residual norm
 
 
-def _exact_groups(lay: BucketLayout):
+def _exact_groups(lay: BucketPlan):
   """Per dtype of the exact leaves (in first-seen order): their indices."""
   for dtype in dict.fromkeys(lay.dtypes[i] for i in lay.plan.exact):
     yield dtype, [i for i in lay.plan.exact if lay.dtypes[i] == dtype]
 
 
-def _loop(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
+def _loop(components: Components, lay: BucketPlan, flat, any_bad, state, step_key,
           axis_name, exact_mean: Callable, exchange_bucket: Callable
           ) -> Exchanged:
   """The loop both paths share: one exact mean per dtype (in that dtype: a
   bf16 leaf sends bf16), then per bucket the feedback's ``prepare``, the
   exchange, the feedback's ``finish`` and the nonfinite policy."""
-  comp, coll, fb, policy = parts
+  comp, coll, fb, policy = components
   out = [None] * len(flat)
   for dtype, group in _exact_groups(lay):
     mean = exact_mean(tuple(flat[i].astype(dtype) for i in group),
@@ -87,11 +88,11 @@ def _loop(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
   return Exchanged(out, tuple(new_fb), tuple(new_exchange), sq_residual)
 
 
-def average(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
+def average(components: Components, lay: BucketPlan, flat, any_bad, state, step_key,
             axis_name) -> Exchanged:
   """Every device gets the whole mean: the exact group by ``lax.pmean``,
   each bucket by ``collective.exchange``."""
-  comp, coll = parts.compressor, parts.collective
+  comp, coll = components.compressor, components.collective
 
   def exact_mean(group, sizes):
     return _parts.split(lax.pmean(_parts.concat(group), axis_name), sizes)
@@ -103,11 +104,11 @@ def average(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
                          lay.shapes[b], key=key, step=state.count,
                          axis_name=axis_name, state=state.exchange_state[b])
 
-  return _loop(parts, lay, flat, any_bad, state, step_key, axis_name,
+  return _loop(components, lay, flat, any_bad, state, step_key, axis_name,
                exact_mean, exchange_bucket)
 
 
-def reduce_scatter(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_key,
+def reduce_scatter(components: Components, lay: BucketPlan, flat, any_bad, state, step_key,
                    axis_name, p: int) -> Exchanged:
   """Each device gets its shard of the mean: every part is laid out
   chunk-major (chunk ``j`` holds every tensor's shard ``j``), the exact
@@ -115,7 +116,7 @@ def reduce_scatter(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_k
   ``collective.reduce_scatter_buffer``; ``local`` comes back whole, so the
   feedback runs unchanged. The collective keeps no state here (no second
   phase)."""
-  comp, coll = parts.compressor, parts.collective
+  comp, coll = components.compressor, components.collective
 
   def exact_mean(group, sizes):
     mean = lax.psum_scatter(_parts.chunk_major(group, p).reshape(p, -1),
@@ -129,5 +130,5 @@ def reduce_scatter(parts: Parts, lay: BucketLayout, flat, any_bad, state, step_k
     return (_parts.split(mean, [n // p for n in sizes]),
             _parts.from_chunk_major(local, sizes, p), ())
 
-  return _loop(parts, lay, flat, any_bad, state, step_key, axis_name,
+  return _loop(components, lay, flat, any_bad, state, step_key, axis_name,
                exact_mean, exchange_bucket)

@@ -94,7 +94,7 @@ def traffic_figures(transfers, p: int, *, exact_bytes: int, dense_bytes: int,
   exchange issuing ``transfers`` plus ``exact_bytes`` sent densely by a
   ``dense_kind`` collective over ``p`` devices, against ``dense_bytes`` sent
   that way; ``state_bytes`` of per-device state. Plain numbers, so that a
-  transform computes them once per layout and reuses them in any trace."""
+  transform computes them once per bucket plan and reuses them in any trace."""
   sent = wire.operand_bytes(transfers) + exact_bytes
   on_wire = (wire.total_ring_bytes(transfers)
              + wire.ring_bytes(dense_kind, exact_bytes, p))

@@ -18,7 +18,7 @@ from jaxcomp import wire
 from jaxcomp.collectives import chunk_size
 
 
-class BucketLayout(NamedTuple):
+class BucketPlan(NamedTuple):
   """How one gradient's leaves are cut into buckets (static)."""
 
   sizes: list  # elements per leaf (shards: p * c, the padded whole size)
@@ -34,7 +34,7 @@ class BucketLayout(NamedTuple):
     return [self.sizes[i] for i in self.plan.buckets[b]]
 
   def key(self) -> tuple:
-    """Everything the layout fixes, hashable: equal keys, equal layouts."""
+    """Everything the bucket plan fixes, hashable: equal keys, equal plans."""
     return (tuple(self.sizes), tuple(self.dtypes), self.plan,
             tuple(self.shapes), tuple(self.bucket_dtypes), self.passthrough)
 
@@ -103,10 +103,10 @@ def _kind(x, axis_name) -> tuple:
           tuple(sorted(_mesh.varying_axes(x) - names)))
 
 
-def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
+def plan(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
            shards: bool = False, axis_name=None,
-           made: bucketing_lib.BucketPlan | None = None) -> BucketLayout:
-  """The bucket layout of ``tree``'s leaves.
+           made: bucketing_lib.BucketPlan | None = None) -> BucketPlan:
+  """The bucket plan of ``tree``'s leaves.
 
   Args:
     tree: the gradient (or, in ``init``, the parameters).
@@ -163,7 +163,7 @@ def layout(tree, bucketing: Bucketing, what: str, *, shard_axis=None,
   dtypes = [jnp.dtype(jnp.result_type(x)) for x in leaves]
   bucket_dtypes = [dtypes[b[0]] if len({dtypes[i] for i in b}) == 1
                    else jnp.dtype(jnp.float32) for b in buckets]
-  return BucketLayout(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
+  return BucketPlan(sizes, dtypes, bucketing_lib.BucketPlan(exact, buckets),
                 shapes, bucket_dtypes, passthrough)
 
 
