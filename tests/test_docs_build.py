@@ -168,8 +168,9 @@ NOT_IN_REFERENCE = {
     "bench.*": "`python -m jaxcomp.bench`, the kernel benchmark and the "
                "device check, and their modules",
     "inspect": "a package; jaxcomp.inspect.traffic is listed",
-    "elastic": "needs the optional elastic extra (torch, torchft) to import; "
-               "docs/lowcomm.md's \"Elastic islands\" documents it",
+    "elastic.*": "the islands of the optional elastic extra (torch, "
+                 "torchft): docs/lowcomm.md's \"Elastic islands\" documents "
+                 "them, `jaxcomp islands --help` the launcher",
     "inspect.kernel_structure": "the kernel tests' reader of exported "
                                 "StableHLO, not a training API",
 }

@@ -1,71 +1,21 @@
-"""Elastic DiLoCo islands: each island its own JAX job, the outer sync
-through torchft, so that losing an island does not stop the others.
+"""One island's side of elastic DiLoCo on torchft: the manager, the quorum
+(:meth:`ElasticDiLoCo.begin`, which heals a joiner), the exchange and
+commit (:meth:`ElasticDiLoCo.sync`), and torchft's Lighthouse.
 
-An *island* is one JAX job (one process here; exact or compressed data
-parallelism over its devices inside, as any jaxcomp step). Islands train on
-their own for ``H`` inner steps; at each outer sync every island present
-sends its compressed pseudo-gradient (``anchor - local``, with error
-feedback) to the others, decodes and averages them in JAX, and takes the
-outer step in JAX. Membership is torchft's (Lighthouse quorum, one
-``Manager`` per island, a gloo process group re-created per quorum):
-
-* a sync that fails (a peer died mid-interval, a timeout) is reported to
-  the manager, ``should_commit`` is false on that island and the interval
-  is discarded: no partial average is applied, the anchor, outer state,
-  error-feedback residual and step are left as they were, and nothing is
-  checkpointed;
-* a lost island is dropped at the next quorum (torchft's Lighthouse: no
-  heartbeat for ``heartbeat_timeout_ms``), and the survivors average over
-  the islands present, each with weight ``1 / islands`` (DiLoCo's mean);
-* an island that comes back, or a replacement, heals at the quorum: it
-  receives the *anchor* (outer parameters, outer-optimizer state, the step,
-  the configuration's fingerprint) from a peer through torchft's
-  ``state_dict`` hooks (its process-group checkpoint transport, over the
-  same gloo group); its own
-  error-feedback residual starts at zero (a residual is what *that*
-  island has not sent yet: a donor's belongs to the donor);
-* the anchor is saved with Orbax at every commit (``checkpoint_dir/<island>``),
-  so a replacement started after every peer has gone restores the newest
-  anchor of any island instead of starting from step 0.
-
-Only this module imports torch and torchft (``pip install
-"jaxcomp[elastic]"``); nothing else in jaxcomp needs them.
-
-Example (one island; start one per island, and the Lighthouse once, e.g.
-``python -m jaxcomp.elastic lighthouse --min-replicas 2``)::
-
-  isl = ElasticDiLoCo(params, island="a", lighthouse="http://host:29510",
-                      compressor="int8_block", checkpoint_dir="/ckpt")
-  while isl.step < outer_steps:
-    params = isl.begin()          # quorum; heals a (re)joining island
-    for _ in range(H):
-      params, inner_state = train_step(params, inner_state, batch())
-    result = isl.sync(params)     # committed or discarded, as a whole
-
-References:
-  Douillard et al., DiLoCo: Distributed Low-Communication Training of
-  Language Models <https://arxiv.org/abs/2311.08105>, 2023; torchft
-  (Manager, Lighthouse, ProcessGroupGloo, PGTransport),
-  <https://github.com/pytorch/torchft>, version 0.2.0; Jaghouar et al.,
-  INTELLECT-1 Technical Report <https://arxiv.org/abs/2412.01152>, 2024
-  (islands joining at outer steps).
+The one module of jaxcomp that imports torch and torchft (``pip install
+"jaxcomp[elastic]"``), and only when an island or a Lighthouse is made:
+``import jaxcomp.elastic`` works without them.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import hashlib
 import json
 import os
 import socket
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Sequence
+import types
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,115 +24,42 @@ import numpy as np
 import optax
 
 from jaxcomp import compressors
-
-try:
-  import torch  # pyright: ignore[reportMissingImports]
-  import torch.distributed as tdist  # pyright: ignore[reportMissingImports]
-  import torchft  # pyright: ignore[reportMissingImports]
-  from torchft import coordination  # pyright: ignore[reportMissingImports]
-  from torchft.checkpointing.pg_transport import (  # pyright: ignore[reportMissingImports]
-      PGTransport)
-  from torch.distributed.distributed_c10d import (  # pyright: ignore[reportMissingImports]
-      AllgatherOptions)  # pyright: ignore[reportPrivateImportUsage]
-except ImportError as e:  # pragma: no cover - exercised without the extra
-  raise ImportError(
-      "jaxcomp.elastic needs torch and torchft: pip install "
-      f"'jaxcomp[elastic]' ({e})") from e
+from jaxcomp.elastic import _outer
+from jaxcomp.elastic._anchor import AnchorCheckpoints
+from jaxcomp.elastic._common import ElasticConfigError
+from jaxcomp.elastic._common import QuorumError
+from jaxcomp.elastic._common import SyncResult
+from jaxcomp.elastic._common import describe
+from jaxcomp.elastic._common import differences
+from jaxcomp.elastic._common import fingerprint
+from jaxcomp.elastic._common import from_bytes
+from jaxcomp.elastic._common import to_bytes
 
 _HEADER_BYTES = 40  # sha256 fingerprint (32) + payload length (int64)
 
 
-class ElasticConfigError(ValueError):
-  """Islands disagree on the model or the configuration (a joiner with
-  another model, another compressor, other hyperparameters)."""
+def _torch() -> types.SimpleNamespace:
+  """torch and torchft, imported on first use.
 
-
-class QuorumError(RuntimeError):
-  """No commit for longer than ``quorum_timeout``: fewer islands than
-  ``min_islands`` (or none reachable). Nothing was lost: the anchor of the
-  last commit is in memory and, with ``checkpoint_dir``, on disk."""
-
-
-class SyncResult(NamedTuple):
-  """What one :meth:`ElasticDiLoCo.sync` did.
-
-  Attributes:
-    committed: whether the interval was applied (torchft's
-      ``should_commit``); False: discarded as a whole.
-    islands: islands in this interval's quorum (the exchange's size).
-    step: outer steps committed so far (torchft's step), after this sync.
-    params: the parameters to continue from: the new anchor when
-      committed, the unchanged anchor when not (the interval's inner
-      steps are discarded with it).
-    seconds: wall time of the exchange, decode and outer step (s).
-    bytes_sent: this island's payload, bytes (header not counted).
-    error: the exception that made the sync fail, or None.
+  Raises:
+    ImportError: without them, naming the extra to install.
   """
-
-  committed: bool
-  islands: int
-  step: int
-  params: Any
-  seconds: float
-  bytes_sent: int
-  error: BaseException | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Where each parameter and each payload array sits in the flat buffers."""
-
-  treedef: Any
-  shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[Any, ...]
-  n: int  # parameter elements, the pseudo-gradient buffer's length
-  payload: tuple[jax.ShapeDtypeStruct, ...]  # the compressor's arrays
-  payload_treedef: Any
-
-  @property
-  def payload_bytes(self) -> int:
-    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-               for s in self.payload)
-
-
-def _describe(params, outer_state, compressor, error_feedback: bool,
-              config) -> dict:
-  """The configuration every island must share (JSON-able)."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  o_leaves, o_treedef = jax.tree.flatten(outer_state)
-  return {
-      "params": [[jax.tree_util.keystr(p), list(np.shape(x)),
-                  str(np.asarray(x).dtype)] for p, x in leaves],
-      "params_tree": str(treedef),
-      "outer_state": [[list(np.shape(x)), str(np.asarray(x).dtype)]
-                      for x in o_leaves],
-      "outer_state_tree": str(o_treedef),
-      "compressor": repr(compressor),
-      "error_feedback": bool(error_feedback),
-      "config": json.loads(json.dumps(config or {}, sort_keys=True,
-                                      default=str)),
-  }
-
-
-def _fingerprint(description: dict) -> str:
-  return hashlib.sha256(json.dumps(description, sort_keys=True)
-                        .encode()).hexdigest()
-
-
-def _differences(mine: dict, theirs: dict) -> str:
-  keys = sorted(k for k in set(mine) | set(theirs)
-                if mine.get(k) != theirs.get(k))
-  return "; ".join(f"{k}: this island {mine.get(k)!r}, peer "
-                   f"{theirs.get(k)!r}" for k in keys) or "(same description)"
-
-
-def _to_bytes(x) -> np.ndarray:
-  """A leaf's bytes as a flat uint8 array (any dtype, bfloat16 included)."""
-  return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
-
-
-def _from_bytes(buf: np.ndarray, shape, dtype) -> np.ndarray:
-  return np.frombuffer(buf.tobytes(), dtype=np.dtype(dtype)).reshape(shape)
+  try:
+    import torch  # pyright: ignore[reportMissingImports]
+    import torch.distributed as tdist  # pyright: ignore[reportMissingImports]
+    import torchft  # pyright: ignore[reportMissingImports]
+    from torchft import coordination  # pyright: ignore[reportMissingImports]
+    from torchft.checkpointing.pg_transport import (  # pyright: ignore[reportMissingImports]
+        PGTransport)
+    from torch.distributed.distributed_c10d import (  # pyright: ignore[reportMissingImports]
+        AllgatherOptions)  # pyright: ignore[reportPrivateImportUsage]
+  except ImportError as e:
+    raise ImportError(
+        "jaxcomp.elastic's islands and Lighthouse need torch and torchft: "
+        f"pip install 'jaxcomp[elastic]' ({e})") from e
+  return types.SimpleNamespace(
+      torch=torch, tdist=tdist, torchft=torchft, coordination=coordination,
+      PGTransport=PGTransport, AllgatherOptions=AllgatherOptions)
 
 
 def _own_address() -> str:
@@ -214,17 +91,81 @@ def _process_copy(x):
   return x
 
 
-def digest(tree) -> str:
-  """sha256 of a pytree's leaves' bytes (in ``jax.tree.leaves`` order):
-  equal digests mean bitwise equal leaves."""
-  h = hashlib.sha256()
-  for x in jax.tree.leaves(tree):
-    h.update(_to_bytes(x).tobytes())
-  return h.hexdigest()
+def _island_store(store_host: str | None):
+  """The island's own TCP store, on its process 0 (its managers meet in
+  it), and its host and port, sent to the island's other processes.
+  Returns ``(store or None, host, port)``."""
+  tt = _torch()
+  rank, size = jax.process_index(), jax.process_count()
+  store = None
+  host = (store_host or _own_address()).encode()
+  port = 0
+  if rank == 0:
+    store = tt.tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+        host.decode(), 0, is_master=True, wait_for_workers=False)
+    port = store.port
+  if size > 1:
+    if len(host) > 255:
+      raise ValueError(f"store_host longer than 255 bytes: {host!r}")
+    sent = np.zeros((257,), np.int32)  # port, length, bytes of the host
+    sent[0], sent[1] = port, len(host)
+    sent[2:2 + len(host)] = np.frombuffer(host, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
+    port = int(got[0])
+    host = bytes(got[2:2 + int(got[1])].astype(np.uint8))
+  return store, host.decode(), port
+
+
+def _manager(island: str, lighthouse: str, *, state_dict, load_state_dict,
+             min_islands: int, timeout: float, quorum_timeout: float,
+             connect_timeout: float, hostname: str | None,
+             store_host: str | None):
+  """torchft's gloo process group and Manager for this process of the
+  island. Returns ``(store, process group, manager)``."""
+  tt = _torch()
+  timeout_td = timedelta(seconds=timeout)
+  store, host, port = _island_store(store_host)
+  pg = tt.torchft.ProcessGroupGloo(timeout=timeout_td)
+  manager = tt.torchft.Manager(
+      pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
+      min_replica_size=min_islands, use_async_quorum=False,
+      timeout=timeout_td, quorum_timeout=timedelta(seconds=quorum_timeout),
+      connect_timeout=timedelta(seconds=connect_timeout),
+      rank=jax.process_index(), world_size=jax.process_count(),
+      store_addr=host, store_port=port, lighthouse_addr=lighthouse,
+      replica_id=island, hostname=hostname or _own_address(), init_sync=True,
+      # The heal travels through the gloo group itself: no second
+      # address to advertise (torchft's HTTP transport advertises the
+      # hostname, which another network namespace resolves to itself).
+      checkpoint_transport=tt.PGTransport(pg, timeout=timeout_td,
+                                          device=tt.torch.device("cpu")))
+  return store, pg, manager
+
+
+def _check_names(island: str | None, lighthouse: str | None,
+                 min_islands: int) -> tuple[str, str]:
+  """The island's name and the Lighthouse's address, from the arguments or
+  the environment (``JAXCOMP_ISLAND``, ``JAXCOMP_LIGHTHOUSE``).
+
+  Raises:
+    ValueError: no Lighthouse, a bad name, ``min_islands`` below 1.
+  """
+  island = island or os.environ.get("JAXCOMP_ISLAND", "")
+  lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
+  if not lighthouse:
+    raise ValueError("lighthouse not given and JAXCOMP_LIGHTHOUSE not set: "
+                     "pass the Lighthouse's address, e.g. "
+                     "'http://host:29510'")
+  if not island or "/" in island or ":" in island:
+    raise ValueError(f"island must be a non-empty name without '/' or "
+                     f"':', got {island=!r}")
+  if min_islands < 1:
+    raise ValueError(f"min_islands must be >= 1, got {min_islands=}")
+  return island, lighthouse
 
 
 class ElasticDiLoCo:
-  """One island's side of elastic DiLoCo (see the module docstring).
+  """One island's side of elastic DiLoCo (see :mod:`jaxcomp.elastic`).
 
   Args:
     params: the initial parameters (a pytree of arrays, identical on every
@@ -232,7 +173,7 @@ class ElasticDiLoCo:
       of the configuration every island must share.
     island: this island's name (torchft's ``replica_id``; also its
       checkpoint folder). A restarted island keeps its name. Default:
-      ``JAXCOMP_ISLAND`` (set by ``python -m jaxcomp.elastic islands``).
+      ``JAXCOMP_ISLAND`` (set by ``jaxcomp islands``).
     lighthouse: the Lighthouse's address, e.g. ``"http://host:29510"``.
       Default: ``JAXCOMP_LIGHTHOUSE``.
     outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9,
@@ -240,8 +181,9 @@ class ElasticDiLoCo:
     compressor: the pseudo-gradient's compressor, a name or instance as
       :func:`jaxcomp.compressors.get` takes (``"int8_block"``,
       ``"topk"``, ``"chunked_topk"``, ...); ``compressor_kwargs`` its
-      hyperparameters. Encoded on the flat float32 buffer of all
-      parameters (``n`` elements).
+      hyperparameters. Encoded on the flat buffer of all parameters
+      (``n`` elements, in their common dtype, float32 where they differ;
+      :mod:`jaxcomp.elastic._outer`).
     error_feedback: keep the residual ``v - decode(encode(v))`` with ``v =
       pseudo + residual`` (EF-SGD; SparseLoCo keeps one), default True.
     min_islands: torchft's ``min_replica_size``: a sync with fewer
@@ -272,10 +214,14 @@ class ElasticDiLoCo:
       group ranks); each exchanges the whole payload with the same rank of
       the other islands, and the island commits only when all of its
       processes do.
-    seed: the compressor's shared randomness, ``fold_in(key(seed), step)``.
+    seed: the compressor's shared randomness, ``fold_in(key(seed), step)``
+      (folded with the island's rank in the quorum for a compressor with
+      independent randomness, as :func:`jaxcomp.compressed_mean` folds the
+      device's).
 
   Raises:
-    ImportError: at import, without torch and torchft.
+    ImportError: without torch and torchft (``pip install
+      "jaxcomp[elastic]"``).
     ElasticConfigError: the checkpoint restored at start, or the anchor a
       peer sends at a heal, comes from another configuration; or a peer in
       the exchange has another configuration.
@@ -293,17 +239,7 @@ class ElasticDiLoCo:
                timeout: float = 30.0, quorum_timeout: float = 300.0,
                connect_timeout: float = 30.0, hostname: str | None = None,
                store_host: str | None = None, seed: int = 0):
-    island = island or os.environ.get("JAXCOMP_ISLAND", "")
-    lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
-    if not lighthouse:
-      raise ValueError("lighthouse not given and JAXCOMP_LIGHTHOUSE not set: "
-                       "pass the Lighthouse's address, e.g. "
-                       "'http://host:29510'")
-    if not island or "/" in island or ":" in island:
-      raise ValueError(f"island must be a non-empty name without '/' or "
-                       f"':', got {island=!r}")
-    if min_islands < 1:
-      raise ValueError(f"min_islands must be >= 1, got {min_islands=}")
+    island, lighthouse = _check_names(island, lighthouse, min_islands)
     self.island = island
     self._outer = (optax.sgd(0.7, momentum=0.9, nesterov=True)
                    if outer is None else outer)
@@ -318,114 +254,32 @@ class ElasticDiLoCo:
 
     anchor = jax.tree.map(lambda x: jnp.asarray(x), params)
     outer_state = self._outer.init(anchor)
-    self._description = _describe(anchor, outer_state, self._comp, self._ef,
-                                  config)
-    self.fingerprint = _fingerprint(self._description)
-    self._layout = self._plan(anchor)
+    self._description = describe(anchor, outer_state, self._comp, self._ef,
+                                 config)
+    self.fingerprint = fingerprint(self._description)
+    self._plan = _outer.plan_buffer(anchor, self._comp, self._key)
     self._anchor, self._outer_state = anchor, outer_state
-    self._residual = jnp.zeros((self._layout.n,), jnp.float32)
-    self._jit()
+    self._residual = jnp.zeros((self._plan.n,), jnp.float32)
+    self._encode, self._decode_mean, self._outer_step = _outer.jitted(
+        self._plan, self._comp, _outer.feedback_for(self._ef), self._outer)
     self.healed = False  # whether the last begin() healed from a peer
     self.heal_seconds = 0.0  # the last heal's wall time, s
     self.heal_bytes = 0  # the last heal's anchor and outer state, bytes
     self.restored_step: int | None = None  # step restored from Orbax at start
 
-    self._ckpt_root = checkpoint_dir
-    self._ckpt = None
-    restored = self._restore() if checkpoint_dir else None
-
-    timeout_td = timedelta(seconds=timeout)
-    rank, size = jax.process_index(), jax.process_count()
-    # This island's own store, on its process 0 (its managers meet in it);
-    # its host and port go to the island's other processes.
-    self._store = None
-    host = (store_host or _own_address()).encode()
-    port = 0
-    if rank == 0:
-      self._store = tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-          host.decode(), 0, is_master=True, wait_for_workers=False)
-      port = self._store.port
-    if size > 1:
-      if len(host) > 255:
-        raise ValueError(f"store_host longer than 255 bytes: {host!r}")
-      sent = np.zeros((257,), np.int32)  # port, length, bytes of the host
-      sent[0], sent[1] = port, len(host)
-      sent[2:2 + len(host)] = np.frombuffer(host, np.uint8)
-      got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
-      port = int(got[0])
-      host = bytes(got[2:2 + int(got[1])].astype(np.uint8))
-    self._pg = torchft.ProcessGroupGloo(timeout=timeout_td)
-    self._manager = torchft.Manager(
-        pg=self._pg, load_state_dict=self._load_state_dict,
-        state_dict=self._state_dict, min_replica_size=min_islands,
-        use_async_quorum=False, timeout=timeout_td,
-        quorum_timeout=timedelta(seconds=quorum_timeout),
-        connect_timeout=timedelta(seconds=connect_timeout), rank=rank,
-        world_size=size, store_addr=host.decode(), store_port=port,
-        lighthouse_addr=lighthouse, replica_id=island,
-        hostname=hostname or _own_address(), init_sync=True,
-        # The heal travels through the gloo group itself: no second
-        # address to advertise (torchft's HTTP transport advertises the
-        # hostname, which another network namespace resolves to itself).
-        checkpoint_transport=PGTransport(self._pg, timeout=timeout_td,
-                                         device=torch.device("cpu")))
+    self._ckpt = (AnchorCheckpoints(checkpoint_dir, island) if checkpoint_dir
+                  else None)
+    restored = self._restore() if self._ckpt else None
+    self._store, self._pg, self._manager = _manager(
+        island, lighthouse, state_dict=self._state_dict,
+        load_state_dict=self._load_state_dict, min_islands=min_islands,
+        timeout=timeout, quorum_timeout=quorum_timeout,
+        connect_timeout=connect_timeout, hostname=hostname,
+        store_host=store_host)
     if restored is not None:
       self._manager.load_state_dict({"step": restored,
                                      "batches_committed": 0})
     self._last_commit = time.monotonic()
-
-  # -- construction -----------------------------------------------------
-
-  def _plan(self, anchor) -> _Layout:
-    leaves, treedef = jax.tree.flatten(anchor)
-    n = sum(int(np.prod(np.shape(x))) for x in leaves)
-    self._comp.check_size(n)
-    out = jax.eval_shape(lambda v, k: self._comp.encode(v, k),
-                         jax.ShapeDtypeStruct((n,), jnp.float32), self._key)
-    p_leaves, p_treedef = jax.tree.flatten(out)
-    return _Layout(treedef=treedef,
-                   shapes=tuple(tuple(np.shape(x)) for x in leaves),
-                   dtypes=tuple(np.asarray(x).dtype for x in leaves), n=n,
-                   payload=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype)
-                                 for s in p_leaves),
-                   payload_treedef=p_treedef)
-
-  def _jit(self) -> None:
-    comp, lay, ef = self._comp, self._layout, self._ef
-
-    def encode(anchor, local, residual, key):
-      pseudo = jnp.concatenate([
-          (a.astype(jnp.float32) - x.astype(jnp.float32)).reshape(-1)
-          for a, x in zip(jax.tree.leaves(anchor), jax.tree.leaves(local))])
-      v = pseudo + residual if ef else pseudo
-      payload = comp.encode(v, key)
-      sent = comp.decode(payload, lay.n, key)
-      new_residual = v - sent if ef else residual
-      return jax.tree.leaves(payload), new_residual
-
-    def decode_mean(payloads, key):
-      # payloads: per payload array, the islands' stacked (islands, ...).
-      islands = payloads[0].shape[0]
-      total = jnp.zeros((lay.n,), jnp.float32)
-      for i in range(islands):  # rank order: the same sum on every island
-        tree = jax.tree.unflatten(lay.payload_treedef,
-                                  [p[i] for p in payloads])
-        total = total + comp.decode(tree, lay.n, key)
-      return total / jnp.float32(islands)
-
-    def outer_step(anchor, outer_state, mean):
-      parts, off = [], 0
-      for shape, dtype in zip(lay.shapes, lay.dtypes):
-        size = int(np.prod(shape))
-        parts.append(mean[off:off + size].reshape(shape).astype(dtype))
-        off += size
-      avg = jax.tree.unflatten(lay.treedef, parts)
-      updates, outer_state = self._outer.update(avg, outer_state, anchor)
-      return optax.apply_updates(anchor, updates), outer_state
-
-    self._encode = jax.jit(encode)
-    self._decode_mean = jax.jit(decode_mean)
-    self._outer_step = jax.jit(outer_step)
 
   # -- the anchor, as torchft's state_dict hooks carry it ----------------
 
@@ -450,10 +304,11 @@ class ElasticDiLoCo:
     return self._residual
 
   def _state_dict(self) -> dict:
+    torch = _torch().torch
     leaves = jax.tree.leaves((self._anchor, self._outer_state))
     return {"fingerprint": self.fingerprint,
             "description": json.dumps(self._description),
-            "leaves": [torch.from_numpy(_to_bytes(x).copy()) for x in leaves]}
+            "leaves": [torch.from_numpy(to_bytes(x).copy()) for x in leaves]}
 
   def _load_state_dict(self, sd: dict) -> None:
     """A heal: the anchor from a peer. Raises ElasticConfigError when the
@@ -462,83 +317,45 @@ class ElasticDiLoCo:
       theirs = json.loads(sd.get("description", "{}"))
       raise ElasticConfigError(
           f"island {self.island!r} cannot join: the quorum trains another "
-          f"model or configuration ({_differences(self._description, theirs)})."
+          f"model or configuration ({differences(self._description, theirs)})."
           " Start it with the same parameters, compressor and config.")
     like = jax.tree.leaves((self._anchor, self._outer_state))
-    leaves = [jnp.asarray(_from_bytes(t.numpy(), np.shape(x),
-                                      np.asarray(x).dtype))
+    leaves = [jnp.asarray(from_bytes(t.numpy(), np.shape(x),
+                                     np.asarray(x).dtype))
               for t, x in zip(sd["leaves"], like)]
     treedef = jax.tree.structure((self._anchor, self._outer_state))
     self._anchor, self._outer_state = jax.tree.unflatten(treedef, leaves)
     # A residual is what this island has not sent: a joiner has none.
-    self._residual = jnp.zeros((self._layout.n,), jnp.float32)
+    self._residual = jnp.zeros((self._plan.n,), jnp.float32)
     self.healed = True
 
   # -- Orbax ---------------------------------------------------------------
 
-  def _manager_for(self, path: str):
-    import orbax.checkpoint as ocp  # optional: only with checkpoint_dir
-    return ocp, ocp.CheckpointManager(
-        path, options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=False, create=True))
-
   def _save(self, step: int) -> None:
-    if not self._ckpt_root:
-      return
-    if self._ckpt is None:
-      self._ckpt = self._manager_for(os.path.join(self._ckpt_root,
-                                                  self.island))
-    ocp, mgr = self._ckpt
-    # Host values: the same on every process of the island (Orbax writes
-    # them once).
-    state = jax.tree.map(np.asarray, {
-        "anchor": self._anchor, "outer_state": self._outer_state,
-        "residual": self._residual})
-    mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave({"fingerprint": self.fingerprint,
-                                "description": self._description,
-                                "step": step, "island": self.island,
-                                "digest": digest(self._anchor)})))
-    mgr.wait_until_finished()
+    if self._ckpt is not None:
+      self._ckpt.save(step, {"anchor": self._anchor,
+                             "outer_state": self._outer_state,
+                             "residual": self._residual},
+                      self.fingerprint, self._description)
 
   def _restore(self) -> int | None:
     """Restores the newest anchor of any island under ``checkpoint_dir``;
     returns its step, or None when there is none."""
-    root = self._ckpt_root
-    assert root is not None
-    best = None
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-      path = os.path.join(root, name)
-      if not os.path.isdir(path):
-        continue
-      ocp, mgr = self._manager_for(path)
-      step = mgr.latest_step()
-      if step is not None and (best is None or step > best[0]):
-        best = (step, name, ocp, mgr)
-    if best is None:
+    assert self._ckpt is not None
+    found = self._ckpt.restore_newest(
+        self.fingerprint, self._description,
+        {"anchor": self._anchor, "outer_state": self._outer_state,
+         "residual": self._residual})
+    if found is None:
       return None
-    step, name, ocp, mgr = best
-    meta = mgr.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]
-    if meta["fingerprint"] != self.fingerprint:
-      raise ElasticConfigError(
-          f"the checkpoint {os.path.join(root, name)} (step {step}) holds "
-          f"another model or configuration ("
-          f"{_differences(self._description, meta['description'])}); use "
-          "another checkpoint_dir or the same configuration")
-    template = jax.tree.map(np.asarray, {
-        "anchor": self._anchor, "outer_state": self._outer_state,
-        "residual": self._residual})
-    state = mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(template)))["state"]
+    step, name, state = found
     self._anchor = jax.tree.map(jnp.asarray, state["anchor"])
     self._outer_state = jax.tree.map(jnp.asarray, state["outer_state"])
     # Another island's residual is not ours (see _load_state_dict).
     self._residual = (jnp.asarray(state["residual"]) if name == self.island
-                      else jnp.zeros((self._layout.n,), jnp.float32))
-    self.restored_step = int(step)
-    return int(step)
+                      else jnp.zeros((self._plan.n,), jnp.float32))
+    self.restored_step = step
+    return step
 
   # -- the loop --------------------------------------------------------------
 
@@ -549,7 +366,7 @@ class ElasticDiLoCo:
           f"island {self.island!r}: no commit for {idle:.0f} s (> "
           f"quorum_timeout={self._quorum_timeout:.0f} s): fewer islands "
           "than min_islands, or none reachable; the last anchor (step "
-          f"{self.step}) is kept" + (" and checkpointed" if self._ckpt_root
+          f"{self.step}) is kept" + (" and checkpointed" if self._ckpt
                                      else ""))
 
   def begin(self):
@@ -575,7 +392,7 @@ class ElasticDiLoCo:
       raise QuorumError(f"island {self.island!r}: no quorum: {e}") from e
     if self.healed:
       self.heal_seconds = time.monotonic() - t0
-      self.heal_bytes = sum(_to_bytes(x).size for x in jax.tree.leaves(
+      self.heal_bytes = sum(to_bytes(x).size for x in jax.tree.leaves(
           (self._anchor, self._outer_state)))
     return self._anchor
 
@@ -585,9 +402,10 @@ class ElasticDiLoCo:
     return int(self._manager.num_participants())
 
   def _allgather(self, buf: np.ndarray, islands: int) -> list[np.ndarray]:
-    t = torch.from_numpy(buf)
-    out = [torch.empty_like(t) for _ in range(islands)]
-    self._pg.allgather([out], [t], AllgatherOptions()).wait()
+    tt = _torch()
+    t = tt.torch.from_numpy(buf)
+    out = [tt.torch.empty_like(t) for _ in range(islands)]
+    self._pg.allgather([out], [t], tt.AllgatherOptions()).wait()
     return [o.numpy() for o in out]
 
   def _exchange(self, local) -> tuple[Any, Any, jax.Array, int]:
@@ -595,9 +413,12 @@ class ElasticDiLoCo:
     state and residual (not yet applied), and the payload's bytes."""
     islands = self.islands
     key = jax.random.fold_in(self._key, self.step)
+    if self._comp.randomness == "independent":
+      # Each island its own draws, as compressed_mean's devices.
+      key = jax.random.fold_in(key, self._manager.participating_rank() or 0)
     payload, residual = self._encode(self._anchor, local, self._residual,
                                      key)
-    buf = np.concatenate([_to_bytes(p) for p in payload])
+    buf = np.concatenate([to_bytes(p) for p in payload])
     header = np.concatenate([
         np.frombuffer(bytes.fromhex(self.fingerprint), np.uint8),
         np.array([buf.size], np.int64).view(np.uint8)])
@@ -613,10 +434,10 @@ class ElasticDiLoCo:
           "compressor and config")
     bufs = self._allgather(buf, islands)
     stacked, off = [], 0
-    for s in self._layout.payload:
+    for s in self._plan.payload:
       nb = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
       stacked.append(jnp.asarray(np.stack(
-          [_from_bytes(b[off:off + nb], s.shape, s.dtype) for b in bufs])))
+          [from_bytes(b[off:off + nb], s.shape, s.dtype) for b in bufs])))
       off += nb
     mean = self._decode_mean(stacked, key)
     anchor, outer_state = self._outer_step(self._anchor, self._outer_state,
@@ -694,159 +515,12 @@ def lighthouse(bind: str = "[::]:0", *, min_replicas: int = 1,
   Returns:
     torchft's ``LighthouseServer``; ``.address()`` is what islands pass as
     ``lighthouse``; ``.shutdown()`` stops it.
+
+  Raises:
+    ImportError: without torch and torchft (``pip install
+      "jaxcomp[elastic]"``).
   """
-  return coordination.LighthouseServer(
+  return _torch().coordination.LighthouseServer(
       bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
       quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
 
-
-def _island_env(name: str, address: str) -> dict[str, str]:
-  return {**os.environ, "JAXCOMP_ISLAND": name,
-          "JAXCOMP_LIGHTHOUSE": address}
-
-
-def _pump(stream, prefix: str) -> None:
-  for line in iter(stream.readline, b""):
-    sys.stdout.write(f"{prefix} {line.decode(errors='replace')}")
-    sys.stdout.flush()
-
-
-def _start_island(name: str, command: Sequence[str], processes: int,
-                  address: str) -> subprocess.Popen:
-  argv = list(command)
-  if processes > 1:  # jaxcomp.launch: one JAX job of `processes` processes
-    argv = [sys.executable, "-m", "jaxcomp.launch", "-n", str(processes),
-            "--", *argv]
-  proc = subprocess.Popen(argv, env=_island_env(name, address),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]"),
-                   daemon=True).start()
-  return proc
-
-
-def run_islands(command: Sequence[str], islands: int, *, processes: int = 1,
-                min_replicas: int | None = None,
-                heartbeat_timeout_ms: int = 2000,
-                join_timeout_ms: int = 5000,
-                restart_delay: float | None = None,
-                max_restarts: int = 3) -> int:
-  """Starts the Lighthouse and ``islands`` islands of ``processes`` JAX
-  processes each on this machine, and waits for them.
-
-  Each island runs ``command`` with ``JAXCOMP_ISLAND`` (its name, ``i0``,
-  ``i1``, ...) and ``JAXCOMP_LIGHTHOUSE`` (the Lighthouse's address) in its
-  environment, which :class:`ElasticDiLoCo` reads when ``island`` and
-  ``lighthouse`` are not given; several processes per island go through
-  ``python -m jaxcomp.launch -n processes``. Output lines are prefixed
-  with ``[<island>]``.
-
-  Args:
-    command: the island program and its arguments.
-    islands: how many islands, >= 1.
-    processes: JAX processes per island, >= 1.
-    min_replicas: the Lighthouse's minimum quorum; default 2 when there are
-      several islands (a restarted island never forms a quorum alone), else 1.
-    heartbeat_timeout_ms, join_timeout_ms: the Lighthouse's (see
-      :func:`lighthouse`).
-    restart_delay: restart an island that exits non-zero (a SIGKILL
-      included) after this many seconds, at most ``max_restarts`` times per
-      island; None: do not restart.
-    max_restarts: restarts allowed per island.
-
-  Returns:
-    0 when every island exited 0, else the last failing island's exit
-    status (128 + signal number for a signal).
-
-  Raises:
-    ValueError: ``islands`` or ``processes`` below 1, an empty command.
-  """
-  if islands < 1 or processes < 1 or not command:
-    raise ValueError(f"need islands >= 1, processes >= 1 and a command, got "
-                     f"{islands=}, {processes=}, {command=}")
-  server = lighthouse("[::]:0", min_replicas=min_replicas or min(2, islands),
-                      join_timeout_ms=join_timeout_ms,
-                      heartbeat_timeout_ms=heartbeat_timeout_ms)
-  address = server.address()
-  print(f"[lighthouse] {address}", flush=True)
-  names = [f"i{k}" for k in range(islands)]
-  procs = {n: _start_island(n, command, processes, address) for n in names}
-  restarts = dict.fromkeys(names, 0)
-  due: dict[str, float] = {}
-  status = 0
-  try:
-    while procs or due:
-      for name, proc in list(procs.items()):
-        code = proc.poll()
-        if code is None:
-          continue
-        del procs[name]
-        code = 128 - code if code < 0 else code
-        print(f"[{name}] exited with status {code}", flush=True)
-        if code and restart_delay is not None and (
-            restarts[name] < max_restarts):
-          restarts[name] += 1
-          due[name] = time.monotonic() + restart_delay
-        elif code:
-          status = code
-      for name, at in list(due.items()):
-        if time.monotonic() >= at:
-          del due[name]
-          print(f"[{name}] restarting ({restarts[name]} of {max_restarts})",
-                flush=True)
-          procs[name] = _start_island(name, command, processes, address)
-      time.sleep(0.1)
-  finally:
-    for proc in procs.values():
-      proc.kill()
-    server.shutdown()
-  return status
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """The command line: ``python -m jaxcomp.elastic lighthouse`` runs the
-  Lighthouse until interrupted, printing its address; ``python -m
-  jaxcomp.elastic islands -n 3 -m 2 -- python island.py ...`` runs
-  :func:`run_islands`."""
-  p = argparse.ArgumentParser(prog="python -m jaxcomp.elastic")
-  sub = p.add_subparsers(dest="command", required=True)
-  lh = sub.add_parser("lighthouse", help="run torchft's quorum service")
-  lh.add_argument("--bind", default="[::]:29510")
-  lh.add_argument("--min-replicas", type=int, default=1)
-  lh.add_argument("--join-timeout-ms", type=int, default=5000)
-  lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
-  isl = sub.add_parser("islands", help="run the Lighthouse and N islands of "
-                       "M JAX processes each on this machine")
-  isl.add_argument("-n", "--islands", type=int, default=2)
-  isl.add_argument("-m", "--processes", type=int, default=1,
-                   help="JAX processes per island (jaxcomp.launch)")
-  isl.add_argument("--min-replicas", type=int, default=None)
-  isl.add_argument("--join-timeout-ms", type=int, default=5000)
-  isl.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
-  isl.add_argument("--restart-delay", type=float, default=None,
-                   help="restart a failed island after this many seconds")
-  isl.add_argument("--max-restarts", type=int, default=3)
-  isl.add_argument("cmd", nargs=argparse.REMAINDER,
-                   help="-- then the island's command")
-  args = p.parse_args(argv)
-  if args.command == "islands":
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return run_islands(cmd, args.islands, processes=args.processes,
-                       min_replicas=args.min_replicas,
-                       heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-                       join_timeout_ms=args.join_timeout_ms,
-                       restart_delay=args.restart_delay,
-                       max_restarts=args.max_restarts)
-  server = lighthouse(args.bind, min_replicas=args.min_replicas,
-                      join_timeout_ms=args.join_timeout_ms,
-                      heartbeat_timeout_ms=args.heartbeat_timeout_ms)
-  print(server.address(), flush=True)
-  try:
-    while True:
-      time.sleep(3600)
-  except KeyboardInterrupt:
-    server.shutdown()
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
