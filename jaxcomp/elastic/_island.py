@@ -9,6 +9,7 @@ The one module of jaxcomp that imports torch and torchft (``pip install
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -39,11 +40,22 @@ _HEADER_BYTES = 40  # sha256 fingerprint (32) + payload length (int64)
 
 
 def _torch() -> types.SimpleNamespace:
-  """torch and torchft, imported on first use.
+  """torch and torchft, imported on first use (an island's or a
+  Lighthouse's), with Python's cyclic garbage collector paused.
+
+  The import runs after the island's JAX work (its model, its step), when
+  the heap holds hundreds of thousands of objects that every collection
+  during torch's thousands of module imports scans again: 5.0 s against
+  3.3 s paused in one process here, and on 2 busy cores the 6 island
+  processes of ``tests/test_elastic.py`` had not made their islands
+  in 90 s (they do with the collector paused; torch imported before the
+  JAX work, as when ``jaxcomp.elastic`` imported it, does too).
 
   Raises:
     ImportError: without them, naming the extra to install.
   """
+  gc_was_on = gc.isenabled()
+  gc.disable()
   try:
     import torch  # pyright: ignore[reportMissingImports]
     import torch.distributed as tdist  # pyright: ignore[reportMissingImports]
@@ -57,6 +69,9 @@ def _torch() -> types.SimpleNamespace:
     raise ImportError(
         "jaxcomp.elastic's islands and Lighthouse need torch and torchft: "
         f"pip install 'jaxcomp[elastic]' ({e})") from e
+  finally:
+    if gc_was_on:
+      gc.enable()
   return types.SimpleNamespace(
       torch=torch, tdist=tdist, torchft=torchft, coordination=coordination,
       PGTransport=PGTransport, AllgatherOptions=AllgatherOptions)
