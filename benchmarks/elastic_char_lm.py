@@ -62,7 +62,7 @@ def run(args, cluster, tmp: str, faulted: bool) -> dict:
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   port = 29510
   lh_out = os.path.join(tmp, "lighthouse.out")
-  cluster.popen(0, [sys.executable, "-m", "jaxcomp.elastic", "lighthouse",
+  cluster.popen(0, [sys.executable, "-m", "jaxcomp.cli", "lighthouse",
                     "--bind", f"0.0.0.0:{port}", "--min-replicas", "2",
                     "--heartbeat-timeout-ms", str(args.heartbeat_ms)],
                 env=env, stdout=open(lh_out, "w"), stderr=subprocess.STDOUT)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import json
 import math
 import os
@@ -39,15 +38,7 @@ from jaxcomp import compressors
 from jaxcomp import kernels
 from jaxcomp import launch
 from jaxcomp import perfmodel
-
-# MERGE: jaxcomp.elastic becomes a package with a torch-free ``launcher``
-# module in another branch; once merged this is a plain
-# ``from jaxcomp.elastic import launcher as elastic_launcher``. Until then
-# (jaxcomp/elastic.py, which imports torch) islands/lighthouse are absent.
-if os.path.isdir(os.path.join(os.path.dirname(__file__), "elastic")):
-  elastic_launcher = importlib.import_module("jaxcomp.elastic.launcher")
-else:
-  elastic_launcher = None
+from jaxcomp.elastic import launcher as elastic_launcher
 
 __all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec",
            "autotune_rows", "autotune_table", "cache_entries", "simulated_tuner"]
@@ -558,9 +549,8 @@ def _add_autotune(sub):
 
 
 register_subcommand("launch", launch.add_launch_command)
-if elastic_launcher is not None:
-  register_subcommand("islands", elastic_launcher.add_islands_command)
-  register_subcommand("lighthouse", elastic_launcher.add_lighthouse_command)
+register_subcommand("islands", elastic_launcher.add_islands_command)
+register_subcommand("lighthouse", elastic_launcher.add_lighthouse_command)
 register_subcommand("autotune", _add_autotune)
 
 

@@ -18,16 +18,11 @@ from jaxcomp import kernels
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SUBCOMMANDS = ("whatif", "launch", "islands", "lighthouse", "autotune")
-ELASTIC_SUBCOMMANDS = ("islands", "lighthouse")
-# MERGE: islands and lighthouse come from jaxcomp.elastic.launcher, which
-# another branch adds (jaxcomp.elastic as a package); once it is merged this
-# is always True and the condition can go.
-ELASTIC_CLI = (ROOT / "jaxcomp" / "elastic" / "launcher.py").is_file()
 
 
 def expected_subcommands() -> list[str]:
-  """The subcommands ``jaxcomp --help`` must list in this tree."""
-  return [s for s in SUBCOMMANDS if ELASTIC_CLI or s not in ELASTIC_SUBCOMMANDS]
+  """The subcommands ``jaxcomp --help`` must list."""
+  return list(SUBCOMMANDS)
 
 
 def listed_subcommands(help_text: str) -> list[str]:
@@ -46,8 +41,6 @@ def test_help_lists_every_subcommand_as_python_m_jaxcomp_cli():
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)
 def test_each_subcommand_help_runs(sub, capsys):
-  if sub in ELASTIC_SUBCOMMANDS and not ELASTIC_CLI:
-    pytest.skip("jaxcomp.elastic.launcher is not in this tree yet")
   with pytest.raises(SystemExit) as e:
     cli.main([sub, "--help"])
   assert e.value.code == 0

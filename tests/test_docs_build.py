@@ -166,8 +166,9 @@ NOT_IN_REFERENCE = {
     "cli": "the `jaxcomp` command; `jaxcomp --help` and each subcommand's "
            "--help document it",
     "hlo": "a package; jaxcomp.hlo.traffic is listed",
-    "elastic": "needs the optional elastic extra (torch, torchft) to import; "
-               "docs/lowcomm.md's \"Elastic islands\" documents it",
+    "elastic.*": "the islands of the optional elastic extra (torch, "
+                 "torchft): docs/lowcomm.md's \"Elastic islands\" documents "
+                 "them, `jaxcomp islands --help` the launcher",
     "hlo.kernel_structure": "the kernel tests' reader of exported "
                             "StableHLO, not a training API",
 }

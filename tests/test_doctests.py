@@ -3,7 +3,6 @@ and prints what it says (on the 8 simulated CPU devices of conftest)."""
 
 import doctest
 import importlib
-import importlib.util
 import pkgutil
 
 import pytest
@@ -16,9 +15,6 @@ def _modules():
   for info in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp."):
     if info.name.endswith("__main__"):  # entry points run on import
       continue
-    if (info.name == "jaxcomp.elastic"
-        and importlib.util.find_spec("torchft") is None):
-      continue  # the elastic extra (torch, torchft) is not installed
     names.append(info.name)
   return names
 

@@ -88,7 +88,7 @@ class _Islands:
       return self.lighthouse
     port = 29510 + len(self.servers)
     path = os.path.join(self.tmp, f"lighthouse{port}.out")
-    p = self.popen(0, [sys.executable, "-m", "jaxcomp.elastic", "lighthouse",
+    p = self.popen(0, [sys.executable, "-m", "jaxcomp.cli", "lighthouse",
                        "--bind", f"0.0.0.0:{port}", "--min-replicas",
                        str(min_replicas), "--join-timeout-ms", "5000",
                        "--heartbeat-timeout-ms", hb], open(path, "w"),
@@ -394,29 +394,13 @@ def test_joiner_with_another_model_gets_a_clear_error(tmp_path):
     server.shutdown()
 
 
-def test_jaxcomp_imports_without_torch():
-  """The rest of jaxcomp needs neither torch nor torchft; jaxcomp.elastic
-  says which extra to install."""
-  code = ("import sys; sys.modules['torch'] = None; "
-          "sys.modules['torchft'] = None\n"
-          "import jaxcomp, jaxcomp.lowcomm, jaxcomp.launch, jaxcomp.checkpoint\n"
-          "try:\n  import jaxcomp.elastic\nexcept ImportError as e:\n"
-          "  print('ERR', e)\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT,
-                            "JAX_PLATFORMS": "cpu"})
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert "ERR" in out.stdout and "jaxcomp[elastic]" in out.stdout, out.stdout
-
-
 def test_islands_launcher(tmp_path):
-  """``python -m jaxcomp.elastic islands -n 2 -m 2 -- island`` starts the
+  """``jaxcomp islands -n 2 -m 2 -- island`` starts the
   Lighthouse and two islands of two JAX processes; both commit together
   and end with the same anchor."""
   log = str(tmp_path / "{island}.p{process}.jsonl")
   out = subprocess.run(
-      [sys.executable, "-m", "jaxcomp.elastic", "islands", "-n", "2", "-m",
+      [sys.executable, "-m", "jaxcomp.cli", "islands", "-n", "2", "-m",
        "2", "--", sys.executable, ISLAND, "--outer-steps", "3",
        "--sync-every", "4", "--dim", "16", "--log", log],
       cwd=ROOT, capture_output=True, text=True, timeout=110,

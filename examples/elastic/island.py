@@ -4,7 +4,7 @@ inner steps per interval, synchronized with the other islands through
 
 Start the quorum service once, then one island per name::
 
-  python -m jaxcomp.elastic lighthouse --bind '[::]:29510' --min-replicas 2 &
+  jaxcomp lighthouse --bind '[::]:29510' --min-replicas 2 &
   for i in a b c; do
     python examples/elastic/island.py --island $i \\
         --lighthouse http://localhost:29510 --outer-steps 20 \\
@@ -20,7 +20,7 @@ An island of several JAX processes: start each with
 examples/elastic/island.py ...`` sets them); its inner steps are exact data
 parallelism over the island's processes (gloo), and ``{process}`` in
 ``--log`` and ``--output`` becomes the process index (``{island}`` the
-island's name). ``python -m jaxcomp.elastic islands -n 3 -m 2 -- python
+island's name). ``jaxcomp islands -n 3 -m 2 -- python
 examples/elastic/island.py --log '/tmp/el.{island}.p{process}.jsonl'``
 starts the Lighthouse and all of it.
 
@@ -59,8 +59,7 @@ def parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--island", default=None,
-                 help="default: JAXCOMP_ISLAND (python -m jaxcomp.elastic "
-                 "islands sets it)")
+                 help="default: JAXCOMP_ISLAND (jaxcomp islands sets it)")
   p.add_argument("--lighthouse", default=None,
                  help="default: JAXCOMP_LIGHTHOUSE")
   p.add_argument("--outer-steps", type=int, default=20,

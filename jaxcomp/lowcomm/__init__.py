@@ -18,7 +18,9 @@ from jaxcomp.lowcomm._diloco import DiLoCoState
 from jaxcomp.lowcomm._diloco import LowCommTraffic
 from jaxcomp.lowcomm._diloco import diloco
 from jaxcomp.lowcomm._diloco import holds_diloco
+from jaxcomp.lowcomm._diloco import outer_step
 from jaxcomp.lowcomm._diloco import per_device_copies
+from jaxcomp.lowcomm._diloco import pseudo_gradient
 from jaxcomp.lowcomm._diloco import snap_to_anchor
 from jaxcomp.lowcomm._diloco import synced_params
 from jaxcomp.lowcomm._diloco import traffic

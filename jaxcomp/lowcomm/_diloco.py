@@ -247,6 +247,46 @@ def _init(spec: _DiLoCo, params) -> DiLoCoState:
                     for g in frags) if spec.tau else ())
 
 
+def pseudo_gradient(anchor, local):
+  """DiLoCo's pseudo-gradient ``anchor - local``, leaf by leaf, in each
+  local leaf's dtype (a bf16 parameter's pseudo-gradient is rounded to
+  bf16, as the gradient it stands in for would be).
+
+  Args:
+    anchor: the synchronized parameters (a pytree).
+    local: the parameters after the interval's inner steps, the anchor's
+      structure and shapes.
+
+  Returns:
+    A pytree like ``local``: ``(a - x).astype(x.dtype)`` per leaf.
+  """
+  return jax.tree.map(lambda a, x: (a - x).astype(jnp.result_type(x)),
+                      anchor, local)
+
+
+def outer_step(outer: optax.GradientTransformation, anchor, outer_state,
+               pseudo_mean):
+  """DiLoCo's outer step: ``outer`` updates ``anchor`` with the averaged
+  pseudo-gradient (what :func:`diloco` runs at each sync, and the elastic
+  islands of :mod:`jaxcomp.elastic` after their exchange).
+
+  Args:
+    outer: the outer optimizer (DiLoCo's: Nesterov SGD, lr 0.7, momentum
+      0.9).
+    anchor: the synchronized parameters (a pytree).
+    outer_state: ``outer``'s state for ``anchor``.
+    pseudo_mean: the averaged pseudo-gradient, the anchor's structure,
+      shapes and dtypes.
+
+  Returns:
+    ``(anchor, outer_state)``, both new: ``optax.apply_updates(anchor,
+    u)`` with ``u, outer_state = outer.update(pseudo_mean, outer_state,
+    anchor)``.
+  """
+  updates, outer_state = outer.update(pseudo_mean, outer_state, anchor)
+  return optax.apply_updates(anchor, updates), outer_state
+
+
 def _now(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
          anchor):
   """Fragment ``j`` without delay: on its sync step, the exchange of
@@ -255,12 +295,11 @@ def _now(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
   anchor, outer and exchange state and its leaves' updates."""
   def run(args):
     anchor_g, outer_state, exchange_state = args
-    pseudo = [(a - l_leaves[i]).astype(jnp.result_type(l_leaves[i]))
-              for a, i in zip(anchor_g, g)]
+    pseudo = pseudo_gradient(anchor_g, [l_leaves[i] for i in g])
     avg, exchange_state = spec.mean.update(
         pseudo, exchange_state, [l_leaves[i] for i in g])
-    outer_updates, outer_state = spec.outer.update(avg, outer_state, anchor_g)
-    anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
+    anchor_g, outer_state = outer_step(spec.outer, anchor_g, outer_state, avg)
+    anchor_g = cast(list, anchor_g)
     # Every device lands on the fragment's new anchor.
     ups = [(a - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
            for a, i in zip(anchor_g, g)]
@@ -286,8 +325,7 @@ def _delayed(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
 
   def exchange(args):
     exchange_state, pending = args
-    pseudo = [(anchor[i] - p_leaves[i]).astype(jnp.result_type(p_leaves[i]))
-              for i in g]
+    pseudo = pseudo_gradient([anchor[i] for i in g], [p_leaves[i] for i in g])
     avg, exchange_state = spec.mean.update(pseudo, exchange_state,
                                            [p_leaves[i] for i in g])
     # A list in, a list out (optax types it as any pytree).
@@ -305,9 +343,9 @@ def _delayed(spec: _DiLoCo, j, g, sync, state, p_leaves, l_leaves, updates,
 
   def land(args):
     anchor_g, outer_state = args
-    outer_updates, outer_state = spec.outer.update(
-        list(state.pending[j]), outer_state, anchor_g)
-    anchor_g = cast(list, optax.apply_updates(anchor_g, outer_updates))
+    anchor_g, outer_state = outer_step(spec.outer, anchor_g, outer_state,
+                                       list(state.pending[j]))
+    anchor_g = cast(list, anchor_g)
     m = jnp.float32(spec.merge)
     ups = [((m * l_leaves[i] + (1 - m) * a) - p_leaves[i]).astype(
         jnp.result_type(p_leaves[i])) for a, i in zip(anchor_g, g)]

@@ -1,0 +1,184 @@
+"""Starting elastic islands on one machine: ``jaxcomp islands`` (the
+Lighthouse and ``N`` islands of ``M`` JAX processes each, restarted when
+they fail) and ``jaxcomp lighthouse`` (torchft's quorum service alone, for
+islands on several machines).
+
+:func:`add_islands_command` and :func:`add_lighthouse_command` add the two
+subcommands to the ``jaxcomp`` command line (:mod:`jaxcomp.cli`);
+:func:`run_islands` is the first as a function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from jaxcomp.elastic._island import lighthouse
+
+
+def _island_env(name: str, address: str) -> dict[str, str]:
+  return {**os.environ, "JAXCOMP_ISLAND": name,
+          "JAXCOMP_LIGHTHOUSE": address}
+
+
+def _pump(stream, prefix: str) -> None:
+  for line in iter(stream.readline, b""):
+    sys.stdout.write(f"{prefix} {line.decode(errors='replace')}")
+    sys.stdout.flush()
+
+
+def _start_island(name: str, command: Sequence[str], processes: int,
+                  address: str) -> subprocess.Popen:
+  argv = list(command)
+  if processes > 1:  # jaxcomp.launch: one JAX job of `processes` processes
+    argv = [sys.executable, "-m", "jaxcomp.launch", "-n", str(processes),
+            "--", *argv]
+  proc = subprocess.Popen(argv, env=_island_env(name, address),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]"),
+                   daemon=True).start()
+  return proc
+
+
+def run_islands(command: Sequence[str], islands: int, *, processes: int = 1,
+                min_replicas: int | None = None,
+                heartbeat_timeout_ms: int = 2000,
+                join_timeout_ms: int = 5000,
+                restart_delay: float | None = None,
+                max_restarts: int = 3) -> int:
+  """Starts the Lighthouse and ``islands`` islands of ``processes`` JAX
+  processes each on this machine, and waits for them.
+
+  Each island runs ``command`` with ``JAXCOMP_ISLAND`` (its name, ``i0``,
+  ``i1``, ...) and ``JAXCOMP_LIGHTHOUSE`` (the Lighthouse's address) in its
+  environment, which :class:`ElasticDiLoCo` reads when ``island`` and
+  ``lighthouse`` are not given; several processes per island go through
+  ``python -m jaxcomp.launch -n processes``. Output lines are prefixed
+  with ``[<island>]``.
+
+  Args:
+    command: the island program and its arguments.
+    islands: how many islands, >= 1.
+    processes: JAX processes per island, >= 1.
+    min_replicas: the Lighthouse's minimum quorum; default 2 when there are
+      several islands (a restarted island never forms a quorum alone), else 1.
+    heartbeat_timeout_ms, join_timeout_ms: the Lighthouse's (see
+      :func:`lighthouse`).
+    restart_delay: restart an island that exits non-zero (a SIGKILL
+      included) after this many seconds, at most ``max_restarts`` times per
+      island; None: do not restart.
+    max_restarts: restarts allowed per island.
+
+  Returns:
+    0 when every island exited 0, else the last failing island's exit
+    status (128 + signal number for a signal).
+
+  Raises:
+    ValueError: ``islands`` or ``processes`` below 1, an empty command.
+  """
+  if islands < 1 or processes < 1 or not command:
+    raise ValueError(f"need islands >= 1, processes >= 1 and a command, got "
+                     f"{islands=}, {processes=}, {command=}")
+  server = lighthouse("[::]:0", min_replicas=min_replicas or min(2, islands),
+                      join_timeout_ms=join_timeout_ms,
+                      heartbeat_timeout_ms=heartbeat_timeout_ms)
+  address = server.address()
+  print(f"[lighthouse] {address}", flush=True)
+  names = [f"i{k}" for k in range(islands)]
+  procs = {n: _start_island(n, command, processes, address) for n in names}
+  restarts = dict.fromkeys(names, 0)
+  due: dict[str, float] = {}
+  status = 0
+  try:
+    while procs or due:
+      for name, proc in list(procs.items()):
+        code = proc.poll()
+        if code is None:
+          continue
+        del procs[name]
+        code = 128 - code if code < 0 else code
+        print(f"[{name}] exited with status {code}", flush=True)
+        if code and restart_delay is not None and (
+            restarts[name] < max_restarts):
+          restarts[name] += 1
+          due[name] = time.monotonic() + restart_delay
+        elif code:
+          status = code
+      for name, at in list(due.items()):
+        if time.monotonic() >= at:
+          del due[name]
+          print(f"[{name}] restarting ({restarts[name]} of {max_restarts})",
+                flush=True)
+          procs[name] = _start_island(name, command, processes, address)
+      time.sleep(0.1)
+  finally:
+    for proc in procs.values():
+      proc.kill()
+    server.shutdown()
+  return status
+
+
+def _run_islands_command(args: argparse.Namespace) -> int:
+  cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+  return run_islands(cmd, args.islands, processes=args.processes,
+                     min_replicas=args.min_replicas,
+                     heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                     join_timeout_ms=args.join_timeout_ms,
+                     restart_delay=args.restart_delay,
+                     max_restarts=args.max_restarts)
+
+
+def _run_lighthouse_command(args: argparse.Namespace) -> int:
+  server = lighthouse(args.bind, min_replicas=args.min_replicas,
+                      join_timeout_ms=args.join_timeout_ms,
+                      heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+  print(server.address(), flush=True)
+  try:
+    while True:
+      time.sleep(3600)
+  except KeyboardInterrupt:
+    server.shutdown()
+  return 0
+
+
+def add_islands_command(subparsers) -> argparse.ArgumentParser:
+  """Adds ``islands`` to ``subparsers`` (an ``add_subparsers()`` result):
+  ``jaxcomp islands -n 3 -m 2 -- python island.py ...`` runs
+  :func:`run_islands` and exits with its status. Returns the subparser;
+  its ``func(args)`` default runs it."""
+  isl = subparsers.add_parser(
+      "islands", help="run the Lighthouse and N elastic DiLoCo islands of M "
+      "JAX processes each on this machine")
+  isl.add_argument("-n", "--islands", type=int, default=2)
+  isl.add_argument("-m", "--processes", type=int, default=1,
+                   help="JAX processes per island (jaxcomp.launch)")
+  isl.add_argument("--min-replicas", type=int, default=None)
+  isl.add_argument("--join-timeout-ms", type=int, default=5000)
+  isl.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+  isl.add_argument("--restart-delay", type=float, default=None,
+                   help="restart a failed island after this many seconds")
+  isl.add_argument("--max-restarts", type=int, default=3)
+  isl.add_argument("cmd", nargs=argparse.REMAINDER,
+                   help="-- then the island's command")
+  isl.set_defaults(func=_run_islands_command)
+  return isl
+
+
+def add_lighthouse_command(subparsers) -> argparse.ArgumentParser:
+  """Adds ``lighthouse`` to ``subparsers``: ``jaxcomp lighthouse --bind
+  '[::]:29510' --min-replicas 2`` runs torchft's Lighthouse until
+  interrupted, its address printed first. Returns the subparser; its
+  ``func(args)`` default runs it."""
+  lh = subparsers.add_parser(
+      "lighthouse", help="run torchft's quorum service for elastic islands")
+  lh.add_argument("--bind", default="[::]:29510")
+  lh.add_argument("--min-replicas", type=int, default=1)
+  lh.add_argument("--join-timeout-ms", type=int, default=5000)
+  lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+  lh.set_defaults(func=_run_lighthouse_command)
+  return lh
