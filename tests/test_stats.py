@@ -122,7 +122,8 @@ def test_diloco_islands_report_each_step_and_each_sync_apart():
   mesh = jax.make_mesh((2, 4), ("hosts", "data"))
   n = sum(int(np.prod(s)) for s in SHAPES.values())  # 98 float32 parameters
   tx = _islands_tx(optax.sgd(0.1), sync_every=4, compressor="bf16")
-  local, st, step = _setup(tx, mesh)
+  state, step = _setup(tx, mesh)
+  st = state.opt_state
   each = jaxcomp.get_stats(st, by_exchange=True)
   assert list(each) == ["data", "hosts"]
   inner, sync = each["data"], each["hosts"]
@@ -148,7 +149,7 @@ def test_diloco_islands_report_each_step_and_each_sync_apart():
   # the sync over "hosts" (groups of 2) inside it (its non-finite flag
   # spans all 8 devices); bytes as lowered, bf16 as sent (XLA:CPU widens
   # it when compiling).
-  lowered = step.lower(local, st, _batches(mesh, 1)[0])
+  lowered = step.lower(state, _batches(mesh, 1)[0])
   compiled = jaxcomp.collective_traffic(lowered.compile()).ops
   assert {(o.group_size, o.in_branch) for o in compiled} == {
       (4, False), (2, True), (8, True)}
@@ -157,8 +158,8 @@ def test_diloco_islands_report_each_step_and_each_sync_apart():
   assert _exchange_bytes(ops, 2) == float(sync.bytes_sent)
   # lowcomm.traffic counts the syncs alone.
   for batch in _batches(mesh, 4):
-    local, st, _ = step(local, st, batch)
-  assert jaxcomp.lowcomm.traffic(st).bytes_per_step == 2 * n / 4
+    state, _ = step(state, batch)
+  assert jaxcomp.lowcomm.traffic(state.opt_state).bytes_per_step == 2 * n / 4
 
 
 def test_hsdp_reports_the_reduce_scatter_and_the_hosts_mean_apart():
