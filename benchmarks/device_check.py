@@ -598,7 +598,7 @@ if __name__ == "__main__":
       prog="python benchmarks/device_check.py",
       description=__doc__.split("\n\n")[0],
       epilog="Run it from a source checkout; see the module docstring "
-      "(docs/codec_speed.md) for the sections and their budget.")
+      "(docs/gpu.md) for the sections and their budget.")
   add_arguments(_parser)
   _args = _parser.parse_args()
   _args.argv = sys.argv[1:]  # the command line, for the summary

@@ -7,7 +7,7 @@ the identity transform against the plain GSPMD step over a few steps.
   python benchmarks/fsdp_tp_table.py [--meshes 2,2,2 1,4,2] [--steps 3]
 
 Runs on 8 simulated CPU devices; prints a Markdown table per mesh (the one
-in docs/sharded.md).
+in docs/fsdp_results.md).
 """
 
 import argparse

@@ -378,7 +378,8 @@ class CompressedValueAndGrad:
     over this route's data axes, together and no others, naming both (the
     mean would otherwise differ between the devices of a data axis, which
     ``jax.shard_map`` reports as an output that requires replication)."""
-    shapes = placement.init_shapes(self.transform, params, self.mesh)
+    shapes = placement.init_shapes(self.transform, params, self.mesh,
+                                   params_spec=self.params_spec)
     means = {path: tuple(_mesh.axes(c["axis_name"])) for path, c in
              transform_lib.transform_configs(shapes).items()}
     covered = {a for axes in means.values() for a in axes}

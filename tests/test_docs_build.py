@@ -97,7 +97,9 @@ def test_site_builds_with_warnings_as_errors_and_documents_every_name(tmp_path):
   for page in ["index", "getting_started", "which_compressor", "training_loop",
                "sharded", "lowcomm", "multihost", "compressors", "design",
                "collectives", "perfmodel", "fashion_mnist", "convergence",
-               "real_links", "vs_pytorch", "kernels", "codec_speed",
+               "fsdp_results", "lowcomm_results", "real_links",
+               "perfmodel_results", "vs_pytorch", "kernels", "codec_speed",
+               "gpu",
                "changelog", "api/index", "api/generated/jaxcomp"]:
     assert (html / f"{page}.html").is_file(), page
   # The plots are on the pages, not only next to them.
