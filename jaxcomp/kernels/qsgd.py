@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from . import _autotune
 from . import _blocks
@@ -298,6 +299,63 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
   return words[:packed_words(x.size, bits)], norms[:num_buckets]
 
 
+# ----------------------------------------------------------------------------
+# Triton kernel.
+# ----------------------------------------------------------------------------
+
+
+def _triton_kernel(*refs, n: int, bucket_size: int, rows: int, levels: int,
+                   bits: int, rounding: str):
+  """One Triton program of QSGD (the wire format above): loads ``rows``
+  buckets of the flat ``x`` with one masked load (in its dtype; reads past
+  ``n`` give 0, whose code is 0 as the reference's padding), reduces each
+  bucket's L2 norm in registers (``sqrt`` of float32 sums in the program's
+  order), rounds ``|x| * levels / norm`` stochastically (``rounding``:
+  ``"seed"`` or ``"array"``, :func:`jaxcomp.kernels._triton.rounding_numbers`)
+  and packs the codes ``32 / bits`` per word in wire order into
+  ``words_ref``, the norms into ``norms_ref``."""
+  x_ref, r_ref, words_ref, norms_ref = refs
+  span = rows * bucket_size
+  start, offs, x = _triton.load_span(x_ref, span, n)
+  x = x.reshape(rows, bucket_size)
+  norms = jnp.sqrt(jnp.sum(x * x, axis=1))
+  mult = _blocks.level_multipliers(norms, levels)
+  u = _triton.rounding_numbers(rounding, r_ref, start, offs, n,
+                               (rows, bucket_size))
+  assert u is not None  # QSGD always rounds stochastically
+  level = jnp.minimum(_blocks.floor_to_int(jnp.abs(x) * mult[:, None] + u),
+                      levels).astype(jnp.uint32)
+  codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
+  per = 32 // bits
+  pid = pl.program_id(0)
+  _triton.store_span(words_ref, pid * (span // per),
+                     _triton.pack_words(codes.reshape(span), bits),
+                     -(-n // per))
+  _triton.store_span(norms_ref, pid * rows, norms, -(-n // bucket_size))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "levels", "bits", "bucket_size", "rounding", "rows", "num_warps",
+    "interpret"))
+def _triton_call(flat, *extra, levels, bits, bucket_size, rounding, rows,
+                 num_warps, interpret):
+  """``(words uint32 (ceil(n * bits / 32),), norms float32 (ceil(n /
+  bucket_size),))`` of the flat ``x`` (``n >= 1``) by
+  :func:`_triton_kernel`; ``extra``: the rounding operands
+  (:func:`jaxcomp.kernels._triton.rounding_operands`)."""
+  n = flat.shape[0]
+  num_buckets = -(-n // bucket_size)
+  body = functools.partial(_triton_kernel, n=n, bucket_size=bucket_size,
+                           rows=rows, levels=levels, bits=bits,
+                           rounding=rounding)
+  return _triton.launch(
+      body,
+      (_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
+       _launch.out_struct((num_buckets,), jnp.float32, flat)),
+      programs=-(-num_buckets // rows), num_warps=num_warps,
+      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, *extra)
+
+
 def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
                          levels: int, bucket_size: int,
                          seed: jax.Array | None = None,
@@ -306,7 +364,7 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
                          interpret: bool = False
                          ) -> tuple[jax.Array, jax.Array]:
   """QSGD lowered by Triton: one masked pass over ``x`` in its own dtype
-  (:func:`jaxcomp.kernels._triton.qsgd_call`), no padded or converted copy.
+  (:func:`_triton_kernel`), no padded or converted copy.
 
   The same contract as :func:`qsgd_quantize`: the norms are the kernel's
   (``sqrt`` of float32 sums in the program's order, a few ulp from
@@ -350,9 +408,11 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
   if x.size == 0:
     return qsgd_quantize_reference(x, uniform, levels=levels,
                                    bucket_size=bucket_size, seed=seed)
-  words, norms = _triton.qsgd_call(
-      x, levels=levels, bits=bits, bucket_size=bucket_size, uniform=uniform,
-      seed=seed, rows=rows, num_warps=num_warps, interpret=interpret)
+  extra, rounding = _triton.rounding_operands(uniform, seed, required=True)
+  words, norms = _triton_call(
+      x.reshape(-1), *extra, levels=levels, bits=bits,
+      bucket_size=bucket_size, rounding=rounding, rows=rows,
+      num_warps=num_warps, interpret=interpret)
   unsound = ~jnp.isfinite(norms) | ((norms > 0) & (norms < 2.0 ** -49))
   return jax.lax.cond(
       jnp.any(unsound),

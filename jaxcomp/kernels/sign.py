@@ -23,6 +23,8 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from . import _autotune
 from . import _blocks
@@ -129,13 +131,52 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   return words[:packed_words(n, 1)], scale
 
 
-def sign_pack_triton(x: jax.Array, *, rows: int = _triton.SIGN_ROWS,
+# ----------------------------------------------------------------------------
+# Triton kernel.
+# ----------------------------------------------------------------------------
+
+# Rows of 32 elements (one uint32 word each) per Triton program.
+TRITON_ROWS = 128
+
+
+def _triton_kernel(x_ref, words_ref, abs_sums_ref, *, n: int, rows: int):
+  """One Triton program of sign packing: loads ``rows * 32`` elements of
+  the flat ``x`` (in its dtype; reads past ``n`` give 0, whose bit is 0 as
+  the reference's padding), packs bit ``x < 0`` of element ``32 i + j`` as
+  bit ``j`` of word ``i`` (:mod:`jaxcomp.kernels.bitpack`) and writes its
+  sum of ``|x|`` (``abs_sums_ref``, one float32 per program: XLA adds the
+  sums for the scale)."""
+  pid = pl.program_id(0)
+  _, _, x = _triton.load_span(x_ref, rows * 32, n)
+  _triton.store_span(words_ref, pid * rows,
+                     _triton.pack_words((x < 0).astype(jnp.uint32), 1),
+                     -(-n // 32))
+  plt.store(abs_sums_ref.at[pl.ds(pid, 1)], jnp.sum(jnp.abs(x))[None])
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "num_warps",
+                                             "interpret"))
+def _triton_call(flat, *, rows, num_warps, interpret):
+  """``(words uint32 (ceil(n / 32),), abs_sums float32 (programs,))`` of
+  the flat ``x`` (``n >= 1``) by :func:`_triton_kernel`."""
+  n = flat.shape[0]
+  words = -(-n // 32)
+  programs = max(1, -(-words // rows))
+  return _triton.launch(
+      functools.partial(_triton_kernel, n=n, rows=rows),
+      (_launch.out_struct((words,), jnp.uint32, flat),
+       _launch.out_struct((programs,), jnp.float32, flat)),
+      programs=programs, num_warps=num_warps, interpret=interpret,
+      name="jaxcomp_sign_triton")(flat)
+
+
+def sign_pack_triton(x: jax.Array, *, rows: int = TRITON_ROWS,
                      num_warps: int = _triton.DEFAULT_WARPS,
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Sign packing lowered by Triton: the words of
   :func:`sign_pack_reference` bit for bit, and its scale up to float32
   summation order, in one masked pass over ``x`` in its own dtype (no
-  padded or converted copy; :func:`jaxcomp.kernels._triton.sign_pack_call`).
+  padded or converted copy; :func:`_triton_kernel`).
 
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic kernel (:func:`sign_pack`)
@@ -159,8 +200,8 @@ def sign_pack_triton(x: jax.Array, *, rows: int = _triton.SIGN_ROWS,
   _triton.check_launch(32, rows, num_warps)
   if x.size == 0:
     return sign_pack_reference(x)
-  words, abs_sums = _triton.sign_pack_call(x, rows=rows, num_warps=num_warps,
-                                           interpret=interpret)
+  words, abs_sums = _triton_call(x.reshape(-1), rows=rows,
+                                 num_warps=num_warps, interpret=interpret)
   return words, jnp.sum(abs_sums) / jnp.float32(x.size)
 
 
