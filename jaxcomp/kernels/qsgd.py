@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -213,37 +214,40 @@ def _kernel_sqrt(s: jax.Array) -> jax.Array:
 
 def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
                  u_ref=None, seed_ref=None, levels: int, bits: int,
-                 plan: _blocks.Plan, word_major: bool, block: _launch.Block):
+                 plan: _blocks_mosaic.Plan, word_major: bool,
+                 block: _launch.Block):
   """QSGD codes ``sign << (bits - 1) | level`` packed ``32 / bits`` per
   word, and each bucket's L2 norm (``norms_ref (B,) f32``; or the rows'
   multipliers ``levels / norm`` from ``mult_ref``), rounding with
   ``u_ref`` or ``seed_ref``."""
-  xs = _blocks.columns(x_ref, plan, block)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
   if mult_ref is not None:
-    ms = [_blocks.per_row(block.row(mult_ref[...]), plan)] * len(xs)
+    ms = [_blocks_mosaic.per_row(block.row(mult_ref[...]), plan)] * len(xs)
   elif plan.buckets_per_row == 1:
-    norms = _kernel_sqrt(_blocks.row_total([v * v for v in xs], jnp.sum,
-                                           jnp.add))
+    norms = _kernel_sqrt(_blocks_mosaic.row_total([v * v for v in xs],
+                                                  jnp.sum, jnp.add))
     norms_ref[...] = norms
-    ms = [_blocks.per_row(_blocks.level_multipliers(norms, levels), plan)] * len(xs)
+    ms = [_blocks_mosaic.per_row(_blocks.level_multipliers(norms, levels),
+                                 plan)] * len(xs)
   else:  # a bucket per column slice: norms_ref (B, buckets_per_row)
     ms = []
     for k, v in enumerate(xs):
       norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
       block.store(norms_ref.at[:, k], norm)
-      ms.append(_blocks.per_row(_blocks.level_multipliers(norm, levels), plan))
+      ms.append(_blocks_mosaic.per_row(
+          _blocks.level_multipliers(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   # QSGD always rounds stochastically: u_ref or seed_ref is given.
   uniform = cast(Callable[[int], jax.Array],
-                 _blocks.rounding(plan, block, col, u_ref, seed_ref))
-  shift = _blocks.word_shift(col, bits)
+                 _blocks_mosaic.rounding(plan, block, col, u_ref, seed_ref))
+  shift = _blocks_mosaic.word_shift(col, bits)
   for k, x in enumerate(xs):
     u = uniform(k)
     r = jnp.abs(x) * ms[k]
     level = jnp.minimum(_blocks.floor_to_int(r + u), levels).astype(jnp.uint32)
     codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
-    _blocks.store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
-                        word_major=word_major, block=block)
+    _blocks_mosaic.store_words(codes, k, words_ref, col=col, shift=shift,
+                               bits=bits, word_major=word_major, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "bucket_size", "config",
@@ -287,7 +291,7 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
   bits = qsgd_bits(levels)
   if uniform is None and seed is None:
     raise ValueError("stochastic rounding needs uniform= or seed=")
-  words, norms = _blocks.quantize(
+  words, norms = _blocks_mosaic.quantize(
       x, functools.partial(_qsgd_kernel, bits=bits), name="jaxcomp_qsgd_pack",
       stat_name="norms_ref", size_name="bucket_size",
       statistic=lambda xf: jnp.sqrt(group_reduce(xf, bucket_size, "sum",
@@ -460,7 +464,8 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
               "rounding": rounding,
               "in_place": _blocks.in_place(
                   x.size,
-                  bucket_size * _blocks.buckets_per_row(bucket_size, bits),
+                  bucket_size
+                  * _blocks_mosaic.buckets_per_row(bucket_size, bits),
                   x.dtype)},
       supported=bucket_size % ROW == 0)
   if _autotune.resolve_implementation(implementation,

@@ -13,7 +13,8 @@ that a float32 ``x`` of such a length is read in place; XLA adds those
 ``n / group`` sums for the scale), in one pass over ``x``. Groups of fewer
 than 4 rows write their words word-major and XLA transposes them (``n /
 32`` words). The layout and launch are those of every quantizer
-(:mod:`jaxcomp.kernels._blocks`).
+(:mod:`jaxcomp.kernels._blocks_mosaic`). :func:`sign_pack_triton` packs the
+same words in one Triton-lowered pass (:func:`_triton_kernel`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax.experimental.pallas import triton as plt
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -70,7 +72,7 @@ def sign_unpack_reference(words: jax.Array, scale: jax.Array, n: int) -> jax.Arr
 # ----------------------------------------------------------------------------
 
 
-def _sign_plan(n: int, block_rows: int) -> _blocks.Plan:
+def _sign_plan(n: int, block_rows: int) -> _blocks_mosaic.Plan:
   """Sign packing groups rows only to shrink its per-group ``|x|`` sums: the
   widest group of 8, 4, 2 or 1 rows whose (8, group) tiles ``n`` fills, else
   8 rows (and a padding copy)."""
@@ -79,23 +81,24 @@ def _sign_plan(n: int, block_rows: int) -> _blocks.Plan:
       break
   else:
     g = 8
-  return _blocks.Plan(group=g * ROW, block_groups=max(64, block_rows // g),
-                      in_kernel=True)
+  return _blocks_mosaic.Plan(group=g * ROW,
+                             block_groups=max(64, block_rows // g),
+                             in_kernel=True)
 
 
-def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _blocks.Plan,
+def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _blocks_mosaic.Plan,
                  word_major: bool, block: _launch.Block):
   """Sign bits (``x < 0``) packed 32 per word, and each group's sum of
   ``|x|`` (``abs_sums_ref (B,) f32``: XLA adds them for the scale)."""
-  xs = _blocks.columns(x_ref, plan, block)
-  abs_sums_ref[...] = _blocks.row_total([jnp.abs(v) for v in xs], jnp.sum,
-                                        jnp.add)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
+  abs_sums_ref[...] = _blocks_mosaic.row_total([jnp.abs(v) for v in xs],
+                                               jnp.sum, jnp.add)
   col = block.column_iota(plan.block_groups)
-  shift = _blocks.word_shift(col, 1)
+  shift = _blocks_mosaic.word_shift(col, 1)
   for k, x in enumerate(xs):
-    _blocks.store_words((x < 0).astype(jnp.uint32), k, words_ref, col=col,
-                        shift=shift, bits=1, word_major=word_major,
-                        block=block)
+    _blocks_mosaic.store_words((x < 0).astype(jnp.uint32), k, words_ref,
+                               col=col, shift=shift, bits=1,
+                               word_major=word_major, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -121,8 +124,8 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   _launch.check_block_rows(config.block_rows)
   n = x.size
   plan = _sign_plan(n, config.block_rows)
-  xg, grid = _blocks.to_groups(x, plan)
-  words, group_abs = _blocks.pack_call(
+  xg, grid = _blocks_mosaic.to_groups(x, plan)
+  words, group_abs = _blocks_mosaic.pack_call(
       _sign_kernel, xg, None, None, None, name="jaxcomp_sign_pack",
       stat_name="abs_sums_ref", bits=1, plan=plan, grid=grid,
       interpret=interpret)
