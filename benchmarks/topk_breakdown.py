@@ -32,7 +32,7 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
 
   from jaxcomp.kernels import compact
-  from jaxcomp.kernels import topk as T
+  from jaxcomp.kernels import _topk_select as T
 
   def timed(f, *a):
     return median_ms(f, *a, reps=args.reps)
@@ -40,11 +40,11 @@ def main(argv=None) -> int:
   n, k = args.n, math.ceil(args.ratio * args.n)
   x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
   config = T.TopKConfig(sample_size=args.sample_size)
-  s, rank, rank_hi, cap, band_cap = T._sample_plan(n, k, config)
+  s, rank, rank_hi, cap, band_cap = T.sample_plan(n, k, config)
   stride = n // s
-  threshold = lambda v: T.abs_key(T._largest_abs(v[: s * stride: stride],
-                                                rank))[rank - 1]
-  mask = lambda v, t: T._words_xla(v, lambda key: key >= t)
+  threshold = lambda v: T.abs_key(T.largest_abs(v[: s * stride: stride],
+                                               rank))[rank - 1]
+  mask = lambda v, t: T.words_xla(v, lambda key: key >= t)
   t_lo = jax.jit(threshold)(x)
   words = jax.jit(mask)(x, t_lo)
   cidx, valid = jax.jit(lambda w: compact.compact(w, cap))(words)
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
           compact.pack(c, lambda v: v > 0), band_cap), (ckey,)),
       ("band: sort", lambda c: jnp.sort(c[:band_cap]), (ckey,)),
       ("final k: exact words and compact", lambda c, t: compact.compact(
-          T._exact_words(compact.pack(c, lambda v: v > t),
-                         compact.pack(c, lambda v: v == t), k), k),
+          T.exact_words(compact.pack(c, lambda v: v > t),
+                        compact.pack(c, lambda v: v == t), k), k),
        (ckey, t_mid)),
       ("copy x * 2 (one read and one write)", lambda v: v * 2, (x,)),
   ]

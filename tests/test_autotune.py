@@ -1,4 +1,5 @@
-"""Autotuning of ``implementation=None`` (jaxcomp/kernels/_autotune.py).
+"""Autotuning of ``implementation=None`` (jaxcomp/kernels/_autotune.py,
+_autotune_cache.py).
 
 An NVIDIA GPU is simulated on the CPU: an :class:`Autotuner` with
 ``nvidia=True`` and ``interpret=True`` (the Pallas candidates run in
@@ -23,7 +24,7 @@ import pytest
 import jaxcomp
 from jaxcomp import kernels
 from jaxcomp import launch
-from jaxcomp.kernels import _autotune
+from jaxcomp.kernels import _autotune_cache
 from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd as qsgd_kernel
@@ -268,7 +269,7 @@ def test_version_change_measures_again(tmp_path):
 
 
 def test_versions_come_from_the_installed_distributions():
-  v = _autotune.environment_versions()
+  v = _autotune_cache.environment_versions()
   assert v["jax"] == jax.__version__
   assert v["jaxlib"] == importlib.metadata.version("jaxlib")
   try:
@@ -307,7 +308,7 @@ def test_bad_entry_is_ignored_with_a_warning(tmp_path):
 
 
 def _write_keys(path, worker, count):
-  cache = _autotune.CacheFile(path)
+  cache = _autotune_cache.CacheFile(path)
   for i in range(count):
     cache.write("table", f"w{worker} k{i}", {"implementation": "xla", "i": i})
 

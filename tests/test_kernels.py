@@ -19,6 +19,7 @@ import pytest
 from jaxcomp import kernels
 from jaxcomp.kernels import _autotune
 from jaxcomp.kernels import _launch
+from jaxcomp.kernels import _topk_select
 from jaxcomp.kernels import bitpack
 from jaxcomp.kernels import dither
 from jaxcomp.kernels import compact
@@ -146,7 +147,7 @@ def _branch_case(case):
     x[_sample_positions(n, TCFG)] = 1e3
   elif case == "band":  # sorts only the band between two sample ranks
     k = 1000
-    assert topk._sample_plan(n, k, TCFG)[2] >= 1
+    assert _topk_select.sample_plan(n, k, TCFG)[2] >= 1
   elif case == "dense":
     k = 4000
   elif case == "all":
@@ -227,7 +228,7 @@ def test_bit_helpers():
   np.testing.assert_array_equal(compact.select_bit(w, jnp.array([0, 31, 1])),
                                 [2, 31, 31])
   np.testing.assert_array_equal(
-      topk._keep_lowest(w, jnp.array([2, 32, 1])),
+      _topk_select.keep_lowest(w, jnp.array([2, 32, 1])),
       [0b0001_0100, 0xFFFFFFFF, 1])
 
 

@@ -1,4 +1,4 @@
-"""The Triton-lowered selection (jaxcomp.kernels._triton_select) and the
+"""The Triton-lowered selection (jaxcomp.kernels._topk_triton) and the
 top-k built on it (topk.topk_triton).
 
 In interpret mode on any backend, and compiled on an NVIDIA GPU
@@ -20,7 +20,8 @@ import pytest
 
 from jaxcomp.hlo import kernel_structure as structure
 from jaxcomp.kernels import _launch
-from jaxcomp.kernels import _triton_select
+from jaxcomp.kernels import _topk_select
+from jaxcomp.kernels import _topk_triton
 from jaxcomp.kernels import topk
 from tests.test_kernels import BRANCHES, TCFG, _branch_case
 
@@ -48,7 +49,7 @@ class TestTritonSelectCompiled:
     if n > 10:
       x = x.at[3].set(jnp.nan).at[5].set(-jnp.inf).at[8].set(-0.0)
     t = topk.abs_key(jnp.asarray(1.0, jnp.float32))
-    idx, key, count = _triton_select.select_at_least(
+    idx, key, count = _topk_triton.select_at_least(
         x, t, capacity=capacity, span=span, interpret=self.INTERPRET)
     keys = _keys(x)
     want = np.flatnonzero(keys >= int(t))
@@ -67,12 +68,12 @@ class TestTritonSelectCompiled:
     """Key 0 passes every element (zeros included); the reads past ``n`` in
     the last program load 0 and must not count."""
     x = jnp.zeros(100)
-    idx, _, count = _triton_select.select_at_least(
+    idx, _, count = _topk_triton.select_at_least(
         x, jnp.int32(0), capacity=128, span=64, interpret=self.INTERPRET)
     assert int(count) == 100
     np.testing.assert_array_equal(np.asarray(idx)[:100], np.arange(100))
-    counts = _triton_select.count_at_least(x, jnp.int32(0), span=64,
-                                           interpret=self.INTERPRET)
+    counts = _topk_triton.count_at_least(x, jnp.int32(0), span=64,
+                                         interpret=self.INTERPRET)
     np.testing.assert_array_equal(counts, [64, 36])
 
 
@@ -99,11 +100,11 @@ class TestTritonSelectCompiled:
     XLA fallback), and the result is exact."""
     n, k = 50_000, 500
     x = jnp.asarray(np.random.default_rng(5).standard_normal(n), dtype)
-    s, rank, _, cap, _ = topk._sample_plan(n, k, TCFG)
-    top = topk._sample_top_keys(x[: s * (n // s) : n // s], rank,
-                                topk.selection(TCFG))
-    count = _triton_select.count_at_least(x, top[rank - 1], span=1024,
-                                          interpret=self.INTERPRET).sum()
+    s, rank, _, cap, _ = _topk_select.sample_plan(n, k, TCFG)
+    top = _topk_select.sample_top_keys(x[: s * (n // s) : n // s], rank,
+                                       topk.selection(TCFG))
+    count = _topk_triton.count_at_least(x, top[rank - 1], span=1024,
+                                        interpret=self.INTERPRET).sum()
     assert k <= int(count) <= cap, (int(count), k, cap)
     want_v, want_i = topk.topk_exact_small(x, k)
     v, i = topk.topk_triton(x, k, config=TCFG, span=1024, interpret=self.INTERPRET)
@@ -146,8 +147,8 @@ def test_bad_launch_raises_naming_the_parameter(kwargs, match):
   with pytest.raises(ValueError, match=match):
     topk.topk_triton(jnp.ones(100), 5, interpret=True, **kwargs)
   with pytest.raises(ValueError, match=match):
-    _triton_select.select_at_least(jnp.ones(100), jnp.int32(0), capacity=8,
-                                   interpret=True, **kwargs)
+    _topk_triton.select_at_least(jnp.ones(100), jnp.int32(0), capacity=8,
+                                 interpret=True, **kwargs)
   with pytest.raises(ValueError, match=match):
     topk.sampled_topk_triton(jnp.ones(100), 5, jax.random.key(0),
                              sample_ratio=0.5, interpret=True, **kwargs)
@@ -155,7 +156,7 @@ def test_bad_launch_raises_naming_the_parameter(kwargs, match):
 
 def test_zero_capacity_raises():
   with pytest.raises(ValueError, match="capacity=0"):
-    _triton_select.select_at_least(jnp.ones(100), jnp.int32(0), capacity=0)
+    _topk_triton.select_at_least(jnp.ones(100), jnp.int32(0), capacity=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -5,12 +5,14 @@ One module per op, each holding its Pallas kernel, its jitted wrapper, its
 :mod:`~jaxcomp.kernels.sign`, :mod:`~jaxcomp.kernels.qsgd`,
 :mod:`~jaxcomp.kernels.int8_block`, :mod:`~jaxcomp.kernels.fp8_block` and
 :mod:`~jaxcomp.kernels.topk`; what the quantizers share (per-group
-statistics, :class:`QuantizeConfig`, the one-pass kernel's layout and launch)
-is private (``_blocks``). The int8 and fp8 blocks' ``pallas`` path is a
+statistics, :class:`QuantizeConfig`: ``_blocks``; the Mosaic GPU kernel's
+layout and launch: ``_blocks_mosaic``) is private, as are top-k's parts
+(``_topk_select``, ``_topk_mosaic``, ``_topk_triton``, re-exported by
+``topk``). The int8 and fp8 blocks' ``pallas`` path is a
 kernel lowered by Triton (``_triton``: one masked pass, measured 1.7x faster
 than XLA and 4x faster than the Mosaic GPU kernel on an H200) for block
 sizes that are powers of two (:func:`triton_supported_block`); top-k has a
-Triton-lowered compaction too (``topk.topk_triton``, ``_triton_select``),
+Triton-lowered compaction too (``topk.topk_triton``, ``_topk_triton``),
 not yet timed on a GPU and picked by no ``implementation``. Beside them:
 the selection primitive
 (:mod:`~jaxcomp.kernels.compact`), bit packing and counter-based random
@@ -22,11 +24,11 @@ op and size by measurement on NVIDIA GPUs (:func:`autotune`,
 """
 
 from jaxcomp.kernels._autotune import Autotuner
-from jaxcomp.kernels._autotune import Decision
-from jaxcomp.kernels._autotune import ENV_CACHE
+from jaxcomp.kernels._autotune_cache import Decision
+from jaxcomp.kernels._autotune_cache import ENV_CACHE
 from jaxcomp.kernels._autotune import ENV_KERNELS
-from jaxcomp.kernels._autotune import IMPLEMENTATIONS
-from jaxcomp.kernels._autotune import TuneKey
+from jaxcomp.kernels._autotune_cache import IMPLEMENTATIONS
+from jaxcomp.kernels._autotune_cache import TuneKey
 from jaxcomp.kernels._autotune import autotune
 from jaxcomp.kernels._autotune import default_autotuner
 from jaxcomp.kernels._autotune import measure_seconds

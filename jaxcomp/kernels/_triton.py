@@ -1,13 +1,21 @@
-"""The Triton-lowered one-pass launches of the quantizers: int8 and fp8
-blocks (:func:`block_quantize_call`), sign packing (:func:`sign_pack_call`)
-and QSGD (:func:`qsgd_call`).
+"""What the Triton-lowered kernels share, and the int8 / fp8 block kernel.
 
-Each Pallas program takes ``rows`` consecutive blocks of ``block_size``
-elements of the flat ``x`` with one masked load (``x`` in its own dtype:
-float32, bfloat16 or float16, no converted or zero-padded copy; reads past
-``n`` give 0, as a zero-padded block would), reduces each block's
-``max|x|`` in registers, and stores the block's scale and its codes with
-masked stores. ``x`` is read once and the codes written once, so the pass
+The parts every Triton kernel takes: the launch checks
+(:func:`check_launch`), one masked span load (:func:`load_span`) and store
+(:func:`store_span`), the word packer (:func:`pack_words`), the
+``pallas_call`` launch (:func:`launch`) and the rounding numbers
+(:func:`rounding_operands`, :func:`rounding_numbers`). Each op's kernel
+body lives in its op's module (sign packing in :mod:`jaxcomp.kernels.sign`,
+QSGD in :mod:`jaxcomp.kernels.qsgd`, top-k's selection in
+:mod:`jaxcomp.kernels._topk_triton`); the int8 and fp8 blocks share one body
+(:func:`block_quantize_call`), whose codes each op module passes in.
+
+In the block kernel each Pallas program takes ``rows`` consecutive blocks
+of ``block_size`` elements of the flat ``x`` with one masked load (``x`` in
+its own dtype: float32, bfloat16 or float16, no converted or zero-padded
+copy; reads past ``n`` give 0, as a zero-padded block would), reduces each
+block's ``max|x|`` in registers, and stores the block's scale and its codes
+with masked stores. ``x`` is read once and the codes written once, so the pass
 moves ``n * itemsize + n + 4 * n / block_size`` bytes. The per-element
 arithmetic is the op module's (``codes(y, u)``), the same jnp functions the
 XLA references call, so the codes equal the reference's bit for bit.
@@ -136,7 +144,8 @@ def rounding_operands(uniform, seed, *, required: bool
   return (), rounding
 
 
-def _uniform(rounding: str, r_ref, start, offs: jax.Array, n: int, shape):
+def rounding_numbers(rounding: str, r_ref, start, offs: jax.Array, n: int,
+                     shape):
   """This program's rounding numbers (float32 ``shape``) for the elements
   at flat ``offs`` (``start + arange``): hashed from the seed in ``r_ref``
   or read from the array ``r_ref`` (masked as ``x`` is); None for nearest
@@ -164,7 +173,7 @@ def _kernel(*refs, n: int, block_size: int, rows: int, top: float,
   x = x.reshape(rows, block_size)
   scale = jnp.max(jnp.abs(x), axis=1) / jnp.float32(top)
   y = x * _blocks.inverse_scales(scale)[:, None]
-  u = _uniform(rounding, r_ref, start, offs, n, (rows, block_size))
+  u = rounding_numbers(rounding, r_ref, start, offs, n, (rows, block_size))
   store_span(q_ref, start, codes(y, u).reshape(span), code_len)
   store_span(s_ref, pl.program_id(0) * rows, scale, -(-n // block_size))
 
@@ -234,138 +243,3 @@ def _call(flat, *extra, codes, block_size, top, code_dtype, padded, name,
        _launch.out_struct((num_blocks,), jnp.float32, flat)),
       programs=-(-num_blocks // rows), num_warps=num_warps,
       interpret=interpret, name=name)(flat, *extra)
-
-
-# Sign packing: rows of 32 elements (one uint32 word each) per program.
-SIGN_ROWS = 128
-
-
-def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, n: int, rows: int):
-  pid = pl.program_id(0)
-  _, _, x = load_span(x_ref, rows * 32, n)
-  store_span(words_ref, pid * rows, pack_words((x < 0).astype(jnp.uint32), 1),
-             -(-n // 32))
-  plt.store(abs_sums_ref.at[pl.ds(pid, 1)], jnp.sum(jnp.abs(x))[None])
-
-
-def sign_pack_call(x: jax.Array, *, rows: int = SIGN_ROWS,
-                   num_warps: int = DEFAULT_WARPS, interpret: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
-  """One Triton-lowered pass of sign packing.
-
-  Each program loads ``rows * 32`` elements of the flat ``x`` (in its
-  dtype; reads past ``n`` give 0, whose bit is 0 as the reference's
-  padding), packs bit ``x < 0`` of element ``32 i + j`` as bit ``j`` of word
-  ``i`` (:mod:`jaxcomp.kernels.bitpack`) and writes its sum of ``|x|``.
-
-  Args:
-    x: float array of ``n >= 1`` elements (any shape; read flat).
-    rows: words per program (a power of two, ``32 * rows <= MAX_SPAN``).
-    num_warps: warps per program.
-    interpret: run in Pallas' interpret mode (any backend).
-
-  Returns:
-    ``(words uint32 (ceil(n / 32),), abs_sums float32 (programs,))``:
-    XLA adds the sums for the scale.
-
-  Raises:
-    ValueError: a launch that cannot compile (:func:`check_launch`).
-  """
-  check_launch(32, rows, num_warps)
-  return _sign_call(x.reshape(-1), rows=rows, num_warps=num_warps,
-                    interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("rows", "num_warps",
-                                             "interpret"))
-def _sign_call(flat, *, rows, num_warps, interpret):
-  n = flat.shape[0]
-  words = -(-n // 32)
-  programs = max(1, -(-words // rows))
-  return launch(
-      functools.partial(_sign_kernel, n=n, rows=rows),
-      (_launch.out_struct((words,), jnp.uint32, flat),
-       _launch.out_struct((programs,), jnp.float32, flat)),
-      programs=programs, num_warps=num_warps, interpret=interpret,
-      name="jaxcomp_sign_triton")(flat)
-
-
-def _qsgd_kernel(*refs, n: int, bucket_size: int, rows: int, levels: int,
-                 bits: int, rounding: str):
-  x_ref, r_ref, words_ref, norms_ref = refs
-  span = rows * bucket_size
-  start, offs, x = load_span(x_ref, span, n)
-  x = x.reshape(rows, bucket_size)
-  norms = jnp.sqrt(jnp.sum(x * x, axis=1))
-  mult = _blocks.level_multipliers(norms, levels)
-  u = _uniform(rounding, r_ref, start, offs, n, (rows, bucket_size))
-  assert u is not None  # QSGD always rounds stochastically
-  level = jnp.minimum(_blocks.floor_to_int(jnp.abs(x) * mult[:, None] + u),
-                      levels).astype(jnp.uint32)
-  codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
-  per = 32 // bits
-  pid = pl.program_id(0)
-  store_span(words_ref, pid * (span // per), pack_words(codes.reshape(span),
-                                                        bits), -(-n // per))
-  store_span(norms_ref, pid * rows, norms, -(-n // bucket_size))
-
-
-def qsgd_call(x: jax.Array, *, levels: int, bits: int, bucket_size: int,
-              uniform: jax.Array | None = None, seed: jax.Array | None = None,
-              rows: int | None = None, num_warps: int = DEFAULT_WARPS,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """One Triton-lowered pass of QSGD (:mod:`jaxcomp.kernels.qsgd`'s wire
-  format).
-
-  Each program loads ``rows`` buckets of the flat ``x`` with one masked
-  load (in its dtype; reads past ``n`` give 0, whose code is 0 as the
-  reference's padding), reduces each bucket's L2 norm in registers,
-  rounds ``|x| * levels / norm`` stochastically and packs the codes
-  ``32 / bits`` per word in wire order.
-
-  Args:
-    x: float array of ``n >= 1`` elements (any shape; read flat).
-    levels: nonzero levels (static).
-    bits: code width (2, 4, 8 or 16).
-    bucket_size: elements per norm (a power of two >= 32).
-    uniform: ``n`` rounding numbers (floats in [0, 1) or uint32 bits); or
-      None with ``seed``.
-    seed: uint32 ``(2,)``: element ``i`` rounds with
-      ``dither.to_unit(dither.hash_bits(seed, i))``; or None.
-    rows: buckets per program (None: :func:`default_rows`).
-    num_warps: warps per program.
-    interpret: run in Pallas' interpret mode (any backend).
-
-  Returns:
-    ``(words uint32 (ceil(n * bits / 32),), norms float32
-    (ceil(n / bucket_size),))``: the norms are ``sqrt`` of float32 sums in
-    the program's order.
-
-  Raises:
-    ValueError: both or neither of ``uniform`` and ``seed``; a launch that
-      cannot compile (:func:`check_launch`).
-  """
-  rows = default_rows(bucket_size) if rows is None else rows
-  check_launch(bucket_size, rows, num_warps)
-  extra, rounding = rounding_operands(uniform, seed, required=True)
-  return _qsgd_call(x.reshape(-1), *extra, levels=levels, bits=bits,
-                    bucket_size=bucket_size, rounding=rounding, rows=rows,
-                    num_warps=num_warps, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "levels", "bits", "bucket_size", "rounding", "rows", "num_warps",
-    "interpret"))
-def _qsgd_call(flat, *extra, levels, bits, bucket_size, rounding, rows,
-               num_warps, interpret):
-  n = flat.shape[0]
-  num_buckets = -(-n // bucket_size)
-  body = functools.partial(_qsgd_kernel, n=n, bucket_size=bucket_size,
-                           rows=rows, levels=levels, bits=bits,
-                           rounding=rounding)
-  return launch(
-      body,
-      (_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
-       _launch.out_struct((num_buckets,), jnp.float32, flat)),
-      programs=-(-num_buckets // rows), num_warps=num_warps,
-      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, *extra)

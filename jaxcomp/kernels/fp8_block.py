@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -201,26 +202,27 @@ def fp8_block_dequantize_reference(codes: jax.Array, scales: jax.Array, *,
 
 
 def _fp8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
-                u_ref=None, seed_ref=None, fmt: str, plan: _blocks.Plan,
+                u_ref=None, seed_ref=None, fmt: str, plan: _blocks_mosaic.Plan,
                 word_major: bool, block: _launch.Block):
   """fp8 codes of ``clip(x * m, -F, F)`` (nearest even, or stochastic with
   ``u_ref`` / ``seed_ref``) as bytes packed 4 per word, and each block's
   scale ``max|x| / F`` (``scales_ref (B,) f32``; or the rows' multipliers
   from ``mult_ref``); ``F`` the format's largest finite value."""
   fmax = FP8_FORMATS[fmt][2]
-  xs = _blocks.columns(x_ref, plan, block)
-  m = _blocks.block_multiplier(xs, plan, block, scales_ref, mult_ref, fmax)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
+  m = _blocks_mosaic.block_multiplier(xs, plan, block, scales_ref, mult_ref,
+                                      fmax)
   col = block.column_iota(plan.block_groups)
-  uniform = _blocks.rounding(plan, block, col, u_ref, seed_ref)
-  shift = _blocks.word_shift(col, 8)
+  uniform = _blocks_mosaic.rounding(plan, block, col, u_ref, seed_ref)
+  shift = _blocks_mosaic.word_shift(col, 8)
   for k, x in enumerate(xs):
     u = None if uniform is None else uniform(k)
     y = jnp.clip(x * m, -fmax, fmax)
     codes = _fp8_code(y, fmt)
     if u is not None:
       codes = _fp8_stochastic(y, codes, u, fmt)
-    _blocks.store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                        word_major=word_major, block=block)
+    _blocks_mosaic.store_words(codes, k, words_ref, col=col, shift=shift,
+                               bits=8, word_major=word_major, block=block)
 
 
 def fp8_block_quantize(
@@ -258,7 +260,7 @@ def fp8_block_quantize(
       both ``stochastic_uniform`` and ``seed``, a bad ``seed``.
   """
   fmax = _fp8_format(format)[2]
-  words, scales = _blocks.quantize(
+  words, scales = _blocks_mosaic.quantize(
       x, _fp8_kernel, name=f"jaxcomp_fp8_{format}_pack",
       stat_name="scales_ref", size_name="block_size",
       statistic=lambda xf: group_reduce(xf, block_size, "max",

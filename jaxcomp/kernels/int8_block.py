@@ -18,9 +18,10 @@ block included (:mod:`jaxcomp.kernels._triton`); on an NVIDIA H200 it took
 one row of its view of ``x``, its scale reduced in registers, the codes
 packed 4 per uint32 (the same bytes as the int8 array, bit-cast back for
 free). Scales are maxima, the same in any order: the kernel matches
-:func:`int8_block_quantize_reference` bit for bit. The rounding numbers,
-layout and launch are those of every quantizer
-(:mod:`jaxcomp.kernels._blocks`).
+:func:`int8_block_quantize_reference` bit for bit. The rounding numbers
+are those of every quantizer (:mod:`jaxcomp.kernels._blocks`), the layout
+and launch those of every Mosaic GPU quantizer kernel
+(:mod:`jaxcomp.kernels._blocks_mosaic`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -82,25 +84,26 @@ def int8_block_dequantize_reference(q: jax.Array, scales: jax.Array, *,
 
 
 def _int8_kernel(x_ref, words_ref, scales_ref=None, *, mult_ref=None,
-                 u_ref=None, seed_ref=None, plan: _blocks.Plan,
+                 u_ref=None, seed_ref=None, plan: _blocks_mosaic.Plan,
                  word_major: bool, block: _launch.Block):
   """int8 codes ``clip(round(x * m), -127, 127)`` (or ``floor(x * m + u)``
   with ``u_ref`` / ``seed_ref``) as bytes packed 4 per word, and each
   block's scale ``max|x| / 127`` (``scales_ref (B,) f32``; or the rows'
   multipliers from ``mult_ref``)."""
-  xs = _blocks.columns(x_ref, plan, block)
-  m = _blocks.block_multiplier(xs, plan, block, scales_ref, mult_ref, 127)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
+  m = _blocks_mosaic.block_multiplier(xs, plan, block, scales_ref, mult_ref,
+                                      127)
   col = block.column_iota(plan.block_groups)
-  uniform = _blocks.rounding(plan, block, col, u_ref, seed_ref)
-  shift = _blocks.word_shift(col, 8)
+  uniform = _blocks_mosaic.rounding(plan, block, col, u_ref, seed_ref)
+  shift = _blocks_mosaic.word_shift(col, 8)
   for k, x in enumerate(xs):
     u = None if uniform is None else uniform(k)
     y = x * m
     q = (jnp.round(y).astype(jnp.int32) if u is None
          else _blocks.floor_to_int(y + u))
     codes = (jnp.clip(q, -127, 127) & 0xFF).astype(jnp.uint32)
-    _blocks.store_words(codes, k, words_ref, col=col, shift=shift, bits=8,
-                        word_major=word_major, block=block)
+    _blocks_mosaic.store_words(codes, k, words_ref, col=col, shift=shift,
+                               bits=8, word_major=word_major, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "config",
@@ -133,7 +136,7 @@ def int8_block_quantize(
     ValueError: ``block_size`` is not a multiple of 32, both
       ``stochastic_uniform`` and ``seed``, a bad ``seed``.
   """
-  words, scales = _blocks.quantize(
+  words, scales = _blocks_mosaic.quantize(
       x, _int8_kernel, name="jaxcomp_int8_pack", stat_name="scales_ref",
       size_name="block_size",
       statistic=lambda xf: group_reduce(xf, block_size, "max",

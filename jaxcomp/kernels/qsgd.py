@@ -35,9 +35,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -212,37 +214,40 @@ def _kernel_sqrt(s: jax.Array) -> jax.Array:
 
 def _qsgd_kernel(x_ref, words_ref, norms_ref: Any = None, *, mult_ref=None,
                  u_ref=None, seed_ref=None, levels: int, bits: int,
-                 plan: _blocks.Plan, word_major: bool, block: _launch.Block):
+                 plan: _blocks_mosaic.Plan, word_major: bool,
+                 block: _launch.Block):
   """QSGD codes ``sign << (bits - 1) | level`` packed ``32 / bits`` per
   word, and each bucket's L2 norm (``norms_ref (B,) f32``; or the rows'
   multipliers ``levels / norm`` from ``mult_ref``), rounding with
   ``u_ref`` or ``seed_ref``."""
-  xs = _blocks.columns(x_ref, plan, block)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
   if mult_ref is not None:
-    ms = [_blocks.per_row(block.row(mult_ref[...]), plan)] * len(xs)
+    ms = [_blocks_mosaic.per_row(block.row(mult_ref[...]), plan)] * len(xs)
   elif plan.buckets_per_row == 1:
-    norms = _kernel_sqrt(_blocks.row_total([v * v for v in xs], jnp.sum,
-                                           jnp.add))
+    norms = _kernel_sqrt(_blocks_mosaic.row_total([v * v for v in xs],
+                                                  jnp.sum, jnp.add))
     norms_ref[...] = norms
-    ms = [_blocks.per_row(_blocks.level_multipliers(norms, levels), plan)] * len(xs)
+    ms = [_blocks_mosaic.per_row(_blocks.level_multipliers(norms, levels),
+                                 plan)] * len(xs)
   else:  # a bucket per column slice: norms_ref (B, buckets_per_row)
     ms = []
     for k, v in enumerate(xs):
       norm = _kernel_sqrt(jnp.sum(v * v, axis=1))
       block.store(norms_ref.at[:, k], norm)
-      ms.append(_blocks.per_row(_blocks.level_multipliers(norm, levels), plan))
+      ms.append(_blocks_mosaic.per_row(
+          _blocks.level_multipliers(norm, levels), plan))
   col = block.column_iota(plan.block_groups)
   # QSGD always rounds stochastically: u_ref or seed_ref is given.
   uniform = cast(Callable[[int], jax.Array],
-                 _blocks.rounding(plan, block, col, u_ref, seed_ref))
-  shift = _blocks.word_shift(col, bits)
+                 _blocks_mosaic.rounding(plan, block, col, u_ref, seed_ref))
+  shift = _blocks_mosaic.word_shift(col, bits)
   for k, x in enumerate(xs):
     u = uniform(k)
     r = jnp.abs(x) * ms[k]
     level = jnp.minimum(_blocks.floor_to_int(r + u), levels).astype(jnp.uint32)
     codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
-    _blocks.store_words(codes, k, words_ref, col=col, shift=shift, bits=bits,
-                        word_major=word_major, block=block)
+    _blocks_mosaic.store_words(codes, k, words_ref, col=col, shift=shift,
+                               bits=bits, word_major=word_major, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "bucket_size", "config",
@@ -286,7 +291,7 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
   bits = qsgd_bits(levels)
   if uniform is None and seed is None:
     raise ValueError("stochastic rounding needs uniform= or seed=")
-  words, norms = _blocks.quantize(
+  words, norms = _blocks_mosaic.quantize(
       x, functools.partial(_qsgd_kernel, bits=bits), name="jaxcomp_qsgd_pack",
       stat_name="norms_ref", size_name="bucket_size",
       statistic=lambda xf: jnp.sqrt(group_reduce(xf, bucket_size, "sum",
@@ -298,6 +303,63 @@ def qsgd_quantize(x: jax.Array, uniform: jax.Array | None = None, *,
   return words[:packed_words(x.size, bits)], norms[:num_buckets]
 
 
+# ----------------------------------------------------------------------------
+# Triton kernel.
+# ----------------------------------------------------------------------------
+
+
+def _triton_kernel(*refs, n: int, bucket_size: int, rows: int, levels: int,
+                   bits: int, rounding: str):
+  """One Triton program of QSGD (the wire format above): loads ``rows``
+  buckets of the flat ``x`` with one masked load (in its dtype; reads past
+  ``n`` give 0, whose code is 0 as the reference's padding), reduces each
+  bucket's L2 norm in registers (``sqrt`` of float32 sums in the program's
+  order), rounds ``|x| * levels / norm`` stochastically (``rounding``:
+  ``"seed"`` or ``"array"``, :func:`jaxcomp.kernels._triton.rounding_numbers`)
+  and packs the codes ``32 / bits`` per word in wire order into
+  ``words_ref``, the norms into ``norms_ref``."""
+  x_ref, r_ref, words_ref, norms_ref = refs
+  span = rows * bucket_size
+  start, offs, x = _triton.load_span(x_ref, span, n)
+  x = x.reshape(rows, bucket_size)
+  norms = jnp.sqrt(jnp.sum(x * x, axis=1))
+  mult = _blocks.level_multipliers(norms, levels)
+  u = _triton.rounding_numbers(rounding, r_ref, start, offs, n,
+                               (rows, bucket_size))
+  assert u is not None  # QSGD always rounds stochastically
+  level = jnp.minimum(_blocks.floor_to_int(jnp.abs(x) * mult[:, None] + u),
+                      levels).astype(jnp.uint32)
+  codes = level | ((x < 0).astype(jnp.uint32) << jnp.uint32(bits - 1))
+  per = 32 // bits
+  pid = pl.program_id(0)
+  _triton.store_span(words_ref, pid * (span // per),
+                     _triton.pack_words(codes.reshape(span), bits),
+                     -(-n // per))
+  _triton.store_span(norms_ref, pid * rows, norms, -(-n // bucket_size))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "levels", "bits", "bucket_size", "rounding", "rows", "num_warps",
+    "interpret"))
+def _triton_call(flat, *extra, levels, bits, bucket_size, rounding, rows,
+                 num_warps, interpret):
+  """``(words uint32 (ceil(n * bits / 32),), norms float32 (ceil(n /
+  bucket_size),))`` of the flat ``x`` (``n >= 1``) by
+  :func:`_triton_kernel`; ``extra``: the rounding operands
+  (:func:`jaxcomp.kernels._triton.rounding_operands`)."""
+  n = flat.shape[0]
+  num_buckets = -(-n // bucket_size)
+  body = functools.partial(_triton_kernel, n=n, bucket_size=bucket_size,
+                           rows=rows, levels=levels, bits=bits,
+                           rounding=rounding)
+  return _triton.launch(
+      body,
+      (_launch.out_struct((-(-n * bits // 32),), jnp.uint32, flat),
+       _launch.out_struct((num_buckets,), jnp.float32, flat)),
+      programs=-(-num_buckets // rows), num_warps=num_warps,
+      interpret=interpret, name="jaxcomp_qsgd_triton")(flat, *extra)
+
+
 def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
                          levels: int, bucket_size: int,
                          seed: jax.Array | None = None,
@@ -306,7 +368,7 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
                          interpret: bool = False
                          ) -> tuple[jax.Array, jax.Array]:
   """QSGD lowered by Triton: one masked pass over ``x`` in its own dtype
-  (:func:`jaxcomp.kernels._triton.qsgd_call`), no padded or converted copy.
+  (:func:`_triton_kernel`), no padded or converted copy.
 
   The same contract as :func:`qsgd_quantize`: the norms are the kernel's
   (``sqrt`` of float32 sums in the program's order, a few ulp from
@@ -350,9 +412,11 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
   if x.size == 0:
     return qsgd_quantize_reference(x, uniform, levels=levels,
                                    bucket_size=bucket_size, seed=seed)
-  words, norms = _triton.qsgd_call(
-      x, levels=levels, bits=bits, bucket_size=bucket_size, uniform=uniform,
-      seed=seed, rows=rows, num_warps=num_warps, interpret=interpret)
+  extra, rounding = _triton.rounding_operands(uniform, seed, required=True)
+  words, norms = _triton_call(
+      x.reshape(-1), *extra, levels=levels, bits=bits,
+      bucket_size=bucket_size, rounding=rounding, rows=rows,
+      num_warps=num_warps, interpret=interpret)
   unsound = ~jnp.isfinite(norms) | ((norms > 0) & (norms < 2.0 ** -49))
   return jax.lax.cond(
       jnp.any(unsound),
@@ -400,7 +464,8 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
               "rounding": rounding,
               "in_place": _blocks.in_place(
                   x.size,
-                  bucket_size * _blocks.buckets_per_row(bucket_size, bits),
+                  bucket_size
+                  * _blocks_mosaic.buckets_per_row(bucket_size, bits),
                   x.dtype)},
       supported=bucket_size % ROW == 0)
   if _autotune.resolve_implementation(implementation,

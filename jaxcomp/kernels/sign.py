@@ -13,7 +13,8 @@ that a float32 ``x`` of such a length is read in place; XLA adds those
 ``n / group`` sums for the scale), in one pass over ``x``. Groups of fewer
 than 4 rows write their words word-major and XLA transposes them (``n /
 32`` words). The layout and launch are those of every quantizer
-(:mod:`jaxcomp.kernels._blocks`).
+(:mod:`jaxcomp.kernels._blocks_mosaic`). :func:`sign_pack_triton` packs the
+same words in one Triton-lowered pass (:func:`_triton_kernel`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from . import _autotune
 from . import _blocks
+from . import _blocks_mosaic
 from . import _launch
 from . import _triton
 from ._blocks import DEFAULT_CONFIG
@@ -68,7 +72,7 @@ def sign_unpack_reference(words: jax.Array, scale: jax.Array, n: int) -> jax.Arr
 # ----------------------------------------------------------------------------
 
 
-def _sign_plan(n: int, block_rows: int) -> _blocks.Plan:
+def _sign_plan(n: int, block_rows: int) -> _blocks_mosaic.Plan:
   """Sign packing groups rows only to shrink its per-group ``|x|`` sums: the
   widest group of 8, 4, 2 or 1 rows whose (8, group) tiles ``n`` fills, else
   8 rows (and a padding copy)."""
@@ -77,23 +81,24 @@ def _sign_plan(n: int, block_rows: int) -> _blocks.Plan:
       break
   else:
     g = 8
-  return _blocks.Plan(group=g * ROW, block_groups=max(64, block_rows // g),
-                      in_kernel=True)
+  return _blocks_mosaic.Plan(group=g * ROW,
+                             block_groups=max(64, block_rows // g),
+                             in_kernel=True)
 
 
-def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _blocks.Plan,
+def _sign_kernel(x_ref, words_ref, abs_sums_ref, *, plan: _blocks_mosaic.Plan,
                  word_major: bool, block: _launch.Block):
   """Sign bits (``x < 0``) packed 32 per word, and each group's sum of
   ``|x|`` (``abs_sums_ref (B,) f32``: XLA adds them for the scale)."""
-  xs = _blocks.columns(x_ref, plan, block)
-  abs_sums_ref[...] = _blocks.row_total([jnp.abs(v) for v in xs], jnp.sum,
-                                        jnp.add)
+  xs = _blocks_mosaic.columns(x_ref, plan, block)
+  abs_sums_ref[...] = _blocks_mosaic.row_total([jnp.abs(v) for v in xs],
+                                               jnp.sum, jnp.add)
   col = block.column_iota(plan.block_groups)
-  shift = _blocks.word_shift(col, 1)
+  shift = _blocks_mosaic.word_shift(col, 1)
   for k, x in enumerate(xs):
-    _blocks.store_words((x < 0).astype(jnp.uint32), k, words_ref, col=col,
-                        shift=shift, bits=1, word_major=word_major,
-                        block=block)
+    _blocks_mosaic.store_words((x < 0).astype(jnp.uint32), k, words_ref,
+                               col=col, shift=shift, bits=1,
+                               word_major=word_major, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -119,8 +124,8 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   _launch.check_block_rows(config.block_rows)
   n = x.size
   plan = _sign_plan(n, config.block_rows)
-  xg, grid = _blocks.to_groups(x, plan)
-  words, group_abs = _blocks.pack_call(
+  xg, grid = _blocks_mosaic.to_groups(x, plan)
+  words, group_abs = _blocks_mosaic.pack_call(
       _sign_kernel, xg, None, None, None, name="jaxcomp_sign_pack",
       stat_name="abs_sums_ref", bits=1, plan=plan, grid=grid,
       interpret=interpret)
@@ -129,13 +134,52 @@ def sign_pack(x: jax.Array, *, config: QuantizeConfig = DEFAULT_CONFIG,
   return words[:packed_words(n, 1)], scale
 
 
-def sign_pack_triton(x: jax.Array, *, rows: int = _triton.SIGN_ROWS,
+# ----------------------------------------------------------------------------
+# Triton kernel.
+# ----------------------------------------------------------------------------
+
+# Rows of 32 elements (one uint32 word each) per Triton program.
+TRITON_ROWS = 128
+
+
+def _triton_kernel(x_ref, words_ref, abs_sums_ref, *, n: int, rows: int):
+  """One Triton program of sign packing: loads ``rows * 32`` elements of
+  the flat ``x`` (in its dtype; reads past ``n`` give 0, whose bit is 0 as
+  the reference's padding), packs bit ``x < 0`` of element ``32 i + j`` as
+  bit ``j`` of word ``i`` (:mod:`jaxcomp.kernels.bitpack`) and writes its
+  sum of ``|x|`` (``abs_sums_ref``, one float32 per program: XLA adds the
+  sums for the scale)."""
+  pid = pl.program_id(0)
+  _, _, x = _triton.load_span(x_ref, rows * 32, n)
+  _triton.store_span(words_ref, pid * rows,
+                     _triton.pack_words((x < 0).astype(jnp.uint32), 1),
+                     -(-n // 32))
+  plt.store(abs_sums_ref.at[pl.ds(pid, 1)], jnp.sum(jnp.abs(x))[None])
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "num_warps",
+                                             "interpret"))
+def _triton_call(flat, *, rows, num_warps, interpret):
+  """``(words uint32 (ceil(n / 32),), abs_sums float32 (programs,))`` of
+  the flat ``x`` (``n >= 1``) by :func:`_triton_kernel`."""
+  n = flat.shape[0]
+  words = -(-n // 32)
+  programs = max(1, -(-words // rows))
+  return _triton.launch(
+      functools.partial(_triton_kernel, n=n, rows=rows),
+      (_launch.out_struct((words,), jnp.uint32, flat),
+       _launch.out_struct((programs,), jnp.float32, flat)),
+      programs=programs, num_warps=num_warps, interpret=interpret,
+      name="jaxcomp_sign_triton")(flat)
+
+
+def sign_pack_triton(x: jax.Array, *, rows: int = TRITON_ROWS,
                      num_warps: int = _triton.DEFAULT_WARPS,
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Sign packing lowered by Triton: the words of
   :func:`sign_pack_reference` bit for bit, and its scale up to float32
   summation order, in one masked pass over ``x`` in its own dtype (no
-  padded or converted copy; :func:`jaxcomp.kernels._triton.sign_pack_call`).
+  padded or converted copy; :func:`_triton_kernel`).
 
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic kernel (:func:`sign_pack`)
@@ -159,8 +203,8 @@ def sign_pack_triton(x: jax.Array, *, rows: int = _triton.SIGN_ROWS,
   _triton.check_launch(32, rows, num_warps)
   if x.size == 0:
     return sign_pack_reference(x)
-  words, abs_sums = _triton.sign_pack_call(x, rows=rows, num_warps=num_warps,
-                                           interpret=interpret)
+  words, abs_sums = _triton_call(x.reshape(-1), rows=rows,
+                                 num_warps=num_warps, interpret=interpret)
   return words, jnp.sum(abs_sums) / jnp.float32(x.size)
 
 

@@ -1,6 +1,9 @@
-"""Triton-lowered selection by threshold: which elements of ``x`` have
-``|x| >= t``, compacted in index order into a fixed capacity, in two
-passes over ``x`` (:func:`select_at_least`).
+"""Top-k with a Triton-lowered selection (:func:`topk_triton`,
+:func:`sampled_topk_triton`; both re-exported by :mod:`jaxcomp.kernels.topk`).
+
+The selection by threshold: which elements of ``x`` have ``|x| >= t``,
+compacted in index order into a fixed capacity, in two passes over ``x``
+(:func:`select_at_least`).
 
 1. **Count** (:func:`count_at_least`): each Pallas program takes ``span``
    consecutive elements with one masked load and writes how many of them
@@ -24,9 +27,9 @@ bytes. Here the selection is two kernels and one small prefix sum.
 
 Why Triton: the scatter's addresses depend on the data, which Mosaic GPU's
 tiled shared-memory stores and TMA copies do not express; Triton's masked
-pointer stores do. Untimed on a GPU so far: :func:`jaxcomp.kernels.topk.
-topk_triton` is reached only by asking for it (``benchmarks/kernels_bench.py``' ``triton``
-top-k row), not by ``implementation=None``.
+pointer stores do. Untimed on a GPU so far: :func:`topk_triton` is reached
+only by asking for it (``benchmarks/kernels_bench.py``'s ``triton`` top-k
+row), not by ``implementation=None``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import _launch
+from . import _topk_select
 from . import _triton
+from ._topk_select import DEFAULT_CONFIG
+from ._topk_select import TopKConfig
 
 # Elements per program: 4096 float32 is 16 KiB, half of the int8 kernel's
 # register budget (_triton.MAX_SPAN), leaving room for the in-register
@@ -167,3 +173,121 @@ def select_at_least(flat: jax.Array, t: jax.Array, *, capacity: int,
   live = jnp.arange(capacity) < count
   return (jnp.where(live, idx[:capacity], 0),
           jnp.where(live, key[:capacity], -1), count)
+
+
+# ----------------------------------------------------------------------------
+# Top-k and DGC's sampled top-k on the Triton selection.
+# ----------------------------------------------------------------------------
+
+
+TRITON_SPAN = DEFAULT_SPAN  # topk_triton's default span
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config", "span",
+                                             "num_warps", "band_only",
+                                             "interpret"))
+def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
+                span: int = TRITON_SPAN,
+                num_warps: int = DEFAULT_WARPS,
+                band_only: bool = False,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of ``|x|`` whose selection is two Triton-lowered kernels.
+
+  The XLA fast path's selection (:func:`topk_threshold_xla`: the lower
+  threshold ``t`` of an evenly spaced sample, the candidates ``key >= t``
+  compacted in index order into a fixed capacity, the ``k``-th largest key
+  found among them) with the compaction done by
+  :func:`select_at_least`: a count pass and a compact pass over ``x``, which also returns the candidates' keys, in
+  place of the packed masks, prefix sums, scatter and running maximum over
+  ``n / 32`` words. The candidates' keys are sorted whole (one sort), or
+  with ``band_only`` only those between the sample's two thresholds (the
+  XLA path's way: fewer keys sorted, a few more kernels). When the sample
+  misleads (fewer than ``k`` or more than the capacity pass, e.g. ties at
+  ``t`` in a mostly-zero gradient) a branch runs
+  :func:`topk_threshold_xla`. Same set as
+  :func:`jaxcomp.kernels.topk.topk_reference`, in
+  ascending index order.
+
+  Written for NVIDIA GPUs and checked there only by its CUDA export (two
+  Triton calls reading ``x``): not yet timed on one, so no ``implementation``
+  picks it; ``python benchmarks/kernels_bench.py --ops topk`` times it (rows
+  ``pallas:triton``).
+
+  Args:
+    x: float array (any shape; flattened), ``n`` elements; float32,
+      bfloat16 or float16.
+    k: ``0 <= k <= n``.
+    config: the sample's knobs (:class:`TopKConfig`).
+    span: elements per Triton program (a power of two in [32, 8192]).
+    num_warps: warps per Triton program.
+    band_only: sort only the band between the sample's thresholds.
+    interpret: run the kernels in Pallas' interpret mode (any backend).
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``, ascending index.
+
+  Raises:
+    ValueError: bad ``k``, ``span`` or ``num_warps``.
+  """
+  check_launch(span, num_warps)
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  _topk_select.check_k(n, k)
+  if k == 0:
+    return _topk_select.empty(flat)
+  s, rank, _, cap, _ = _topk_select.sample_plan(n, k, config)
+  if rank >= s or cap >= n:  # Dense selection: sampling does not pay.
+    return _topk_select.topk_threshold_xla(flat, k, config=config)
+  form = _topk_select.selection(config)
+  stride = n // s
+  top = _topk_select.sample_top_keys(flat[: s * stride : stride], rank, form)
+  cidx, ckey, count = select_at_least(
+      flat, top[rank - 1], capacity=cap, span=span, num_warps=num_warps,
+      interpret=interpret)
+  typed = lambda idx: idx + _launch.zero_like(flat, jnp.int32)
+
+  def from_candidates():
+    return typed(_topk_select.among_candidates(
+        cidx, jnp.arange(cap) < count, ckey, top, k, config, n=n,
+        log_depth=form == "partial", band_only=band_only))
+
+  def misled():
+    return typed(_topk_select.topk_threshold_xla(flat, k, config=config)[1])
+
+  idx = jax.lax.cond((count >= k) & (count <= cap), from_candidates, misled)
+  return _topk_select.gather(flat, idx), idx
+
+
+@functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "span",
+                                             "num_warps", "interpret"))
+def sampled_topk_triton(x: jax.Array, k: int, key: jax.Array, *,
+                        sample_ratio: float, span: int = TRITON_SPAN,
+                        num_warps: int = DEFAULT_WARPS,
+                        interpret: bool = False
+                        ) -> tuple[jax.Array, jax.Array]:
+  """:func:`jaxcomp.kernels.topk.sampled_topk` (DGC) with its selection
+  done by the two Triton-lowered kernels of :func:`topk_triton`
+  (:func:`select_at_least` with capacity ``k``): the same threshold from the same sample, the same values and
+  indices.
+
+  Not yet timed on a GPU, so no ``implementation`` picks it (``python
+  benchmarks/kernels_bench.py --ops sampled_topk``, row ``pallas:triton``).
+
+  Returns:
+    ``(values[k] in x.dtype, indices[k] int32)``.
+
+  Raises:
+    ValueError: ``sample_ratio`` not in (0, 1], bad ``k``, ``span`` or
+      ``num_warps``.
+  """
+  _topk_select.check_sample_ratio(sample_ratio)
+  check_launch(span, num_warps)
+  flat = x.reshape(-1)
+  _topk_select.check_k(flat.shape[0], k)
+  if k == 0:
+    return _topk_select.empty(flat)
+  t = _topk_select.dgc_threshold(flat, k, key, sample_ratio)
+  idx, _, count = select_at_least(
+      flat, t, capacity=k, span=span, num_warps=num_warps,
+      interpret=interpret)
+  return _topk_select.gather(flat, idx, jnp.arange(k) < count), idx
