@@ -365,7 +365,7 @@ class CompressedValueAndGrad:
         self.tx = routed(self.transform, self.shardings, self._group)
         grads = jax.tree.map(self._local_grad, params, specs,
                              is_leaf=lambda x: isinstance(x, P))
-    if self.shapes is not None:
+    if isinstance(self.layout, FSDP):
       self.layout.check_transform(self.transform, params, self.mesh,
                                   self.axis_name)
     state, self.specs = init_sharded(self.tx, params, self.mesh,

@@ -71,8 +71,8 @@ def test_islands_outer_sync_is_lowcomms_diloco(mesh8, name, kwargs,
   tx = jaxcomp.diloco(inner, outer, sync_every=1, compressor=name,
                       collective="allgather", bucketing="whole",
                       error_feedback=True, **kwargs)
-  local, state, specs = lowcomm.init(tx, params, mesh8)
-  step = lowcomm.make_train_step(_loss, tx, mesh=mesh8, state_specs=specs)
+  state = jaxcomp.init(tx, params, mesh8, layout=jaxcomp.Islands())
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=jaxcomp.Islands())
 
   comp = compressors.get(name, **kwargs)
   fb = _outer.feedback_for(True)
@@ -88,7 +88,7 @@ def test_islands_outer_sync_is_lowcomms_diloco(mesh8, name, kwargs,
               a, b, rtol=1e-6, atol=1e-6, err_msg=err_msg))
   for grads in _rounds(mesh8, 3):
     batch = jax.device_put(grads, NamedSharding(mesh8, P("data")))
-    local, state, _ = step(local, state, batch)
+    state, _ = step(state, batch)
     payloads = []
     for d in range(p):
       g = {k: grads[k][d] for k in SHAPES}
@@ -100,8 +100,8 @@ def test_islands_outer_sync_is_lowcomms_diloco(mesh8, name, kwargs,
     anchor, outer_state = apply_mean(anchor, outer_state,
                                      decode_mean(stacked, key))
 
-    synced = lowcomm.synced_params(state)
-    parts = state.exchange_state[0].feedback[0]  # per leaf, per device
+    synced = lowcomm.synced_params(state.opt_state)
+    parts = state.opt_state.exchange_state[0].feedback[0]  # per leaf, per device
     theirs = np.concatenate([np.asarray(x).reshape(p, -1) for x in parts],
                             axis=1)
     for k in SHAPES:

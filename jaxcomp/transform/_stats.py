@@ -41,9 +41,8 @@ class CompressionStats(NamedTuple):
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.compressed_mean("topk", "data", ratio=0.1)
-    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
-    ...                                 mesh, "data")
-    >>> stats = jaxcomp.get_stats(state)  # its ExchangeStats
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((8, 4))}, mesh)
+    >>> stats = jaxcomp.get_stats(state.opt_state)  # its ExchangeStats
     >>> float(stats.compression_factor), float(stats.wire_compression_factor)
     (4.0, 1.0)
   """
@@ -138,8 +137,9 @@ class ExchangeStats(NamedTuple):
     >>> import jax, jax.numpy as jnp, optax, jaxcomp
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = jaxcomp.diloco(optax.sgd(0.1), sync_every=50, compressor="bf16")
-    >>> _, state, _ = jaxcomp.lowcomm.init(tx, {"w": jnp.zeros(100)}, mesh)
-    >>> s = jaxcomp.get_stats(state)  # 100 bf16 values, once per 50 steps
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros(100)}, mesh,
+    ...                      layout=jaxcomp.Islands())
+    >>> s = jaxcomp.get_stats(state.opt_state)  # 100 bf16 values, once per 50 steps
     >>> s.axis_name, s.collective, s.every, float(s.bytes_sent)
     ('data', 'all-reduce', 50, 200.0)
     >>> float(s.bytes_sent) / s.every  # a step's average
@@ -286,14 +286,13 @@ def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
     >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
     >>> tx = optax.chain(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
     ...                  optax.sgd(0.1))
-    >>> state, _ = jaxcomp.init_sharded(tx, {"w": jnp.zeros((8, 4))},
-    ...                                 mesh, "data")
-    >>> stats = jaxcomp.get_stats(state)  # 4 values + 4 indices, each step
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((8, 4))}, mesh)
+    >>> stats = jaxcomp.get_stats(state.opt_state)  # 4 values + 4 indices, each step
     >>> stats.axis_name, stats.every, float(stats.bytes_sent)
     ('data', 1, 32.0)
     >>> float(stats.dense_bytes), float(stats.compression_factor)
     (128.0, 4.0)
-    >>> list(jaxcomp.get_stats(state, by_path=True))  # by the chain's index
+    >>> list(jaxcomp.get_stats(state.opt_state, by_path=True))  # by the chain's index
     ['[0]']
 
     DiLoCo across 2 islands, an exact float32 mean inside each island
@@ -304,11 +303,11 @@ def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
     >>> tx = jaxcomp.diloco(optax.chain(
     ...     jaxcomp.compressed_mean("identity", "data"), optax.sgd(0.1)),
     ...     sync_every=50, compressor="int8_block", axis_name="hosts")
-    >>> _, state, _ = jaxcomp.lowcomm.init(tx, {"w": jnp.zeros(1024)}, mesh,
-    ...                                    ("hosts", "data"),
-    ...                                    copies_over="hosts")
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros(1024)}, mesh,
+    ...                      layout=jaxcomp.Islands(over="hosts"),
+    ...                      axis_name=("hosts", "data"))
     >>> {k: (s.every, float(s.bytes_sent), float(s.dense_bytes))
-    ...  for k, s in jaxcomp.get_stats(state, by_exchange=True).items()}
+    ...  for k, s in jaxcomp.get_stats(state.opt_state, by_exchange=True).items()}
     {'data': (1, 4096.0, 4096.0), 'hosts': (50, 1040.0, 4096.0)}
   """
   if by_exchange and by_path:
