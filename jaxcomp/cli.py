@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import os
 import sys
 from typing import Any
 from collections.abc import Callable, Sequence
 
 from jaxcomp import compressors
 from jaxcomp import perfmodel
+from jaxcomp.perfmodel import verdict as whatif
 
 __all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec"]
 
@@ -133,24 +133,36 @@ def _build_compressors(specs: Sequence[str]):
   return out
 
 
-def _codecs(args, comps):
-  import json
-  if args.codec == "none":
-    return {}, "encode/decode: not counted (--codec none)"
-  if args.codec == "measure":
-    codecs = {name: perfmodel.measure_codec(c) for name, c in comps.items()}
-    dev = next(iter(codecs.values())).device if codecs else "-"
-    return codecs, f"encode/decode: measured on this machine ({dev}), affine fit in size"
-  if not os.path.isfile(args.codec):
-    raise FileNotFoundError(f"codec file {args.codec!r} does not exist "
-                            "(--codec takes 'measure', 'none' or a JSON file)")
-  with open(args.codec) as f:
-    d = json.load(f)
-  missing = [n for n in comps if n not in d]
-  if missing:
-    raise ValueError(f"codec file {args.codec!r} has no entry for {missing}")
-  return ({n: perfmodel.CodecCost.from_dict(d[n]) for n in comps},
-          f"encode/decode: from {args.codec}")
+def _codecs(args, comps, target):
+  codecs, lines = whatif.codec_costs(args.codec, comps, target)
+  return codecs, "\n".join(lines)
+
+
+class _Given(argparse.Action):
+  """Stores the value and records that the user gave the option (``args.given``)."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    setattr(namespace, self.dest, values)
+    namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def _links(args, device) -> dict[str, str]:
+  """Applies ``--network`` and the device's NVLink where the user gave no
+  number, and says where each link figure comes from."""
+  given = getattr(args, "given", frozenset())
+  src = {k: "given" if k in given else "assumed default"
+         for k in ("bandwidth", "latency", "workers", "intra_bandwidth")}
+  if args.network is not None:
+    net = perfmodel.network_preset(args.network)
+    for k, v in (("bandwidth", net.gbps), ("latency", net.latency_us)):
+      if k not in given:
+        setattr(args, k, v)
+        src[k] = (f"{net.name}: {net.source}" if k == "bandwidth"
+                  else f"assumed for {net.description}")
+  if device is not None and "intra_bandwidth" not in given:
+    args.intra_bandwidth = device.intra_gbps
+    src["intra_bandwidth"] = f"{device.name} NVLink, {device.label}"
+  return src
 
 
 def _network(args, workers=None):
@@ -191,11 +203,17 @@ def _print_table(header, rows, out):
 
 def _run_whatif(args) -> int:
   out = sys.stdout
-  profile = perfmodel.load_profile(args.profile, tflops=args.tflops).tensor_parallel(
-      args.tensor_parallel)
+  device = (None if args.device is None else perfmodel.device_preset(args.device))
+  profile = whatif.whatif_profile(
+      profile=args.profile, model=args.model, params=args.params, layers=args.layers,
+      d_model=args.d_model, vocab=args.vocab, seq_len=args.seq_len,
+      tokens_per_step=args.tokens_per_step, device=device, mfu=args.mfu,
+      tflops=args.tflops).tensor_parallel(args.tensor_parallel)
+  target, target_from = whatif.target_device(args.device, profile)
+  sources = _links(args, target)
   network = _network(args)
   comps = _build_compressors(args.compressors)
-  codecs, codec_note = _codecs(args, comps)
+  codecs, codec_note = _codecs(args, comps, target)
   overlap = "after_backward" if args.no_overlap else args.overlap
   collective = None if args.collective == "default" else args.collective
   output = {"replicated": "mean", "fsdp": "shard", "hsdp": "hsdp",
@@ -212,11 +230,15 @@ def _run_whatif(args) -> int:
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
-        f"{len(profile.layer_sizes)} tensors; compute {profile.compute_time * 1e3:.1f} ms/step "
-        f"({profile.meta.get('timing', 'measured')})", file=out)
-  print(f"network: {network.workers} workers, {args.bandwidth:g} Gbit/s, "
-        f"{args.latency:g} us per message, {network.algorithm}"
-        + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
+        f"{len(profile.layer_sizes)} tensors ({profile.meta.get('sizes', 'counted')})\n"
+        f"  compute {profile.compute_time * 1e3:.1f} ms/step ({whatif.profile_label(profile)})",
+        file=out)
+  print(whatif.device_line(target, target_from, profile), file=out)
+  print(f"network: {network.workers} workers ({sources['workers']}), {args.bandwidth:g} Gbit/s "
+        f"({sources['bandwidth']}), {args.latency:g} us per message ({sources['latency']}), "
+        f"{network.algorithm}"
+        + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside: "
+           f"{sources['intra_bandwidth']})"
            if network.algorithm == "hierarchical" else "")
         + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
         + {"wfbp": "; overlap with backward (WFBP)",
@@ -236,7 +258,8 @@ def _run_whatif(args) -> int:
            "activation collectives are not priced)" if args.tensor_parallel > 1 else ""),
         file=out)
   print(codec_note, file=out)
-  print(file=out)
+  print("\npredicted (derived: the alpha-beta model of jaxcomp.perfmodel from the figures "
+        "above)", file=out)
   rows = []
   for name, pr in res.items():
     rows.append([name, pr.collective, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
@@ -248,7 +271,13 @@ def _run_whatif(args) -> int:
                                buckets=args.buckets, overlap=overlap)
   print(f"\nan ideal linear compressor (free encode/decode) needs ratio "
         f"{'>1e4 (start-up costs dominate)' if math.isinf(r) else f'{r:.2f}x'} "
-        f"for scaling factor >= {args.target_scaling:g}", file=out)
+        f"for scaling factor >= {args.target_scaling:g} (derived)", file=out)
+  sweep, verdicts = whatif.verdicts(profile, comps, network, **kw)
+  print("\nbreak-even bandwidth (derived: where the predicted speedup over dense crosses "
+        "1, the rest held)", file=out)
+  for name in comps:
+    print(whatif.break_even_line(name, verdicts[name], args.bandwidth, res[name].speedup),
+          file=out)
 
   if args.simulate:
     workers = [p for p in perfmodel.DEFAULT_WORKERS
@@ -274,31 +303,19 @@ def _run_whatif(args) -> int:
       print(f"  {n}: {verdict}", file=out)
 
   if args.plot:
-    _plot(args, profile, comps, network, kw)
+    _plot(args, profile, comps, network, dict(kw, verdicts=verdicts))
     print(f"\nwrote {args.plot}", file=out)
   return 0
 
 
 def _plot(args, profile, comps, network, kw):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  gbps = [0.1 * 10 ** (i / 8) for i in range(0, 30)]  # 0.1 .. ~560 Gbit/s
-  sweep = perfmodel.sweep_bandwidth(profile, comps, network, gbps, **kw)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in comps:
-    ax.plot(gbps, [sweep[g][name].speedup for g in gbps], label=name)
-  ax.axhline(1.0, color="k", lw=0.8, ls="--", label="dense")
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("bandwidth (Gbit/s)")
-  ax.set_ylabel("predicted speedup over dense")
-  ax.set_title(f"{profile.name}, {network.workers} workers, {args.latency:g} us latency")
-  ax.legend(fontsize=8)
-  ax.grid(True, which="both", alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(args.plot, dpi=110)
-  plt.close(fig)
+  kw = dict(kw)
+  verdicts = kw.pop("verdicts", None)
+  sweep, _ = whatif.verdicts(profile, comps, network, gbps=whatif.BANDWIDTHS, **kw)
+  where = f" on {args.device}" if args.device else ""
+  whatif.plot_speedup(
+      args.plot, sweep, list(comps), gbps=args.bandwidth, verdicts=verdicts,
+      title=f"{profile.name}{where}, {network.workers} workers, {args.latency:g} us latency")
 
 
 def _add_whatif(sub):
@@ -306,19 +323,47 @@ def _add_whatif(sub):
       "whatif", help="predict whether compression pays for a model and cluster",
       description="Predict step time, speedup over dense and scaling factor of compressors "
       "with the alpha-beta model of jaxcomp.perfmodel.")
-  p.add_argument("--profile", default="resnet50",
+  p.add_argument("--profile", default=None,
                  help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
                  "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
-  p.add_argument("--workers", "-p", type=_workers, default=16, help="data-parallel workers (default 16)")
+  p.add_argument("--model", default=None, metavar="NAME",
+                 help="a decoder-only transformer by configuration: "
+                 f"{', '.join(perfmodel.DECODERS)} (needs --device)")
+  p.add_argument("--params", type=_positive_float("--params", "parameters"), default=None,
+                 metavar="N", help="a Llama-style decoder of about N parameters (e.g. 1.1e9; "
+                 "needs --device; --layers / --d-model / --vocab derived unless given)")
+  p.add_argument("--layers", type=_positive_int("--layers"), default=None)
+  p.add_argument("--d-model", type=_positive_int("--d-model"), default=None)
+  p.add_argument("--vocab", type=_positive_int("--vocab"), default=None,
+                 help="--params: vocabulary size (default 128256, Llama 3's)")
+  p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=None,
+                 help="--model / --params: sequence length (default: the model's; 8192 "
+                 "for Llama 3, 1024 for GPT-2)")
+  p.add_argument("--tokens-per-step", type=_positive_int("--tokens-per-step"), default=None,
+                 help="--model / --params: tokens each worker processes per step "
+                 "(default 8192, assumed)")
+  p.add_argument("--device", choices=tuple(perfmodel.DEVICES), default=None,
+                 help="the device each worker is: its peak FLOP/s for --model, --params and "
+                 "the built-in profiles, its NVLink for --algorithm hierarchical, its kernel "
+                 "table for --codec auto (default: the device a --profile file records)")
+  p.add_argument("--mfu", type=_positive_float("--mfu", ""), default=None,
+                 help="model FLOP utilization with --device, in (0, 1] (default 0.4, assumed)")
+  p.add_argument("--network", choices=tuple(perfmodel.NETWORKS), default=None,
+                 help="a link preset: its bandwidth and latency, unless -b / -l are given")
+  p.add_argument("--workers", "-p", type=_workers, default=16, action=_Given,
+                 help="data-parallel workers (default 16)")
   p.add_argument("--bandwidth", "-b", type=_positive_float("bandwidth", "Gbit/s"), default=10.0,
-                 help="link bandwidth, Gbit/s (default 10)")
+                 action=_Given, help="link bandwidth, Gbit/s (default 10)")
   p.add_argument("--latency", "-l", type=_nonneg_float("latency", "microseconds"), default=50.0,
+                 action=_Given,
                  help="start-up cost per message (alpha), microseconds (default 50)")
   p.add_argument("--algorithm", choices=("ring", "hierarchical"), default="ring")
   p.add_argument("--workers-per-node", type=_workers, default=8,
                  help="hierarchical: workers per node (default 8)")
   p.add_argument("--intra-bandwidth", type=_positive_float("intra-node bandwidth", "Gbit/s"),
-                 default=1200.0, help="hierarchical: bandwidth inside a node, Gbit/s (default 1200)")
+                 default=1200.0, action=_Given,
+                 help="hierarchical: bandwidth inside a node, Gbit/s (default: the --device's "
+                 "NVLink, else 1200)")
   p.add_argument("--intra-latency", type=_nonneg_float("intra-node latency", "microseconds"),
                  default=5.0, help="hierarchical: latency inside a node, microseconds (default 5)")
   p.add_argument("--compressors", "-c", nargs="+", default=list(DEFAULT_COMPRESSORS),
@@ -326,9 +371,12 @@ def _add_whatif(sub):
                  help="compressors from jaxcomp.compressors, or demo[:compression_topk=K,"
                  "compression_chunk=C] (jaxcomp.demo's DCT top-k exchange, "
                  f"perfmodel.DeMoCompressor) (default: {' '.join(DEFAULT_COMPRESSORS)})")
-  p.add_argument("--codec", default="measure",
-                 help="encode/decode time: 'measure' (micro-benchmark on this device, default), "
-                 "'none', or a JSON file {compressor spec: CodecCost fields}")
+  p.add_argument("--codec", default="auto",
+                 help="encode/decode time: 'auto' (default: a GPU --device from the kernel "
+                 "tables shipped in jaxcomp.perfmodel.kernel_table, scaled by memory "
+                 "bandwidth; cpu timed here; no device: not counted), 'measure' (timed on "
+                 "the device at hand; refused when --device names another), 'none', or a "
+                 "JSON file {compressor spec: CodecCost fields}")
   p.add_argument("--buckets", type=_buckets, default="mgwfbp",
                  help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, "
                  "auto (compressed_mean's default bucketing), single, or a bucket size in MB")
@@ -363,13 +411,15 @@ def _add_whatif(sub):
                  "--workers (FSDP x tensor with --sharding fsdp/hsdp, MaxText's mesh): "
                  "each worker holds, computes and exchanges 1/T of every tensor; the "
                  "tensor axis's activation collectives are not priced (default 1)")
-  p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
-                 help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
+  p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=None,
+                 help="built-in profiles: effective device TFLOP/s for compute times "
+                 "(default: the --device's peak x --mfu, else 15, assumed)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,
                  help="scaling factor for the required-compression line (default 0.9)")
   p.add_argument("--simulate", action="store_true",
                  help="also simulate 4 to 2048 workers and say where each compressor stops paying")
-  p.add_argument("--plot", metavar="PNG", help="write speedup against bandwidth to this PNG")
+  p.add_argument("--plot", metavar="PNG",
+                 help="write speedup against bandwidth to this PNG, your -b marked")
   p.set_defaults(func=_run_whatif)
 
 
