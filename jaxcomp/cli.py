@@ -233,7 +233,9 @@ def _run_whatif(args) -> int:
         f"{len(profile.layer_sizes)} tensors ({profile.meta.get('sizes', 'counted')})\n"
         f"  compute {profile.compute_time * 1e3:.1f} ms/step ({whatif.profile_label(profile)})",
         file=out)
-  print(whatif.device_line(target, target_from, profile), file=out)
+  shards = {"fsdp": network.workers, "hsdp": network.workers_per_node,
+            "islands-fsdp": network.workers_per_node}.get(args.sharding, 1)
+  print(whatif.device_line(target, target_from, profile, shards=shards), file=out)
   print(f"network: {network.workers} workers ({sources['workers']}), {args.bandwidth:g} Gbit/s "
         f"({sources['bandwidth']}), {args.latency:g} us per message ({sources['latency']}), "
         f"{network.algorithm}"

@@ -251,7 +251,8 @@ def decoder_profile(cfg: DecoderConfig, device: hardware.DevicePreset, *,
             "sizes": f"counted from the configuration ({cfg.source})",
             "timing": (f"derived: {flops:.3g} FLOPs (6·N·T + 12·L·d·s·T, T = "
                        f"{tokens_per_step} tokens/worker, s = {s}) at {device.name} peak "
-                       f"{device.peak_bf16_tflops:g} bf16 TFLOP/s ({device.label}) x MFU "
+                       f"{device.peak_bf16_tflops:g} bf16 TFLOP/s "
+                       f"({'assumed' if device.assumed else 'datasheet'}) x MFU "
                        f"{mfu:g} (assumed)"),
             "device": device.name, "tokens_per_step": tokens_per_step, "seq_len": s,
             "mfu": mfu})

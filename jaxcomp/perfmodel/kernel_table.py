@@ -18,7 +18,9 @@ How each cost is made (:func:`gpu_codec`):
   through its rows (measured), times ``4800 / HBM GB/s`` of the target
   device (derived: the passes are bandwidth-bound);
 * encode of one without rows: one read of the float32 buffer and one write
-  of its payload at the copy's rate (derived);
+  of its payload at the copy's rate (derived); PowerSGD's, four passes
+  over the buffer (``M Q`` and ``M^T P`` read it, the residual
+  ``M - P Q^T`` is read and written: memory-bound at small ranks);
 * decode, every compressor: one read of the payload and one write of the
   float32 buffer at the copy's rate (derived: no decode was timed).
 """
@@ -86,6 +88,10 @@ def gpu_codec(compressor, device: hardware.DevicePreset) -> tuple[_pricing.Codec
   if row is not None:
     enc_a, enc_b = _line(row)
     how = f"encode measured (H200 '{row}' rows)"
+  elif getattr(compressor, "name", "") == "powersgd":
+    enc_a, enc_b = copy_a, (16.0 + payload) * per_byte
+    how = ("encode derived (no kernel row: four passes over the buffer, M Q, M^T P and "
+           "the residual)")
   else:
     enc_a, enc_b = copy_a, (4.0 + payload) * per_byte
     how = "encode derived (no kernel row: one read of the buffer, one write of the payload)"

@@ -68,13 +68,14 @@ def whatif_profile(*, profile: str | None = None, model: str | None = None,
   if len(routes) > 1:
     raise ValueError(f"pass one of --profile, --model, --params, not {' and '.join(routes)}")
   decoder = model is not None or params is not None
-  for flag, v, ok in (("--layers", layers, params is not None),
-                      ("--d-model", d_model, params is not None),
-                      ("--vocab", vocab, params is not None),
-                      ("--seq-len", seq_len, decoder),
-                      ("--tokens-per-step", tokens_per_step, decoder)):
+  for flag, v, ok, route in (("--layers", layers, params is not None, "--params"),
+                             ("--d-model", d_model, params is not None, "--params"),
+                             ("--vocab", vocab, params is not None, "--params"),
+                             ("--seq-len", seq_len, decoder, "--model or --params"),
+                             ("--tokens-per-step", tokens_per_step, decoder,
+                              "--model or --params")):
     if v is not None and not ok:
-      raise ValueError(f"{flag} applies to {'--params' if flag in ('--layers', '--d-model', '--vocab') else '--model or --params'}")
+      raise ValueError(f"{flag} applies to {route}")
   mfu_ = decoders.DEFAULT_MFU if mfu is None else mfu
   if not 0 < mfu_ <= 1:
     raise ValueError(f"--mfu must be in (0, 1], got {mfu_:g}")
@@ -102,7 +103,8 @@ def whatif_profile(*, profile: str | None = None, model: str | None = None,
   return dataclasses.replace(prof, meta={
       **prof.meta, "device": device.name,
       "timing": (f"derived: FLOP count at {device.name} peak {device.peak_bf16_tflops:g} bf16 "
-                 f"TFLOP/s ({device.label}) x MFU {mfu_:g} (assumed)")})
+                 f"TFLOP/s ({'assumed' if device.assumed else 'datasheet'}) x MFU {mfu_:g} "
+                 "(assumed)")})
 
 
 def profile_label(profile: _model_profile.ModelProfile) -> str:
@@ -115,9 +117,13 @@ def profile_label(profile: _model_profile.ModelProfile) -> str:
 
 
 def device_line(target: hardware.DevicePreset | None, source: str,
-                profile: _model_profile.ModelProfile) -> str:
-  """The target device, its figures and their source, and whether the
-  profile's compute was timed on another device."""
+                profile: _model_profile.ModelProfile, *, shards: int = 1) -> str:
+  """The target device, its figures and their source, whether the
+  profile's compute was timed on another device, and whether the model's
+  training state fits in its memory: 16 bytes per parameter (Adam in mixed
+  precision: bfloat16 weights and gradients, float32 master weights and two
+  moments; Rajbhandari et al., *ZeRO*, 2020), divided by ``shards`` (FSDP),
+  activations not counted."""
   if target is None:
     return ("device: not named (pass --device: " + ", ".join(hardware.DEVICES)
             + "); compute as the profile states it")
@@ -131,6 +137,13 @@ def device_line(target: hardware.DevicePreset | None, source: str,
     if hardware.preset_of_kind(platform, kind) is not target:
       line += (f"; note: the profile's compute was timed on {recorded}, not rescaled to "
                f"{target.name}")
+  need = 16.0 * profile.num_params / shards / 1e9
+  if need > target.memory_gbytes:
+    per = f" / {shards} shards" if shards > 1 else ""
+    line += (f"\n  note: Adam's state of {profile.num_params / 1e9:.3g}B parameters needs "
+             f"~{need:.0f} GB per worker (16 bytes each{per}), "
+             f"more than the {target.memory_gbytes:g} GB of one {target.name}: shard it "
+             "(--sharding fsdp) or split it (--tensor-parallel)")
   return line
 
 
