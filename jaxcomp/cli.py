@@ -201,8 +201,63 @@ def _print_table(header, rows, out):
     print(_fmt_row(r, widths), file=out)
 
 
-def _run_whatif(args) -> int:
-  out = sys.stdout
+def _describe_network(args, network, overlap: str, output: str,
+                      sources: dict[str, str]) -> str:
+  """whatif's ``network:`` line: the cluster, buckets, overlap and layout,
+  each link figure with where it comes from (``sources``, :func:`_links`)."""
+  return (f"network: {network.workers} workers ({sources['workers']}), {args.bandwidth:g} "
+          f"Gbit/s ({sources['bandwidth']}), {args.latency:g} us per message "
+          f"({sources['latency']}), {network.algorithm}"
+          + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside: "
+             f"{sources['intra_bandwidth']})"
+             if network.algorithm == "hierarchical" else "")
+          + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
+          + {"wfbp": "; overlap with backward (WFBP)",
+             "after_backward": "; collectives after the backward pass",
+             "serial": "; nothing overlaps (serial)"}[overlap]
+          + (f"; compressors as DiLoCo, one exchange every {args.diloco_every} steps"
+             if args.diloco_every > 1 else "")
+          + {"mean": "", "shard": "; FSDP (float32 parameter gathers, compressed "
+             "reduce-scatter)", "hsdp": "; HSDP (sharded inside a node, exact there; "
+             "shards compressed across nodes)",
+             "islands": "; DiLoCo islands (exact data parallelism inside a node, "
+             "pseudo-gradients compressed across nodes; dense: data parallelism)",
+             "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
+             "of the pseudo-gradient across nodes; dense: HSDP)"}[output]
+          + (f"; tensor parallelism over {args.tensor_parallel} devices (each worker "
+             f"exchanges its 1/{args.tensor_parallel} of every tensor; the tensor axis's "
+             "activation collectives are not priced)" if args.tensor_parallel > 1 else ""))
+
+
+def _print_simulation(profile, comps, network, kw, out) -> None:
+  """whatif --simulate: the trace-based simulation from 4 to 2048 workers and
+  where each compressor stops paying."""
+  workers = [p for p in perfmodel.DEFAULT_WORKERS
+             if network.algorithm == "ring" or p % network.workers_per_node == 0]
+  sweep = perfmodel.sweep_workers(profile, comps, network, workers, **kw)
+  print(f"\ntrace-based simulation, {workers[0]} to {workers[-1]} workers "
+        "(speedup over dense; dense column: scaling factor)", file=out)
+  names = list(comps)
+  rows = [[str(p), f"{sweep[p]['dense'].scaling_factor:.3f}"]
+          + [f"{sweep[p][n].speedup:.2f}" for n in names] for p in workers]
+  _print_table(["workers", "dense_scaling"] + names, rows, out)
+  for n in names:
+    k = perfmodel.stops_paying(sweep, n)
+    paid = [p for p in workers if sweep[p][n].speedup >= 1]
+    if k is None:
+      verdict = f"pays at every worker count from {workers[0]} to {workers[-1]}"
+    elif not paid:
+      verdict = "never pays in this range"
+    else:
+      verdict = f"stops paying at {k} workers"
+      if any(p > k for p in paid):
+        verdict += f" (pays again from {min(p for p in paid if p > k)})"
+    print(f"  {n}: {verdict}", file=out)
+
+
+def _whatif_profile(args):
+  """whatif's profile, target device (and where it comes from), and the
+  link figures' sources; applies the presets to ``args``."""
   device = (None if args.device is None else perfmodel.device_preset(args.device))
   profile = whatif.whatif_profile(
       profile=args.profile, model=args.model, params=args.params, layers=args.layers,
@@ -210,7 +265,24 @@ def _run_whatif(args) -> int:
       tokens_per_step=args.tokens_per_step, device=device, mfu=args.mfu,
       tflops=args.tflops).tensor_parallel(args.tensor_parallel)
   target, target_from = whatif.target_device(args.device, profile)
-  sources = _links(args, target)
+  return profile, target, target_from, _links(args, target)
+
+
+def _print_break_even(profile, comps, network, kw, res, args, out) -> dict:
+  """Each compressor's break-even bandwidth; returns :func:`whatif.verdicts`'."""
+  _, verdicts = whatif.verdicts(profile, comps, network, **kw)
+  print("\nbreak-even bandwidth (derived: where the predicted speedup over dense crosses "
+        "1, the rest held)", file=out)
+  for name in comps:
+    print(whatif.break_even_line(name, verdicts[name], args.bandwidth, res[name].speedup),
+          file=out)
+  return verdicts
+
+
+def _run_whatif(args) -> int:
+  """``jaxcomp whatif``: the predictions table (and --simulate, --plot)."""
+  out = sys.stdout
+  profile, target, target_from, sources = _whatif_profile(args)
   network = _network(args)
   comps = _build_compressors(args.compressors)
   codecs, codec_note = _codecs(args, comps, target)
@@ -236,29 +308,7 @@ def _run_whatif(args) -> int:
   shards = {"fsdp": network.workers, "hsdp": network.workers_per_node,
             "islands-fsdp": network.workers_per_node}.get(args.sharding, 1)
   print(whatif.device_line(target, target_from, profile, shards=shards), file=out)
-  print(f"network: {network.workers} workers ({sources['workers']}), {args.bandwidth:g} Gbit/s "
-        f"({sources['bandwidth']}), {args.latency:g} us per message ({sources['latency']}), "
-        f"{network.algorithm}"
-        + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside: "
-           f"{sources['intra_bandwidth']})"
-           if network.algorithm == "hierarchical" else "")
-        + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
-        + {"wfbp": "; overlap with backward (WFBP)",
-           "after_backward": "; collectives after the backward pass",
-           "serial": "; nothing overlaps (serial)"}[overlap]
-        + (f"; compressors as DiLoCo, one exchange every {args.diloco_every} steps"
-           if args.diloco_every > 1 else "")
-        + {"mean": "", "shard": "; FSDP (float32 parameter gathers, compressed "
-           "reduce-scatter)", "hsdp": "; HSDP (sharded inside a node, exact there; "
-           "shards compressed across nodes)",
-           "islands": "; DiLoCo islands (exact data parallelism inside a node, "
-           "pseudo-gradients compressed across nodes; dense: data parallelism)",
-           "islands_fsdp": "; DiLoCo islands with FSDP inside (each device's shard "
-           "of the pseudo-gradient across nodes; dense: HSDP)"}[output]
-        + (f"; tensor parallelism over {args.tensor_parallel} devices (each worker "
-           f"exchanges its 1/{args.tensor_parallel} of every tensor; the tensor axis's "
-           "activation collectives are not priced)" if args.tensor_parallel > 1 else ""),
-        file=out)
+  print(_describe_network(args, network, overlap, output, sources), file=out)
   print(codec_note, file=out)
   print("\npredicted (derived: the alpha-beta model of jaxcomp.perfmodel from the figures "
         "above)", file=out)
@@ -274,35 +324,10 @@ def _run_whatif(args) -> int:
   print(f"\nan ideal linear compressor (free encode/decode) needs ratio "
         f"{'>1e4 (start-up costs dominate)' if math.isinf(r) else f'{r:.2f}x'} "
         f"for scaling factor >= {args.target_scaling:g} (derived)", file=out)
-  sweep, verdicts = whatif.verdicts(profile, comps, network, **kw)
-  print("\nbreak-even bandwidth (derived: where the predicted speedup over dense crosses "
-        "1, the rest held)", file=out)
-  for name in comps:
-    print(whatif.break_even_line(name, verdicts[name], args.bandwidth, res[name].speedup),
-          file=out)
+  verdicts = _print_break_even(profile, comps, network, kw, res, args, out)
 
   if args.simulate:
-    workers = [p for p in perfmodel.DEFAULT_WORKERS
-               if network.algorithm == "ring" or p % network.workers_per_node == 0]
-    sweep = perfmodel.sweep_workers(profile, comps, network, workers, **kw)
-    print(f"\ntrace-based simulation, {workers[0]} to {workers[-1]} workers "
-          "(speedup over dense; dense column: scaling factor)", file=out)
-    names = list(comps)
-    rows = [[str(p), f"{sweep[p]['dense'].scaling_factor:.3f}"]
-            + [f"{sweep[p][n].speedup:.2f}" for n in names] for p in workers]
-    _print_table(["workers", "dense_scaling"] + names, rows, out)
-    for n in names:
-      k = perfmodel.stops_paying(sweep, n)
-      paid = [p for p in workers if sweep[p][n].speedup >= 1]
-      if k is None:
-        verdict = f"pays at every worker count from {workers[0]} to {workers[-1]}"
-      elif not paid:
-        verdict = "never pays in this range"
-      else:
-        verdict = f"stops paying at {k} workers"
-        if any(p > k for p in paid):
-          verdict += f" (pays again from {min(p for p in paid if p > k)})"
-      print(f"  {n}: {verdict}", file=out)
+    _print_simulation(profile, comps, network, kw, out)
 
   if args.plot:
     _plot(args, profile, comps, network, dict(kw, verdicts=verdicts))
@@ -320,14 +345,8 @@ def _plot(args, profile, comps, network, kw):
       title=f"{profile.name}{where}, {network.workers} workers, {args.latency:g} us latency")
 
 
-def _add_whatif(sub):
-  p = sub.add_parser(
-      "whatif", help="predict whether compression pays for a model and cluster",
-      description="Predict step time, speedup over dense and scaling factor of compressors "
-      "with the alpha-beta model of jaxcomp.perfmodel.")
-  p.add_argument("--profile", default=None,
-                 help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
-                 "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
+def _add_target_args(p):
+  """whatif's options that name the model, device and network by preset."""
   p.add_argument("--model", default=None, metavar="NAME",
                  help="a decoder-only transformer by configuration: "
                  f"{', '.join(perfmodel.DECODERS)} (needs --device)")
@@ -352,6 +371,17 @@ def _add_whatif(sub):
                  help="model FLOP utilization with --device, in (0, 1] (default 0.4, assumed)")
   p.add_argument("--network", choices=tuple(perfmodel.NETWORKS), default=None,
                  help="a link preset: its bandwidth and latency, unless -b / -l are given")
+
+
+def _add_whatif(sub):
+  p = sub.add_parser(
+      "whatif", help="predict whether compression pays for a model and cluster",
+      description="Predict step time, speedup over dense and scaling factor of compressors "
+      "with the alpha-beta model of jaxcomp.perfmodel.")
+  p.add_argument("--profile", default=None,
+                 help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
+                 "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
+  _add_target_args(p)
   p.add_argument("--workers", "-p", type=_workers, default=16, action=_Given,
                  help="data-parallel workers (default 16)")
   p.add_argument("--bandwidth", "-b", type=_positive_float("bandwidth", "Gbit/s"), default=10.0,
