@@ -213,3 +213,27 @@ def test_whatif_plot_marks_the_users_bandwidth(tmp_path, no_timing, capsys, monk
                    "-c", "bf16", "--plot", str(png)]) == 0
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert seen["gbps"] == 25 and seen["verdicts"]["bf16"][0] == "below"
+
+
+def test_profile_takes_a_train_state_and_whatif_reads_its_file(tmp_path, capsys):
+  """A built step's state is profiled through its loss; the saved profile
+  names this CPU, so whatif's default prices encode/decode by timing it."""
+  import jax
+  import optax
+  import jaxcomp
+
+  mesh = jax.make_mesh((1,), ("data",))
+  tx = optax.chain(jaxcomp.compressed_mean("int8_block", "data"), optax.sgd(0.1))
+  state = jaxcomp.init(tx, {"w": jnp.ones((16, 8)), "b": jnp.zeros((8,))}, mesh)
+
+  def loss(p, x):
+    return jnp.mean((x @ p["w"] + p["b"][None, :]) ** 2)
+
+  prof = pm.profile(loss, state, jnp.ones((4, 16)), repeats=1)
+  assert prof.layer_sizes == (128, 8) and prof.meta["device"] == "cpu:cpu"
+  path = tmp_path / "p.json"
+  pm.save_profile(prof, path)
+  assert cli.main(["whatif", "--profile", str(path), "-c", "bf16"]) == 0
+  out = capsys.readouterr().out
+  assert "device: cpu" in out and "encode/decode: measured on this machine (cpu:cpu)" in out
+  assert "compute " in out and "(measured: jax.jit wall time on cpu:cpu" in out
