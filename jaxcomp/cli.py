@@ -302,7 +302,7 @@ def _run_whatif(args) -> int:
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
-        f"{len(profile.layer_sizes)} tensors ({profile.meta.get('sizes', 'counted')})\n"
+        f"{len(profile.layer_sizes)} tensors ({profile.meta.get('sizes', 'given')})\n"
         f"  compute {profile.compute_time * 1e3:.1f} ms/step ({whatif.profile_label(profile)})",
         file=out)
   shards = {"fsdp": network.workers, "hsdp": network.workers_per_node,

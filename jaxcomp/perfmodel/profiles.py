@@ -140,7 +140,7 @@ def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model_prof
       layer_sizes=tuple(n for n, _ in layers),
       backward_times=tuple(2.0 * f / rate for _, f in layers),
       forward_time=sum(f for _, f in layers) / rate,
-      meta={"description": desc,
+      meta={"description": desc, "sizes": "counted from the architecture",
             "timing": (f"derived: FLOP count at {tflops:g} effective TFLOP/s (assumed; "
                        "not measured)")})
 

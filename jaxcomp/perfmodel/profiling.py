@@ -159,6 +159,7 @@ def profile(model_or_loss: Any, *args, params=None, loss: Callable | None = None
                       for x in jax.tree.leaves(batch)],
             "date": datetime.date.today().isoformat(),
             "paths": [paths[i] for i in order],
+            "sizes": "the parameters' leaves",
             "forward_time": f"{timed} (loss only)",
             "backward_times": (f"{timed} (value_and_grad minus the forward pass), {how}"),
             "update_time": (f"{timed} (update_fn)" if update_fn is not None
