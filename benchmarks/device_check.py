@@ -86,7 +86,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout's jaxcomp
 
-from jaxcomp import cli
+from jaxcomp import autotune
 from jaxcomp import kernels
 
 SECTIONS = ("tests", "suite", "kernels", "examples", "autotune")
@@ -489,7 +489,7 @@ def _autotune(args, root, run_dir, timeout, compiled) -> Result:
   try:
     with open(os.path.join(run_dir, "autotune.json"), encoding="utf-8") as f:
       rows = json.load(f)["decisions"]
-    table = cli.autotune_table(rows)
+    table = autotune.autotune_table(rows)
     chosen = [r["implementation"] for r in rows]
     detail = (f"{len(rows)} keys: pallas {chosen.count('pallas')}, xla "
               f"{chosen.count('xla')} (autotune.txt, autotune.json)")
@@ -510,18 +510,18 @@ def _autotune_section(run_dir: str, compiled: bool) -> int:
   if compiled:
     tuner = kernels.Autotuner(cache_path=cache)
     sizes = (1 << 20, 1 << 24)
-    for entry_key, entry in cli.cache_entries(cache, tuner.table_name()):
+    for entry_key, entry in autotune.cache_entries(cache, tuner.table_name()):
       rows.append({"key": entry_key, "from": "example steps", **entry})
   else:
-    tuner = cli.simulated_tuner(cache)
+    tuner = autotune.simulated_tuner(cache)
     sizes = (4096,)
-  rows += cli.autotune_rows(
+  rows += autotune.autotune_rows(
       AUTOTUNE_OPS if compiled else INTERPRET_AUTOTUNE_OPS, sizes, tuner)
   with open(os.path.join(run_dir, "autotune.json"), "w", encoding="utf-8") as f:
     json.dump({"device": tuner.device_kind, "table": tuner.table_name(),
                "decisions": rows}, f, indent=1)
   print(f"device: {tuner.device_kind}")
-  print(cli.autotune_table(rows))
+  print(autotune.autotune_table(rows))
   return 0
 
 

@@ -185,7 +185,7 @@ def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
   * The compute-only step: each process's devices taking ``local_step``
     (Adam on a device's share of the batch) at once, with no collective,
     every process at once (they share the cores in the training runs).
-  * A one-device compute profile (``profile_model``) of the same share, to
+  * A one-device compute profile (``profile``) of the same share, to
     be scaled to that step.
   * A 4-byte all-reduce across processes ("hosts") and inside one
     ("data"), and a 4 MiB one inside one: the links' start-up costs and
@@ -213,8 +213,8 @@ def _measure_for_model(args, loss_fn, local_step, lp, ost, w, mesh) -> dict:
     return optax.apply_updates(p, u)
 
   # Four groups: nothing overlaps (serial), so only the totals matter.
-  prof = pm.profile_model(loss_fn, lp, w[:per_device], name="char_lm",
-                          max_groups=4, update_fn=adam_update)
+  prof = pm.profile(loss_fn, lp, w[:per_device], name="char_lm", split="measure",
+                    max_groups=4, update_fn=adam_update)
 
   links = {"hosts": {"small_s": netns.allreduce_seconds(mesh, "hosts", 1, 10),
                      "group": int(mesh.shape["hosts"])},

@@ -22,7 +22,7 @@ statistics report, beside the performance model's prediction
 overlapping, as XLA:CPU runs collectives on the compute thread). The
 prediction is made from what the workers measure in the same run:
 
-* the compute: a one-device ``profile_model`` of the loss, scaled to the
+* the compute: a one-device ``profile`` of the loss, scaled to the
   time of each process's local step (its devices' forward, backward and
   update with no collective, every process at once, as they share the
   cores in the training steps);
@@ -138,8 +138,9 @@ def _measure_for_model(args, loss_fn, params, local, mesh) -> dict:
   from jaxcomp import perfmodel as pm
   per_device = len(local[1]) // DEVICES
   x1, y1 = local[0][:per_device], local[1][:per_device]
-  prof = pm.profile_model(lambda p, x, y: loss_fn(p, (x, y)), params, x1, y1, name="mlp",
-                          update_fn=lambda p, g: jax.tree.map(lambda a, b: a - 0.01 * b, p, g))
+  prof = pm.profile(lambda p, x, y: loss_fn(p, (x, y)), params, x1, y1, name="mlp",
+                    split="measure",
+                    update_fn=lambda p, g: jax.tree.map(lambda a, b: a - 0.01 * b, p, g))
   # This process's devices, computing at once with no collective.
   lmesh = Mesh(np.array(jax.local_devices()), ("local",))
 

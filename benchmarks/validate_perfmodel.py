@@ -11,7 +11,7 @@ of bursts of steady-state calls:
    mesh; less the compute, alpha, beta (per collective kind) and a per-step
    synchronisation cost are fitted (``fit_alpha_beta``);
 2. the one-worker step, the per-tensor backward times
-   (jaxcomp.perfmodel.profile_model) and each compressor's encode/decode
+   (jaxcomp.perfmodel.profile) and each compressor's encode/decode
    (measure_codec);
 3. each compressor's training step on a one-device mesh (no network);
    where workers outnumber cores, this and the one-worker step of (2) are
@@ -110,15 +110,15 @@ def worker(args) -> None:
   timed = {}  # name -> callable timing one call, run once per round
 
   # 2. One worker's compute (gradient + SGD update, no exchange), the
-  #    per-tensor split of the backward pass (profile_model), and each
+  #    per-tensor split of the backward pass (profile), and each
   #    compressor's encode/decode at the model's tensor sizes. Each process
   #    measures while the others do the same, sharing the CPU as in training.
   local = jax.local_devices()[0]
   lp = jax.device_put(params, local)
   lx, ly = jax.device_put((xs, ys), local)
   sgd = lambda prm, g: jax.tree.map(lambda a, b: a - lr * b, prm, g)
-  prof = pm.profile_model(loss_fn, lp, lx, ly, name="mlp", max_groups=len(LAYERS) * 2 - 2,
-                          repeats=3, update_fn=sgd)
+  prof = pm.profile(loss_fn, lp, lx, ly, name="mlp", split="measure",
+                    max_groups=len(LAYERS) * 2 - 2, repeats=3, update_fn=sgd)
   out["profile"] = prof.to_dict()
   one_step = jax.jit(lambda prm, x, y: sgd(prm, jax.grad(loss_fn)(prm, x, y)))
   time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
@@ -371,7 +371,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     # the all-gather's link; both are (p - 1) point-to-point exchanges.
     per_kind["all-to-all"] = per_kind["all-gather"]
   prof = pm.ModelProfile.from_dict(res["profile"])
-  # profile_model gives the per-tensor split; its total is rescaled to the
+  # profile gives the per-tensor split; its total is rescaled to the
   # one-worker step timed in the same interleaved rounds as the training.
   prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
   net = pm.Network(p, pm.Link(alpha, beta), per_collective=per_kind)

@@ -24,24 +24,19 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import math
-import os
 import sys
 from typing import Any
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-
 from jaxcomp import compressors
-from jaxcomp import kernels
+from jaxcomp import autotune
 from jaxcomp import launch
 from jaxcomp import perfmodel
 from jaxcomp.elastic import launcher as elastic_launcher
+from jaxcomp.perfmodel import verdict as whatif
 
-__all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec",
-           "autotune_rows", "autotune_table", "cache_entries", "simulated_tuner"]
+__all__ = ["main", "register_subcommand", "build_parser", "parse_compressor_spec"]
 
 _SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
@@ -150,23 +145,36 @@ def _build_compressors(specs: Sequence[str]):
   return out
 
 
-def _codecs(args, comps):
-  if args.codec == "none":
-    return {}, "encode/decode: not counted (--codec none)"
-  if args.codec == "measure":
-    codecs = {name: perfmodel.measure_codec(c) for name, c in comps.items()}
-    dev = next(iter(codecs.values())).device if codecs else "-"
-    return codecs, f"encode/decode: measured on this machine ({dev}), affine fit in size"
-  if not os.path.isfile(args.codec):
-    raise FileNotFoundError(f"codec file {args.codec!r} does not exist "
-                            "(--codec takes 'measure', 'none' or a JSON file)")
-  with open(args.codec) as f:
-    d = json.load(f)
-  missing = [n for n in comps if n not in d]
-  if missing:
-    raise ValueError(f"codec file {args.codec!r} has no entry for {missing}")
-  return ({n: perfmodel.CodecCost.from_dict(d[n]) for n in comps},
-          f"encode/decode: from {args.codec}")
+def _codecs(args, comps, target):
+  codecs, lines = whatif.codec_costs(args.codec, comps, target)
+  return codecs, "\n".join(lines)
+
+
+class _Given(argparse.Action):
+  """Stores the value and records that the user gave the option (``args.given``)."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    setattr(namespace, self.dest, values)
+    namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def _links(args, device) -> dict[str, str]:
+  """Applies ``--network`` and the device's NVLink where the user gave no
+  number, and says where each link figure comes from."""
+  given = getattr(args, "given", frozenset())
+  src = {k: "given" if k in given else "assumed default"
+         for k in ("bandwidth", "latency", "workers", "intra_bandwidth")}
+  if args.network is not None:
+    net = perfmodel.network_preset(args.network)
+    for k, v in (("bandwidth", net.gbps), ("latency", net.latency_us)):
+      if k not in given:
+        setattr(args, k, v)
+        src[k] = (f"{net.name}: {net.source}" if k == "bandwidth"
+                  else f"assumed for {net.description}")
+  if device is not None and "intra_bandwidth" not in given:
+    args.intra_bandwidth = device.intra_gbps
+    src["intra_bandwidth"] = f"{device.name} NVLink, {device.label}"
+  return src
 
 
 def _network(args, workers=None):
@@ -205,11 +213,15 @@ def _print_table(header, rows, out):
     print(_fmt_row(r, widths), file=out)
 
 
-def _describe_network(args, network, overlap: str, output: str) -> str:
-  """whatif's ``network:`` line: the cluster, buckets, overlap and layout."""
-  return (f"network: {network.workers} workers, {args.bandwidth:g} Gbit/s, "
-          f"{args.latency:g} us per message, {network.algorithm}"
-          + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside)"
+def _describe_network(args, network, overlap: str, output: str,
+                      sources: dict[str, str]) -> str:
+  """whatif's ``network:`` line: the cluster, buckets, overlap and layout,
+  each link figure with where it comes from (``sources``, :func:`_links`)."""
+  return (f"network: {network.workers} workers ({sources['workers']}), {args.bandwidth:g} "
+          f"Gbit/s ({sources['bandwidth']}), {args.latency:g} us per message "
+          f"({sources['latency']}), {network.algorithm}"
+          + (f" ({network.workers_per_node}/node, {args.intra_bandwidth:g} Gbit/s inside: "
+             f"{sources['intra_bandwidth']})"
              if network.algorithm == "hierarchical" else "")
           + f"; buckets {args.buckets if isinstance(args.buckets, str) else f'{args.buckets / 1e6:g} MB'}"
           + {"wfbp": "; overlap with backward (WFBP)",
@@ -255,14 +267,37 @@ def _print_simulation(profile, comps, network, kw, out) -> None:
     print(f"  {n}: {verdict}", file=out)
 
 
+def _whatif_profile(args):
+  """whatif's profile, target device (and where it comes from), and the
+  link figures' sources; applies the presets to ``args``."""
+  device = (None if args.device is None else perfmodel.device_preset(args.device))
+  profile = whatif.whatif_profile(
+      profile=args.profile, model=args.model, params=args.params, layers=args.layers,
+      d_model=args.d_model, vocab=args.vocab, seq_len=args.seq_len,
+      tokens_per_step=args.tokens_per_step, device=device, mfu=args.mfu,
+      tflops=args.tflops).tensor_parallel(args.tensor_parallel)
+  target, target_from = whatif.target_device(args.device, profile)
+  return profile, target, target_from, _links(args, target)
+
+
+def _print_break_even(profile, comps, network, kw, res, args, out) -> dict:
+  """Each compressor's break-even bandwidth; returns :func:`whatif.verdicts`'."""
+  _, verdicts = whatif.verdicts(profile, comps, network, **kw)
+  print("\nbreak-even bandwidth (derived: where the predicted speedup over dense crosses "
+        "1, the rest held)", file=out)
+  for name in comps:
+    print(whatif.break_even_line(name, verdicts[name], args.bandwidth, res[name].speedup),
+          file=out)
+  return verdicts
+
+
 def _run_whatif(args) -> int:
   """``jaxcomp whatif``: the predictions table (and --simulate, --plot)."""
   out = sys.stdout
-  profile = perfmodel.load_profile(args.profile, tflops=args.tflops).tensor_parallel(
-      args.tensor_parallel)
+  profile, target, target_from, sources = _whatif_profile(args)
   network = _network(args)
   comps = _build_compressors(args.compressors)
-  codecs, codec_note = _codecs(args, comps)
+  codecs, codec_note = _codecs(args, comps, target)
   overlap = "after_backward" if args.no_overlap else args.overlap
   collective = None if args.collective == "default" else args.collective
   output = {"replicated": "mean", "fsdp": "shard", "hsdp": "hsdp",
@@ -279,11 +314,16 @@ def _run_whatif(args) -> int:
   res = perfmodel.compare(profile, comps, network, **kw)
 
   print(f"profile {profile.name}: {profile.num_params / 1e6:.1f}M parameters in "
-        f"{len(profile.layer_sizes)} tensors; compute {profile.compute_time * 1e3:.1f} ms/step "
-        f"({profile.meta.get('timing', 'measured')})", file=out)
-  print(_describe_network(args, network, overlap, output), file=out)
+        f"{len(profile.layer_sizes)} tensors ({profile.meta.get('sizes', 'given')})\n"
+        f"  compute {profile.compute_time * 1e3:.1f} ms/step ({whatif.profile_label(profile)})",
+        file=out)
+  shards = {"fsdp": network.workers, "hsdp": network.workers_per_node,
+            "islands-fsdp": network.workers_per_node}.get(args.sharding, 1)
+  print(whatif.device_line(target, target_from, profile, shards=shards), file=out)
+  print(_describe_network(args, network, overlap, output, sources), file=out)
   print(codec_note, file=out)
-  print(file=out)
+  print("\npredicted (derived: the alpha-beta model of jaxcomp.perfmodel from the figures "
+        "above)", file=out)
   rows = []
   for name, pr in res.items():
     rows.append([name, pr.collective, f"{pr.bytes_per_worker / 1e6:.2f}", f"{pr.step_time * 1e3:.1f}",
@@ -295,37 +335,54 @@ def _run_whatif(args) -> int:
                                buckets=args.buckets, overlap=overlap)
   print(f"\nan ideal linear compressor (free encode/decode) needs ratio "
         f"{'>1e4 (start-up costs dominate)' if math.isinf(r) else f'{r:.2f}x'} "
-        f"for scaling factor >= {args.target_scaling:g}", file=out)
+        f"for scaling factor >= {args.target_scaling:g} (derived)", file=out)
+  verdicts = _print_break_even(profile, comps, network, kw, res, args, out)
 
   if args.simulate:
     _print_simulation(profile, comps, network, kw, out)
 
   if args.plot:
-    _plot(args, profile, comps, network, kw)
+    _plot(args, profile, comps, network, dict(kw, verdicts=verdicts))
     print(f"\nwrote {args.plot}", file=out)
   return 0
 
 
 def _plot(args, profile, comps, network, kw):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  gbps = [0.1 * 10 ** (i / 8) for i in range(0, 30)]  # 0.1 .. ~560 Gbit/s
-  sweep = perfmodel.sweep_bandwidth(profile, comps, network, gbps, **kw)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in comps:
-    ax.plot(gbps, [sweep[g][name].speedup for g in gbps], label=name)
-  ax.axhline(1.0, color="k", lw=0.8, ls="--", label="dense")
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("bandwidth (Gbit/s)")
-  ax.set_ylabel("predicted speedup over dense")
-  ax.set_title(f"{profile.name}, {network.workers} workers, {args.latency:g} us latency")
-  ax.legend(fontsize=8)
-  ax.grid(True, which="both", alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(args.plot, dpi=110)
-  plt.close(fig)
+  kw = dict(kw)
+  verdicts = kw.pop("verdicts", None)
+  sweep, _ = whatif.verdicts(profile, comps, network, gbps=whatif.BANDWIDTHS, **kw)
+  where = f" on {args.device}" if args.device else ""
+  whatif.plot_speedup(
+      args.plot, sweep, list(comps), gbps=args.bandwidth, verdicts=verdicts,
+      title=f"{profile.name}{where}, {network.workers} workers, {args.latency:g} us latency")
+
+
+def _add_target_args(p):
+  """whatif's options that name the model, device and network by preset."""
+  p.add_argument("--model", default=None, metavar="NAME",
+                 help="a decoder-only transformer by configuration: "
+                 f"{', '.join(perfmodel.DECODERS)} (needs --device)")
+  p.add_argument("--params", type=_positive_float("--params", "parameters"), default=None,
+                 metavar="N", help="a Llama-style decoder of about N parameters (e.g. 1.1e9; "
+                 "needs --device; --layers / --d-model / --vocab derived unless given)")
+  p.add_argument("--layers", type=_positive_int("--layers"), default=None)
+  p.add_argument("--d-model", type=_positive_int("--d-model"), default=None)
+  p.add_argument("--vocab", type=_positive_int("--vocab"), default=None,
+                 help="--params: vocabulary size (default 128256, Llama 3's)")
+  p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=None,
+                 help="--model / --params: sequence length (default: the model's; 8192 "
+                 "for Llama 3, 1024 for GPT-2)")
+  p.add_argument("--tokens-per-step", type=_positive_int("--tokens-per-step"), default=None,
+                 help="--model / --params: tokens each worker processes per step "
+                 "(default 8192, assumed)")
+  p.add_argument("--device", choices=tuple(perfmodel.DEVICES), default=None,
+                 help="the device each worker is: its peak FLOP/s for --model, --params and "
+                 "the built-in profiles, its NVLink for --algorithm hierarchical, its kernel "
+                 "table for --codec auto (default: the device a --profile file records)")
+  p.add_argument("--mfu", type=_positive_float("--mfu", ""), default=None,
+                 help="model FLOP utilization with --device, in (0, 1] (default 0.4, assumed)")
+  p.add_argument("--network", choices=tuple(perfmodel.NETWORKS), default=None,
+                 help="a link preset: its bandwidth and latency, unless -b / -l are given")
 
 
 def _add_whatif(sub):
@@ -333,19 +390,24 @@ def _add_whatif(sub):
       "whatif", help="predict whether compression pays for a model and cluster",
       description="Predict step time, speedup over dense and scaling factor of compressors "
       "with the alpha-beta model of jaxcomp.perfmodel.")
-  p.add_argument("--profile", default="resnet50",
+  p.add_argument("--profile", default=None,
                  help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
                  "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
-  p.add_argument("--workers", "-p", type=_workers, default=16, help="data-parallel workers (default 16)")
+  _add_target_args(p)
+  p.add_argument("--workers", "-p", type=_workers, default=16, action=_Given,
+                 help="data-parallel workers (default 16)")
   p.add_argument("--bandwidth", "-b", type=_positive_float("bandwidth", "Gbit/s"), default=10.0,
-                 help="link bandwidth, Gbit/s (default 10)")
+                 action=_Given, help="link bandwidth, Gbit/s (default 10)")
   p.add_argument("--latency", "-l", type=_nonneg_float("latency", "microseconds"), default=50.0,
+                 action=_Given,
                  help="start-up cost per message (alpha), microseconds (default 50)")
   p.add_argument("--algorithm", choices=("ring", "hierarchical"), default="ring")
   p.add_argument("--workers-per-node", type=_workers, default=8,
                  help="hierarchical: workers per node (default 8)")
   p.add_argument("--intra-bandwidth", type=_positive_float("intra-node bandwidth", "Gbit/s"),
-                 default=1200.0, help="hierarchical: bandwidth inside a node, Gbit/s (default 1200)")
+                 default=1200.0, action=_Given,
+                 help="hierarchical: bandwidth inside a node, Gbit/s (default: the --device's "
+                 "NVLink, else 1200)")
   p.add_argument("--intra-latency", type=_nonneg_float("intra-node latency", "microseconds"),
                  default=5.0, help="hierarchical: latency inside a node, microseconds (default 5)")
   p.add_argument("--compressors", "-c", nargs="+", default=list(DEFAULT_COMPRESSORS),
@@ -353,9 +415,12 @@ def _add_whatif(sub):
                  help="compressors from jaxcomp.compressors, or demo[:compression_topk=K,"
                  "compression_chunk=C] (jaxcomp.demo's DCT top-k exchange, "
                  f"perfmodel.DeMoCompressor) (default: {' '.join(DEFAULT_COMPRESSORS)})")
-  p.add_argument("--codec", default="measure",
-                 help="encode/decode time: 'measure' (micro-benchmark on this device, default), "
-                 "'none', or a JSON file {compressor spec: CodecCost fields}")
+  p.add_argument("--codec", default="auto",
+                 help="encode/decode time: 'auto' (default: a GPU --device from the kernel "
+                 "tables shipped in jaxcomp.perfmodel.kernel_table, scaled by memory "
+                 "bandwidth; cpu timed here; no device: not counted), 'measure' (timed on "
+                 "the device at hand; refused when --device names another), 'none', or a "
+                 "JSON file {compressor spec: CodecCost fields}")
   p.add_argument("--buckets", type=_buckets, default="mgwfbp",
                  help="mgwfbp (default: the MG-WFBP merge plan for each compressor), layer, "
                  "auto (compressed_mean's default bucketing), single, or a bucket size in MB")
@@ -390,168 +455,25 @@ def _add_whatif(sub):
                  "--workers (FSDP x tensor with --sharding fsdp/hsdp, MaxText's mesh): "
                  "each worker holds, computes and exchanges 1/T of every tensor; the "
                  "tensor axis's activation collectives are not priced (default 1)")
-  p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=15.0,
-                 help="built-in profiles: effective device TFLOP/s for compute times (default 15)")
+  p.add_argument("--tflops", type=_positive_float("tflops", "TFLOP/s"), default=None,
+                 help="built-in profiles: effective device TFLOP/s for compute times "
+                 "(default: the --device's peak x --mfu, else 15, assumed)")
   p.add_argument("--target-scaling", type=_positive_float("target scaling", ""), default=0.9,
                  help="scaling factor for the required-compression line (default 0.9)")
   p.add_argument("--simulate", action="store_true",
                  help="also simulate 4 to 2048 workers and say where each compressor stops paying")
-  p.add_argument("--plot", metavar="PNG", help="write speedup against bandwidth to this PNG")
+  p.add_argument("--plot", metavar="PNG",
+                 help="write speedup against bandwidth to this PNG, your -b marked")
   p.set_defaults(func=_run_whatif)
 
 
 register_subcommand("whatif", _add_whatif)
 
 
-# -------------------------------------------------------------- autotune ---
-
-AUTOTUNE_OPS = ("topk", "qsgd", "sign", "int8_block", "fp8_block")
-AUTOTUNE_SIZES = (1 << 20, 1 << 24)
-SIMULATED_SIZES = (4096,)
-
-
-def _element_count(s: str) -> int:
-  """An argparse type: an element count >= 1 (``1048576``, ``1e6``, ``2**20``)."""
-  try:
-    base, sep, exp = s.partition("**")
-    v = int(base) ** int(exp) if sep else int(float(s))
-  except (ValueError, OverflowError):
-    v = None
-  if v is None or v < 1:
-    raise argparse.ArgumentTypeError(
-        f"a size is an element count >= 1 (1048576, 1e6 or 2**20), got {s!r}")
-  return v
-
-
-def simulated_tuner(cache_path: str | None) -> kernels.Autotuner:
-  """An :class:`jaxcomp.kernels.Autotuner` on a simulated GPU: the Pallas
-  candidates run in interpret mode and both paths are timed for real (2
-  trials of at most 2 calls), for trying autotuning off GPUs. Its table is
-  keyed ``simulated GPU (<platform>, interpret)``, never a real GPU's."""
-  return kernels.Autotuner(
-      cache_path=cache_path, nvidia=True, interpret=True,
-      device_kind=f"simulated GPU ({jax.devices()[0].platform}, interpret)",
-      timer=lambda key, impl, fn, a: kernels.measure_seconds(
-          fn, a, repeats=2, max_calls=2))
-
-
-def autotune_rows(ops: Sequence[str], sizes: Sequence[int],
-                  tuner: kernels.Autotuner) -> list[dict]:
-  """Autotunes each compressor in ``ops`` (names for
-  :func:`jaxcomp.compressors.get`) on its encode of a float32 vector of each
-  element count in ``sizes``; every decision is read from ``tuner``'s cache
-  file or measured and written there.
-
-  Returns:
-    One dict per decision: ``key``, ``from`` (``"<op> encode, n=<n>"``),
-    ``source`` and :meth:`jaxcomp.kernels.Decision.to_json`'s fields
-    (``implementation``, ``seconds`` per call of each path, ``errors``,
-    ``n``, ``when``).
-  """
-  rows = []
-  for name in ops:
-    c = compressors.get(name)
-    for n in sizes:
-      for d in kernels.autotune(c.encode, jax.ShapeDtypeStruct((n,), jnp.float32),
-                                jax.random.key(0), tuner=tuner):
-        rows.append({"key": str(d.key), "from": f"{name} encode, n={n:,}",
-                     **d.to_json(), "source": d.source})
-  return rows
-
-
-def cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
-  """The entries of ``table`` in the autotuning cache file at ``path``,
-  sorted by key; none where the file is missing or unreadable."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      return sorted(json.load(f)["tables"].get(table, {}).items())
-  except (OSError, ValueError, KeyError):
-    return []
-
-
-def autotune_table(rows: Sequence[dict]) -> str:
-  """A markdown table of decisions (:func:`autotune_rows`' dicts, or cache
-  entries with ``key`` and ``from``): the choice and milliseconds per call."""
-  lines = ["| key | from | choice | pallas ms | xla ms | xla / pallas |",
-           "| --- | --- | --- | --- | --- | --- |"]
-  for r in rows:
-    s = r.get("seconds", {})
-    p, x = s.get("pallas"), s.get("xla")
-    fmt = lambda v: "failed" if v is None else f"{v * 1e3:.4f}"
-    ratio = f"{x / p:.2f}" if p and x else ""
-    lines.append(f"| {r['key']} | {r['from']} | {r['implementation']} | "
-                 f"{fmt(p) if s else ''} | {fmt(x) if s else ''} | {ratio} |")
-  return "\n".join(lines)
-
-
-def _run_autotune(args) -> int:
-  """``jaxcomp autotune``: tunes (or, with --show, reads) and prints the table."""
-  tuner = simulated_tuner(args.cache) if args.simulate else kernels.Autotuner(
-      cache_path=args.cache)
-  path = tuner.cache_path
-  if args.show:
-    if path is None:
-      raise ValueError("--show reads the cache file, and the cache is memory "
-                       "only (--cache none or JAXCOMP_AUTOTUNE_CACHE=none)")
-    rows = [{"key": key, "from": "cache file", **entry}
-            for key, entry in cache_entries(path, tuner.table_name())]
-  else:
-    if not tuner.nvidia:
-      print("not an NVIDIA GPU: implementation=None takes XLA here and nothing "
-            "is timed (--simulate tries the command in interpret mode)")
-    sizes = args.sizes or (SIMULATED_SIZES if args.simulate else AUTOTUNE_SIZES)
-    rows = autotune_rows(args.ops, sizes, tuner)
-  print(f"device: {tuner.device_kind}")
-  print(f"cache: {path or 'none (memory only)'}, table {tuner.table_name()!r}")
-  if rows:
-    print(autotune_table(rows))
-  elif args.show:
-    print("the cache file has no entries for this device and these versions "
-          "(jaxcomp autotune fills it)")
-  else:
-    print("no decisions: nothing is tuned off NVIDIA GPUs")
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"device": tuner.device_kind, "table": tuner.table_name(),
-                 "decisions": rows}, f, indent=1)
-    print(f"wrote {args.json}")
-  return 0
-
-
-def _add_autotune(sub):
-  p = sub.add_parser(
-      "autotune", help="time the Pallas kernels against XLA on this GPU and "
-      "keep the faster in the autotuning cache",
-      description="Autotune the kernel compressors' encodes on this machine's "
-      "NVIDIA GPU: for each op and size, time the Pallas and the XLA path, "
-      "keep the faster in the cache file that implementation=None reads "
-      "(jaxcomp.kernels.Autotuner; one table per GPU kind and JAX, jaxlib and "
-      "jaxcomp version), and print the decisions. Keys already in the cache "
-      "are read, not timed again. Off NVIDIA GPUs XLA is taken and nothing is "
-      "timed.")
-  p.add_argument("--ops", nargs="+", choices=AUTOTUNE_OPS, default=list(AUTOTUNE_OPS),
-                 help=f"compressors whose encode is tuned (default: {' '.join(AUTOTUNE_OPS)})")
-  p.add_argument("--sizes", nargs="+", type=_element_count, default=None, metavar="N",
-                 help="float32 element counts, e.g. 1e6 or 2**20; each tunes its size "
-                 "class (2**(c-1) < n <= 2**c) (default: 2**20 2**24; 4096 with --simulate)")
-  p.add_argument("--cache", default=None, metavar="PATH",
-                 help="the cache file (default: $JAXCOMP_AUTOTUNE_CACHE, else "
-                 "$XDG_CACHE_HOME/jaxcomp/autotune.json or ~/.cache/jaxcomp/autotune.json; "
-                 "'none': memory only)")
-  p.add_argument("--show", action="store_true",
-                 help="print the cache file's table for this GPU and these versions; "
-                 "time nothing")
-  p.add_argument("--json", metavar="PATH", help="also write the decisions here")
-  p.add_argument("--simulate", action="store_true",
-                 help="a simulated GPU: the Pallas kernels in interpret mode, timed for "
-                 "real at small sizes (to try the command off GPUs; its own cache table)")
-  p.set_defaults(func=_run_autotune)
-
-
 register_subcommand("launch", launch.add_launch_command)
 register_subcommand("islands", elastic_launcher.add_islands_command)
 register_subcommand("lighthouse", elastic_launcher.add_lighthouse_command)
-register_subcommand("autotune", _add_autotune)
+register_subcommand("autotune", autotune.add_autotune_command)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ def test_site_builds_with_warnings_as_errors_and_documents_every_name(tmp_path):
     assert (html / f"{page}.html").is_file(), page
   # The plots are on the pages, not only next to them.
   for png in ["perfmodel_validation.png", "convergence.png",
-              "convergence_lowcomm.png", "perfmodel_whatif_resnet50.png"]:
+              "convergence_lowcomm.png", "perfmodel_whatif_resnet50.png",
+              "which_compressor_llama.png"]:
     assert (html / "_images" / png).is_file(), png
   _check_every_public_name_has_a_reference_entry(site)
   _check_reference_is_grouped_by_task(html)

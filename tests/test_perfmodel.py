@@ -398,7 +398,8 @@ def test_measure_codec_fake_jax_compressor():
     pm.measure_codec(Cast(), sizes=())
 
 
-def test_profile_model_orders_layers_and_times_backward():
+@pytest.mark.parametrize("split", ["cost", "measure"])
+def test_profile_orders_layers_and_times_backward(split):
   import jax
   import jax.numpy as jnp
 
@@ -410,14 +411,21 @@ def test_profile_model_orders_layers_and_times_backward():
   def loss(p, x):
     return jnp.mean(jnp.tanh(x @ p["z_in"]) @ p["a_out"]) ** 2
 
-  prof = pm.profile_model(loss, params, x, max_groups=2, repeats=1)
+  prof = pm.profile(loss, params, x, max_groups=2, repeats=1, split=split)
   assert prof.layer_sizes == (64 * 128, 128 * 8)
   assert prof.meta["paths"] == ["['z_in']", "['a_out']"]
   assert prof.forward_time > 0
   assert prof.backward_time == pytest.approx(prof.meta["backward_total"])
+  # What it records: the device, JAX, the batch and how each number was made.
+  assert prof.meta["device"] == f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
+  assert prof.meta["jax"] == jax.__version__ and prof.meta["batch"] == ["float32[32, 64]"]
+  assert prof.meta["forward_time"].startswith("measured: jax.jit wall time")
+  assert ("cost analysis" if split == "cost" else "timed differences") in (
+      prof.meta["backward_times"])
+  assert prof.meta["update_time"].startswith("assumed 0")
 
 
-def test_profile_flax_nnx():
+def test_profile_of_a_flax_nnx_module():
   import jax.numpy as jnp
   from flax import nnx
 
@@ -429,8 +437,8 @@ def test_profile_flax_nnx():
     def __call__(self, x):
       return self.a(nnx.relu(self.b(x)))
 
-  prof = pm.profile_flax(Net(nnx.Rngs(0)), jnp.ones((8, 16)), jnp.zeros((8,), jnp.int32),
-                         max_groups=1, repeats=1)
+  prof = pm.profile(Net(nnx.Rngs(0)), jnp.ones((8, 16)), jnp.zeros((8,), jnp.int32),
+                    max_groups=1, repeats=1)
   assert prof.layer_sizes == (16 * 32, 32, 32 * 4, 4)
   assert prof.name == "Net"
 

@@ -45,5 +45,16 @@ from jaxcomp.perfmodel.simulate import sweep_workers
 
 
 from jaxcomp.perfmodel.codec import measure_codec
-from jaxcomp.perfmodel.profiling import profile_flax
-from jaxcomp.perfmodel.profiling import profile_model
+from jaxcomp.perfmodel.profiling import profile
+from jaxcomp.perfmodel.hardware import DEVICES
+from jaxcomp.perfmodel.hardware import NETWORKS
+from jaxcomp.perfmodel.hardware import DevicePreset
+from jaxcomp.perfmodel.hardware import NetworkPreset
+from jaxcomp.perfmodel.hardware import device_preset
+from jaxcomp.perfmodel.hardware import network_preset
+from jaxcomp.perfmodel.decoders import DECODERS
+from jaxcomp.perfmodel.decoders import DecoderConfig
+from jaxcomp.perfmodel.decoders import config_from_params
+from jaxcomp.perfmodel.decoders import decoder_profile
+from jaxcomp.perfmodel.kernel_table import gpu_codec
+from jaxcomp.perfmodel.verdict import break_even

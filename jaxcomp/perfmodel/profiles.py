@@ -7,7 +7,8 @@ ResNet-50 v1.5, 25,557,032 parameters; BERT-base uncased with pooler,
 (twice the forward FLOPs) divided by ``tflops`` effective TFLOP/s, forward time
 is the forward FLOPs at the same rate. The default batch sizes and
 ``tflops=15`` (a V100-class GPU in mixed precision) are assumptions; profile
-your own model on your own device with :func:`jaxcomp.perfmodel.profile_model`.
+your own model on your own device with :func:`jaxcomp.perfmodel.profile`,
+or name a decoder and a device (:mod:`jaxcomp.perfmodel.decoders`).
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ def builtin_profile(name: str, *, tflops: float = DEFAULT_TFLOPS) -> _model_prof
       layer_sizes=tuple(n for n, _ in layers),
       backward_times=tuple(2.0 * f / rate for _, f in layers),
       forward_time=sum(f for _, f in layers) / rate,
-      meta={"description": desc,
-            "timing": f"FLOP count at an assumed {tflops:g} effective TFLOP/s (not measured)"})
+      meta={"description": desc, "sizes": "counted from the architecture",
+            "timing": (f"derived: FLOP count at {tflops:g} effective TFLOP/s (assumed; "
+                       "not measured)")})
 
 
 def load_profile(name_or_path: str, *,

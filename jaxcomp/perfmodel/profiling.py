@@ -1,16 +1,22 @@
-"""Profiles a real model: gradient sizes and measured forward/backward times.
+"""Profiles the user's own model on the device at hand: :func:`profile`.
 
-Per-tensor backward times are measured with JAX's own timing, no profiler:
-the parameter leaves are put in the order the forward pass first uses them
-(read from the jaxpr), split into at most ``max_groups`` consecutive groups, and
-for each group ``g`` the gradient with respect to groups ``g..G-1`` only is
-jitted and timed. XLA prunes the backward pass below the earliest requested
-parameter, so the difference between consecutive suffix timings is the
-backward time of one group; it is split over the group's tensors by size.
+The forward pass and the whole backward pass are compiled and timed with
+JAX's own timing (no profiler). The backward time is then split across the
+gradient tensors in backward order: the parameter leaves are put in the
+order the forward pass first uses them (read from the jaxpr) and cut into
+at most ``max_groups`` consecutive groups, and for each group ``g`` the
+gradient with respect to groups ``g..G-1`` only is compiled. XLA prunes the
+backward pass below the earliest requested parameter, so the difference
+between consecutive suffixes is one group's share of the backward pass:
+by XLA's cost analysis of each suffix (``split="cost"``, the FLOPs of
+``jax.jit(...).lower(...).compile().cost_analysis()``; no timing noise) or
+by timing each suffix (``split="measure"``). A group's share is split over
+its tensors by size.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 from collections.abc import Callable
 
@@ -18,10 +24,11 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
+from jaxcomp import train
 from jaxcomp.perfmodel import model_profile as _model_profile
 from jaxcomp.perfmodel.codec import time_fn
 
-__all__ = ["profile_model", "profile_flax", "forward_order"]
+__all__ = ["profile", "forward_order"]
 
 
 def _sub_jaxprs(eqn):
@@ -56,41 +63,139 @@ def forward_order(fn: Callable, *args) -> list[int]:
   return sorted(range(n), key=lambda i: (first.get(i, counter[0] + 1), i))
 
 
-def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
-                  max_groups: int = 16, repeats: int = 5,
-                  update_fn: Callable | None = None) -> _model_profile.ModelProfile:
-  """Measures a :class:`ModelProfile` of ``loss_fn(params, *batch)`` on the default device.
+def profile(model_or_loss: Any, *args, params=None, loss: Callable | None = None,
+            name: str | None = None, split: str = "cost", max_groups: int = 16,
+            repeats: int = 5, update_fn: Callable | None = None
+            ) -> _model_profile.ModelProfile:
+  """Measures a :class:`ModelProfile` of the user's model on the default device.
+
+  Two forms::
+
+    profile(loss_fn, params, *batch)   # loss_fn(params, *batch) -> scalar
+    profile(module, *batch)            # a flax.nnx.Module (linen: params=)
+
+  ``params`` may be a :class:`jaxcomp.TrainState` (its
+  :meth:`~jaxcomp.TrainState.model_params` are profiled), so a step built
+  by :func:`jaxcomp.make_train_step` is profiled as
+  ``profile(loss_fn, state, batch)`` with the loss it was built from.
 
   Args:
-    loss_fn: scalar loss of ``params`` (a pytree of float arrays) and the batch.
-    params: the parameters.
-    *batch: the rest of ``loss_fn``'s arguments (one worker's batch).
-    name: label of the profile.
-    max_groups: most suffix gradients to compile and time (each costs one
+    model_or_loss: the loss function, or a Flax module.
+    *args: ``params, *batch`` for a loss; ``*batch`` (``(x,)`` or ``(x, y)``)
+      for a module: one worker's batch.
+    params: a linen module's ``"params"`` collection.
+    loss: for a module, ``loss(outputs, *targets) -> scalar``; default:
+      softmax cross-entropy for integer targets, mean squared error for
+      float targets, mean of the outputs' squares without targets.
+    name: label (default: the module's class name, or ``"model"``).
+    split: how the backward time is split across the tensors: ``"cost"``
+      (XLA's FLOPs of each suffix gradient) or ``"measure"`` (each suffix
+      gradient timed).
+    max_groups: most suffix gradients to compile (each costs one
       compilation); tensors are grouped consecutively in forward order.
-    repeats: timed runs per measurement (median).
+    repeats: timed runs per measurement (the median is used).
     update_fn: optional ``(params, grads) -> params`` whose time is the update.
 
   Returns:
-    A profile with one entry per parameter leaf in forward order; ``meta``
-    records the device, the leaf paths and the measured totals.
+    A profile with one entry per parameter leaf in forward order (float32
+    elements; seconds). ``meta`` records the device, the JAX version, the
+    batch's shapes and dtypes, the date, the leaf paths and how each
+    number was obtained (``"forward_time"``, ``"backward_times"``,
+    ``"update_time"``, ``"timing"``).
+
+  Raises:
+    ValueError: ``max_groups < 1``, an unknown ``split``, no parameters,
+      or a linen module without ``params``.
+    TypeError: a first argument that is neither callable nor a Flax module.
   """
+  loss_fn, params_, batch, name = _loss_of(model_or_loss, args, params, loss, name)
   if max_groups < 1:
     raise ValueError(f"max_groups must be >= 1, got {max_groups=}")
-  leaves, treedef = jax.tree.flatten(params)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  if split not in ("cost", "measure"):
+    raise ValueError(f"split must be 'cost' or 'measure', got {split!r}")
+  if isinstance(params_, train.TrainState):
+    params_ = params_.model_params()
+  leaves, treedef = jax.tree.flatten(params_)
   if not leaves:
     raise ValueError("params has no leaves")
-  nleaves = len(leaves)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_)[0]]
   order = forward_order(lambda ls, *b: loss_fn(jax.tree.unflatten(treedef, ls), *b),
                         leaves, *batch)
-  order = [i for i in order if i < nleaves]
-  G = min(max_groups, nleaves)
-  bounds = [round(g * nleaves / G) for g in range(G + 1)]
-  groups = [order[bounds[g]:bounds[g + 1]] for g in range(G)]
+  order = [i for i in order if i < len(leaves)]
+  g_count = min(max_groups, len(leaves))
+  bounds = [round(g * len(leaves) / g_count) for g in range(g_count + 1)]
+  groups = [order[bounds[g]:bounds[g + 1]] for g in range(g_count)]
+  suffix = _Suffixes(loss_fn, leaves, treedef, groups, batch)
+  fwd_jit = jax.jit(loss_fn)
+  fwd = time_fn(fwd_jit, params_, *batch, repeats=repeats)
+  total = max(suffix.time(0, repeats) - fwd, 0.0)
+  if split == "cost":
+    ends = [suffix.flops(g) for g in range(g_count)]
+    ends.append(_flops(fwd_jit, params_, *batch))
+    how = f"split by XLA cost analysis (FLOPs) of {g_count} suffix gradients"
+  else:
+    ends = [suffix.time(g, repeats) for g in range(g_count)] + [fwd]
+    how = f"split by the timed differences of {g_count} suffix gradients"
+  raw = [max(ends[g] - ends[g + 1], 0.0) for g in range(g_count)]
+  scale = total / sum(raw) if sum(raw) > 0 else 0.0
+  bwd = [0.0] * len(leaves)
+  for g, grp in enumerate(groups):
+    size = sum(leaves[i].size for i in grp) or 1
+    for i in grp:
+      bwd[i] = raw[g] * scale * leaves[i].size / size
+  update = 0.0
+  if update_fn is not None:
+    grads = jax.tree.map(jnp.ones_like, params_)
+    update = time_fn(jax.jit(update_fn), params_, grads, repeats=repeats)
+  timed = f"measured: jax.jit wall time on {_device()}, median of {repeats}"
+  return _model_profile.ModelProfile(
+      name=name,
+      layer_sizes=tuple(leaves[i].size for i in order),
+      backward_times=tuple(bwd[i] for i in order),
+      forward_time=fwd,
+      update_time=update,
+      meta={"device": _device(), "jax": jax.__version__,
+            "batch": [f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+                      for x in jax.tree.leaves(batch)],
+            "date": datetime.date.today().isoformat(),
+            "paths": [paths[i] for i in order],
+            "sizes": "the parameters' leaves",
+            "forward_time": f"{timed} (loss only)",
+            "backward_times": (f"{timed} (value_and_grad minus the forward pass), {how}"),
+            "update_time": (f"{timed} (update_fn)" if update_fn is not None
+                            else "assumed 0 (no update_fn)"),
+            "timing": f"{timed}; backward {how}",
+            "backward_total": total})
 
-  def suffix_grad(g):
-    want = sorted(i for grp in groups[g:] for i in grp)
+
+def _device() -> str:
+  dev = jax.devices()[0]
+  return f"{dev.platform}:{dev.device_kind}"
+
+
+def _flops(jitted, *args) -> float:
+  """XLA's FLOP count of ``jitted(*args)`` (``compile().cost_analysis()``)."""
+  cost = jitted.lower(*args).compile().cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per module
+    cost = cost[0] if cost else {}
+  flops = (cost or {}).get("flops")
+  if flops is None:
+    raise ValueError("this backend's cost analysis has no FLOP count: pass "
+                     "split='measure'")
+  return float(flops)
+
+
+class _Suffixes:
+  """The gradient with respect to groups ``g..G-1`` of the parameter leaves."""
+
+  def __init__(self, loss_fn, leaves, treedef, groups, batch):
+    self.loss_fn, self.leaves, self.treedef = loss_fn, leaves, treedef
+    self.groups, self.batch = groups, batch
+
+  def _jitted(self, g):
+    want = sorted(i for grp in self.groups[g:] for i in grp)
+    wanted_set = set(want)
+    loss_fn, treedef = self.loss_fn, self.treedef
 
     def f(wanted, rest, *b):
       ls = list(rest)
@@ -98,53 +203,37 @@ def profile_model(loss_fn: Callable, params, *batch, name: str = "model",
         ls[i] = w
       return loss_fn(jax.tree.unflatten(treedef, ls), *b)
 
-    gf = jax.jit(jax.value_and_grad(f))
-    wanted = [leaves[i] for i in want]
-    rest = [None if i in set(want) else leaves[i] for i in range(nleaves)]
-    return time_fn(gf, wanted, rest, *batch, repeats=repeats)
+    wanted = [self.leaves[i] for i in want]
+    rest = [None if i in wanted_set else x for i, x in enumerate(self.leaves)]
+    return jax.jit(jax.value_and_grad(f)), (wanted, rest, *self.batch)
 
-  fwd = time_fn(jax.jit(loss_fn), params, *batch, repeats=repeats)
-  suffix = [suffix_grad(g) for g in range(G)] + [fwd]
-  total_bwd = max(suffix[0] - fwd, 0.0)
-  raw = [max(suffix[g] - suffix[g + 1], 0.0) for g in range(G)]
-  scale = total_bwd / sum(raw) if sum(raw) > 0 else 0.0
-  bwd = [0.0] * nleaves
-  for g, grp in enumerate(groups):
-    size = sum(leaves[i].size for i in grp) or 1
-    for i in grp:
-      bwd[i] = raw[g] * scale * leaves[i].size / size
-  update = 0.0
-  if update_fn is not None:
-    grads = jax.tree.map(jnp.ones_like, params)
-    update = time_fn(jax.jit(update_fn), params, grads, repeats=repeats)
-  dev = jax.devices()[0]
-  return _model_profile.ModelProfile(
-      name=name,
-      layer_sizes=tuple(leaves[i].size for i in order),
-      backward_times=tuple(bwd[i] for i in order),
-      forward_time=fwd,
-      update_time=update,
-      meta={"device": f"{dev.platform}:{dev.device_kind}",
-            "paths": [paths[i] for i in order],
-            "timing": f"jax.jit wall time, median of {repeats}, {G} suffix-gradient groups",
-            "backward_total": total_bwd})
+  def time(self, g: int, repeats: int) -> float:
+    fn, args = self._jitted(g)
+    return time_fn(fn, *args, repeats=repeats)
+
+  def flops(self, g: int) -> float:
+    fn, args = self._jitted(g)
+    return _flops(fn, *args)
 
 
-def profile_flax(model, *batch, params=None, loss: Callable | None = None,
-                 name: str | None = None, **kwargs) -> _model_profile.ModelProfile:
-  """:func:`profile_model` for a Flax model.
+def _loss_of(model_or_loss, args, params, loss, name):
+  """``(loss_fn, params, batch, name)`` of :func:`profile`'s two forms."""
+  try:
+    from flax import linen, nnx
+    is_flax = isinstance(model_or_loss, (nnx.Module, linen.Module))
+  except ImportError:  # flax is optional
+    is_flax = False
+  if is_flax:
+    return _flax_loss(model_or_loss, args, params, loss, name)
+  if not callable(model_or_loss):
+    raise TypeError(f"profile takes a loss function or a Flax module, got "
+                    f"{type(model_or_loss).__name__}")
+  if not args:
+    raise ValueError("profile(loss_fn, params, *batch) needs params")
+  return model_or_loss, args[0], tuple(args[1:]), name or "model"
 
-  Args:
-    model: a ``flax.nnx.Module`` (parameters taken from it) or a
-      ``flax.linen.Module`` (pass ``params``, the ``"params"`` collection).
-    *batch: ``(x,)`` or ``(x, y)``.
-    params: linen parameters.
-    loss: ``loss(outputs, *targets) -> scalar``; default: softmax cross-entropy
-      for integer targets, mean squared error for float targets, mean of the
-      outputs' squares without targets.
-    name: label (default: the model's class name).
-    **kwargs: passed to :func:`profile_model`.
-  """
+
+def _flax_loss(model, batch, params, loss, name):
   from flax import linen, nnx
   import optax
 
@@ -161,16 +250,15 @@ def profile_flax(model, *batch, params=None, loss: Callable | None = None,
   if isinstance(model, nnx.Module):
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(p, x, *targets):
+    def nnx_loss(p, x, *targets):
       return loss(nnx.merge(graphdef, p, rest)(x), *targets)
 
-    return profile_model(loss_fn, state, *batch, name=name, **kwargs)
-  if isinstance(model, linen.Module):
-    if params is None:
-      raise ValueError("a linen model needs params= (the 'params' collection)")
+    return nnx_loss, state, tuple(batch), name
+  assert isinstance(model, linen.Module)
+  if params is None:
+    raise ValueError("a linen model needs params= (the 'params' collection)")
 
-    def loss_fn(p, x, *targets):
-      return loss(model.apply({"params": p}, x), *targets)
+  def linen_loss(p, x, *targets):
+    return loss(model.apply({"params": p}, x), *targets)
 
-    return profile_model(loss_fn, params, *batch, name=name, **kwargs)
-  raise TypeError(f"model must be a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
+  return linen_loss, params, tuple(batch), name
