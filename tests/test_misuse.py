@@ -241,3 +241,32 @@ def test_the_mask_advice_for_an_integer_leaf_works_through_make_train_step(mesh8
   assert int(state.params["seen"]) == 0 and state.params["seen"].dtype == jnp.int32
   # top-k sent 4 of 16 coordinates: the mean gradient is 32 each.
   assert int(jnp.sum(state.params["w"] != 1.0)) == 4
+
+
+@pytest.mark.skipif(ZERO_SIZE_ARGS_CRASH,
+                    reason="JAX 0.11's XLA:CPU crashes on zero-size shard_map "
+                           "arguments with a collective (tests/test_jax_bugs.py)")
+@pytest.mark.parametrize("layout", ["replicated", "fsdp", "islands"])
+def test_zero_size_leaves_train_with_random_block_over_the_whole_model(mesh8, layout):
+  """A zero-size parameter with random blocks and bucketing="whole" trains in
+  every layout, its update empty (FSDP's all-gather of a zero-size shard
+  failed to lower)."""
+  params = {"w": jnp.ones((16,)), "z": jnp.zeros((0, 3))}
+  loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2) + jnp.sum(p["z"])
+  kw = dict(ratio=0.5, bucketing="whole")
+  tx, lay = {
+      "replicated": (optax.chain(jaxcomp.compressed_mean("random_block", "data", **kw),
+                                 optax.sgd(0.1)), jaxcomp.DataParallel()),
+      "fsdp": (optax.chain(jaxcomp.compressed_mean("random_block", "data", output="shard",
+                                                   **kw), optax.sgd(0.1)), jaxcomp.FSDP()),
+      "islands": (jaxcomp.diloco(optax.sgd(0.1), sync_every=1, compressor="random_block",
+                                 **kw), jaxcomp.Islands()),
+  }[layout]
+  state = jaxcomp.init(tx, params, mesh8, layout=lay)
+  step = jaxcomp.make_train_step(loss, tx, mesh=mesh8, layout=lay)
+  batch = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh8, P("data")))
+  for _ in range(2):
+    state, l = step(state, batch)
+  whole = state.model_params()
+  assert whole["z"].shape == (0, 3) and np.isfinite(float(l))
+  assert float(jnp.sum(whole["w"] != 1.0)) > 0  # the model trained

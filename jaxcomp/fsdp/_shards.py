@@ -21,6 +21,7 @@ from jaxcomp import distributed
 from jaxcomp import placement
 from jaxcomp import transform
 from jaxcomp import wire
+from jaxcomp._mesh import to_varying
 from jaxcomp._mesh import AxisName
 from jaxcomp.collectives.base import chunk_size
 from jaxcomp.lowcomm import holds_diloco
@@ -134,6 +135,8 @@ def gather_params(shards, shapes, axis_name: AxisName = "data", *,
 
   def one(x, s):
     n = math.prod(s.shape)
+    if n == 0:  # XLA refuses an all-gather of a zero-size dimension
+      return to_varying(jnp.zeros(s.shape, x.dtype), axis_name)
     if comp is None:
       return lax.all_gather(x, axis_name, tiled=True)[:n].reshape(s.shape)
     key = jax.random.key(0)  # unused: the compressor has no randomness
