@@ -14,6 +14,7 @@ The public API, one door per task:
   the rest of the plumbing);
 * a ``jax.jit`` (GSPMD) step: :func:`compressed_value_and_grad`;
 * low-communication training: :func:`diloco`, :func:`demo`;
+* compressed optimizers (DeepSpeed's): :func:`onebit_adam`;
 * what a compiled step sends: :func:`collective_traffic`.
 
 The subpackages hold the rest, by task: :mod:`jaxcomp.compressors`,
@@ -38,6 +39,7 @@ from jaxcomp import fsdp
 from jaxcomp import gspmd
 from jaxcomp import layouts
 from jaxcomp import lowcomm
+from jaxcomp import optimizers
 from jaxcomp import placement
 from jaxcomp import steps
 from jaxcomp import wire
@@ -71,6 +73,8 @@ from jaxcomp.gspmd import compressed_value_and_grad
 # Low-communication training.
 from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
+# Compressed optimizers.
+from jaxcomp.optimizers import onebit_adam
 
 # Reading a compiled step.
 from jaxcomp.hlo.traffic import CollectiveOp
@@ -93,6 +97,8 @@ __all__ = [
     "compressed_value_and_grad",
     # Low-communication training.
     "diloco", "demo",
+    # Compressed optimizers.
+    "onebit_adam",
     # Reading a compiled step.
     "collective_traffic", "Traffic", "CollectiveOp",
 ]

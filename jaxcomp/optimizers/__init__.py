@@ -1,0 +1,26 @@
+"""DeepSpeed's compressed optimizers as Optax transformations that own
+their exchange: :func:`onebit_adam` (1-bit Adam). Run them inside
+``jax.shard_map`` with each device's own gradient (:func:`jaxcomp.init`
+and :func:`jaxcomp.make_train_step` do), with no ``compressed_mean``
+before them.
+
+Adam's variance is not linear in the gradient, so error feedback on a
+compressed gradient does not carry over to Adam; 1-bit Adam instead runs
+dense Adam while the variance settles, freezes it, and then compresses
+the momentum (the one quantity left that is linear in the gradients) with
+DeepSpeed's 1-bit all-reduce: sign and scale, with the compression error
+kept both by each worker and by the device that reduces each chunk (the
+"server"). :func:`traffic` reads the bytes of each phase from the state.
+
+References:
+  Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training
+  with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>, ICML
+  2021.
+"""
+
+from jaxcomp.optimizers._exchange import OneBitStats
+from jaxcomp.optimizers._exchange import OneBitTraffic
+from jaxcomp.optimizers._exchange import compressed_allreduce
+from jaxcomp.optimizers._exchange import traffic
+from jaxcomp.optimizers._onebit_adam import OneBitAdamState
+from jaxcomp.optimizers._onebit_adam import onebit_adam
