@@ -116,6 +116,12 @@ jaxcomp_api_groups = [
               "pseudo-gradients) and DeMo.",
      "sections": ["Low-communication training"],
      "modules": ["jaxcomp.lowcomm"]},
+    {"title": "Compressed optimizers",
+     "about": "DeepSpeed's compressed optimizers as Optax transformations "
+              "that own their exchange: 1-bit Adam, with the bytes of "
+              "each phase.",
+     "sections": ["Compressed optimizers"],
+     "modules": ["jaxcomp.optimizers"]},
     {"title": "FSDP",
      "about": "Parameters in flat shards over the data axis (ZeRO-3, HSDP), "
               "with a compressed reduce-scatter of the gradient and an "
