@@ -14,7 +14,8 @@ The public API, one door per task:
   the rest of the plumbing);
 * a ``jax.jit`` (GSPMD) step: :func:`compressed_value_and_grad`;
 * low-communication training: :func:`diloco`, :func:`demo`;
-* compressed optimizers (DeepSpeed's): :func:`onebit_adam`;
+* compressed optimizers (DeepSpeed's): :func:`onebit_adam`,
+  :func:`onebit_lamb`;
 * what a compiled step sends: :func:`collective_traffic`.
 
 The subpackages hold the rest, by task: :mod:`jaxcomp.compressors`,
@@ -75,6 +76,7 @@ from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
 # Compressed optimizers.
 from jaxcomp.optimizers import onebit_adam
+from jaxcomp.optimizers import onebit_lamb
 
 # Reading a compiled step.
 from jaxcomp.hlo.traffic import CollectiveOp
@@ -98,7 +100,7 @@ __all__ = [
     # Low-communication training.
     "diloco", "demo",
     # Compressed optimizers.
-    "onebit_adam",
+    "onebit_adam", "onebit_lamb",
     # Reading a compiled step.
     "collective_traffic", "Traffic", "CollectiveOp",
 ]

@@ -1,5 +1,6 @@
 """DeepSpeed's compressed optimizers as Optax transformations that own
-their exchange: :func:`onebit_adam` (1-bit Adam). Run them inside
+their exchange: :func:`onebit_adam` (1-bit Adam) and :func:`onebit_lamb`
+(1-bit LAMB). Run them inside
 ``jax.shard_map`` with each device's own gradient (:func:`jaxcomp.init`
 and :func:`jaxcomp.make_train_step` do), with no ``compressed_mean``
 before them.
@@ -15,7 +16,9 @@ kept both by each worker and by the device that reduces each chunk (the
 References:
   Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training
   with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>, ICML
-  2021.
+  2021; Li et al., 1-bit LAMB: Communication Efficient Large-Scale
+  Large-Batch Training with LAMB's Convergence Speed
+  <https://arxiv.org/abs/2104.06069>, HiPC 2022.
 """
 
 from jaxcomp.optimizers._exchange import OneBitStats
@@ -24,3 +27,5 @@ from jaxcomp.optimizers._exchange import compressed_allreduce
 from jaxcomp.optimizers._exchange import traffic
 from jaxcomp.optimizers._onebit_adam import OneBitAdamState
 from jaxcomp.optimizers._onebit_adam import onebit_adam
+from jaxcomp.optimizers._onebit_lamb import OneBitLambState
+from jaxcomp.optimizers._onebit_lamb import onebit_lamb

@@ -53,7 +53,7 @@ class AdamSpec:
     return jnp.asarray(lr(count) if callable(lr) else lr, jnp.float32)
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -61,16 +61,16 @@ def check_adam_args(learning_rate, axis_name, b1, b2, eps,
                     weight_decay) -> None:
   """Raises ValueError naming the first bad argument."""
   if not callable(learning_rate) and not (
-      _is_number(learning_rate) and learning_rate >= 0):
+      is_number(learning_rate) and learning_rate >= 0):
     raise ValueError("learning_rate must be a number >= 0 or an optax "
                      f"schedule, got {learning_rate=!r}")
   _mesh.check_axis_name(axis_name)
   for name, v in (("b1", b1), ("b2", b2)):
-    if not _is_number(v) or not 0 <= v < 1:
+    if not is_number(v) or not 0 <= v < 1:
       raise ValueError(f"{name} must be a number in [0, 1), got {name}={v!r}")
-  if not _is_number(eps) or eps < 0:
+  if not is_number(eps) or eps < 0:
     raise ValueError(f"eps must be a number >= 0, got {eps=!r}")
-  if not _is_number(weight_decay) or weight_decay < 0:
+  if not is_number(weight_decay) or weight_decay < 0:
     raise ValueError(f"weight_decay must be a number >= 0, got "
                      f"{weight_decay=!r}")
 
