@@ -118,8 +118,8 @@ jaxcomp_api_groups = [
      "modules": ["jaxcomp.lowcomm"]},
     {"title": "Compressed optimizers",
      "about": "DeepSpeed's compressed optimizers as Optax transformations "
-              "that own their exchange: 1-bit Adam and 1-bit LAMB, with "
-              "the bytes of each phase.",
+              "that own their exchange: 1-bit Adam, 0/1 Adam and 1-bit "
+              "LAMB, with the bytes of each phase.",
      "sections": ["Compressed optimizers"],
      "modules": ["jaxcomp.optimizers"]},
     {"title": "FSDP",

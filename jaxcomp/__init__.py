@@ -15,7 +15,7 @@ The public API, one door per task:
 * a ``jax.jit`` (GSPMD) step: :func:`compressed_value_and_grad`;
 * low-communication training: :func:`diloco`, :func:`demo`;
 * compressed optimizers (DeepSpeed's): :func:`onebit_adam`,
-  :func:`onebit_lamb`;
+  :func:`zero_one_adam`, :func:`onebit_lamb`;
 * what a compiled step sends: :func:`collective_traffic`.
 
 The subpackages hold the rest, by task: :mod:`jaxcomp.compressors`,
@@ -77,6 +77,7 @@ from jaxcomp.lowcomm import diloco
 # Compressed optimizers.
 from jaxcomp.optimizers import onebit_adam
 from jaxcomp.optimizers import onebit_lamb
+from jaxcomp.optimizers import zero_one_adam
 
 # Reading a compiled step.
 from jaxcomp.hlo.traffic import CollectiveOp
@@ -100,7 +101,7 @@ __all__ = [
     # Low-communication training.
     "diloco", "demo",
     # Compressed optimizers.
-    "onebit_adam", "onebit_lamb",
+    "onebit_adam", "zero_one_adam", "onebit_lamb",
     # Reading a compiled step.
     "collective_traffic", "Traffic", "CollectiveOp",
 ]

@@ -1,6 +1,7 @@
 """DeepSpeed's compressed optimizers as Optax transformations that own
-their exchange: :func:`onebit_adam` (1-bit Adam) and :func:`onebit_lamb`
-(1-bit LAMB). Run them inside
+their exchange: :func:`onebit_adam` (1-bit Adam), :func:`zero_one_adam`
+(0/1 Adam, with local steps: one copy of the parameters per device,
+``layout=jaxcomp.Islands()``) and :func:`onebit_lamb` (1-bit LAMB). Run them inside
 ``jax.shard_map`` with each device's own gradient (:func:`jaxcomp.init`
 and :func:`jaxcomp.make_train_step` do), with no ``compressed_mean``
 before them.
@@ -16,7 +17,9 @@ kept both by each worker and by the device that reduces each chunk (the
 References:
   Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training
   with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>, ICML
-  2021; Li et al., 1-bit LAMB: Communication Efficient Large-Scale
+  2021; Lu et al., Maximizing Communication Efficiency for Large-scale
+  Training via 0/1 Adam <https://arxiv.org/abs/2202.06009>, ICLR 2023;
+  Li et al., 1-bit LAMB: Communication Efficient Large-Scale
   Large-Batch Training with LAMB's Convergence Speed
   <https://arxiv.org/abs/2104.06069>, HiPC 2022.
 """
@@ -29,3 +32,5 @@ from jaxcomp.optimizers._onebit_adam import OneBitAdamState
 from jaxcomp.optimizers._onebit_adam import onebit_adam
 from jaxcomp.optimizers._onebit_lamb import OneBitLambState
 from jaxcomp.optimizers._onebit_lamb import onebit_lamb
+from jaxcomp.optimizers._zero_one_adam import ZeroOneAdamState
+from jaxcomp.optimizers._zero_one_adam import zero_one_adam
