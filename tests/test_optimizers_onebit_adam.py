@@ -238,3 +238,21 @@ def test_onebit_adam_refuses_bad_arguments_at_construction(kwargs, name):
   kwargs = {"learning_rate": 1e-3, "axis_name": "data", **kwargs}
   with pytest.raises(ValueError, match=name):
     jaxcomp.onebit_adam(kwargs.pop("learning_rate"), **kwargs)
+
+
+def test_onebit_adam_stats_are_what_the_compiled_step_sends(mesh8):
+  """The warm-up branch's all-reduces and the 1-bit branch's all-to-all
+  and all-gathers of the compiled step, operand bytes per device, are the
+  state's dense and compressed bytes."""
+  tx = jaxcomp.onebit_adam(1e-3, axis_name="data", freeze_step=3)
+  state = jaxcomp.init(tx, jax.tree.map(jnp.asarray, _params()), mesh8)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8)
+  batch = _put(_grads(1)[0], mesh8)
+  ops = jaxcomp.collective_traffic(step.lower(state, batch).compile()).ops
+  branch = [o for o in ops if o.in_branch]
+  dense = sum(o.operand_bytes for o in branch if o.kind == "all-reduce")
+  onebit = sum(o.operand_bytes for o in branch
+               if o.kind in ("all-to-all", "all-gather"))
+  stats = state.opt_state.stats
+  assert dense == float(stats.dense_bytes)
+  assert onebit == float(stats.compressed_bytes)

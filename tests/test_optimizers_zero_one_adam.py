@@ -213,3 +213,24 @@ def test_zero_one_adam_refuses_bad_arguments_at_construction(kwargs, name):
   kwargs = {"axis_name": "data", "var_freeze_step": 4, **kwargs}
   with pytest.raises(ValueError, match=name):
     jaxcomp.zero_one_adam(1e-3, **kwargs)
+
+
+def test_zero_one_adam_stats_are_what_the_compiled_step_sends(mesh8):
+  """The variance steps' all-reduces are the state's dense bytes; the
+  1-bit exchange, of the gradient before the freeze and of the
+  accumulated steps at a sync after it (two branches of the compiled
+  step), its compressed bytes each."""
+  tx = jaxcomp.zero_one_adam(1e-3, axis_name="data", **HP)
+  islands = jaxcomp.Islands()
+  state = jaxcomp.init(tx, jax.tree.map(jnp.asarray, _params()), mesh8,
+                       layout=islands)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=islands)
+  batch = jax.device_put(_grads(1)[0], NamedSharding(mesh8, P("data")))
+  ops = jaxcomp.collective_traffic(step.lower(state, batch).compile()).ops
+  branch = [o for o in ops if o.in_branch]
+  dense = sum(o.operand_bytes for o in branch if o.kind == "all-reduce")
+  onebit = sum(o.operand_bytes for o in branch
+               if o.kind in ("all-to-all", "all-gather"))
+  stats = state.opt_state.stats
+  assert dense == float(stats.dense_bytes)
+  assert onebit == 2 * float(stats.compressed_bytes)
