@@ -28,6 +28,7 @@ from jaxcomp.optimizers._exchange import OneBitStats
 from jaxcomp.optimizers._exchange import OneBitTraffic
 from jaxcomp.optimizers._exchange import compressed_allreduce
 from jaxcomp.optimizers._exchange import init_errors
+from jaxcomp.optimizers._exchange import phase_transfers
 from jaxcomp.optimizers._exchange import traffic
 from jaxcomp.optimizers._onebit_adam import OneBitAdamState
 from jaxcomp.optimizers._onebit_adam import onebit_adam

@@ -165,6 +165,40 @@ def dense_transfers(nbytes: list[int], axis_sizes: dict[str, int]
                         wire.axes_of(axis_sizes), axis_sizes)
 
 
+def phase_transfers(sizes: list[int], axis_sizes: dict[str, int], *,
+                    itemsize: int = 4, fused: bool = False
+                    ) -> dict[str, tuple[wire.Transfer, ...]]:
+  """The collectives of each phase's exchange, per device, for leaves of
+  ``sizes`` elements over a mesh of ``axis_sizes``: what a cost model
+  prices (``jaxcomp.perfmodel.costs.transfer_time`` each) and what the
+  optimizers' statistics count.
+
+  Args:
+    sizes: elements per leaf.
+    axis_sizes: ``{axis: devices}`` of the exchange's axes.
+    itemsize: bytes per gradient element of the dense exchange.
+    fused: the 1-bit exchange of all leaves as one buffer (1-bit LAMB's),
+      else one per leaf (1-bit Adam's, 0/1 Adam's).
+
+  Returns:
+    ``{"dense": ..., "compressed": ...}``: the dense all-reduce of every
+    leaf (warm-up, 0/1 Adam's variance steps) and one 1-bit exchange (see
+    :func:`compressed_allreduce`).
+
+  Example:
+    >>> from jaxcomp import optimizers, wire
+    >>> t = optimizers.phase_transfers([4096], {"data": 8})
+    >>> [(x.kind, x.operand_bytes) for x in t["compressed"]]
+    [('all-to-all', 512), ('all-gather', 4), ('all-gather', 64), ('all-gather', 4)]
+    >>> dense, onebit = (wire.total_ring_bytes(t[k]) for k in t)
+    >>> dense, onebit  # ring bytes: 30x fewer
+    (28672.0, 952.0)
+  """
+  return {"dense": dense_transfers([n * itemsize for n in sizes], axis_sizes),
+          "compressed": compressed_transfers(
+              [sum(sizes)] if fused else list(sizes), axis_sizes)}
+
+
 class OneBitStats(NamedTuple):
   """Traffic of DeepSpeed's compressed optimizers, by phase, carried in
   their states (read with :func:`traffic`).
