@@ -115,6 +115,12 @@ jaxcomp_api_groups = [
               "pseudo-gradients) and DeMo.",
      "sections": ["Low-communication training"],
      "modules": ["jaxcomp.lowcomm"]},
+    {"title": "Compressed optimizers",
+     "about": "DeepSpeed's compressed optimizers as Optax transformations "
+              "that own their exchange: 1-bit Adam, 0/1 Adam and 1-bit "
+              "LAMB, with the bytes of each phase.",
+     "sections": ["Compressed optimizers"],
+     "modules": ["jaxcomp.optimizers"]},
     {"title": "FSDP",
      "about": "Parameters in flat shards over the data axis (ZeRO-3, HSDP), "
               "with a compressed reduce-scatter of the gradient and an "
@@ -140,7 +146,7 @@ jaxcomp_api_groups = [
      "about": "Pallas (Mosaic GPU) kernels of the compressors, their XLA "
               "references, and the autotuner that picks one per op and "
               "size on NVIDIA GPUs.",
-     "modules": ["jaxcomp.kernels", "jaxcomp.kernels.*"]},
+     "modules": ["jaxcomp.kernels", "jaxcomp.kernels.*", "jaxcomp.autotune"]},
 ]
 
 html_theme = "furo"

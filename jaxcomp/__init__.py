@@ -14,6 +14,8 @@ The public API, one door per task:
   the rest of the plumbing);
 * a ``jax.jit`` (GSPMD) step: :func:`compressed_value_and_grad`;
 * low-communication training: :func:`diloco`, :func:`demo`;
+* compressed optimizers (DeepSpeed's): :func:`onebit_adam`,
+  :func:`zero_one_adam`, :func:`onebit_lamb`;
 * what a compiled step sends: :func:`collective_traffic`.
 
 The subpackages hold the rest, by task: :mod:`jaxcomp.compressors`,
@@ -38,6 +40,7 @@ from jaxcomp import fsdp
 from jaxcomp import gspmd
 from jaxcomp import layouts
 from jaxcomp import lowcomm
+from jaxcomp import optimizers
 from jaxcomp import placement
 from jaxcomp import steps
 from jaxcomp import wire
@@ -72,6 +75,10 @@ from jaxcomp.gspmd import compressed_value_and_grad
 # Low-communication training.
 from jaxcomp.lowcomm import demo
 from jaxcomp.lowcomm import diloco
+# Compressed optimizers.
+from jaxcomp.optimizers import onebit_adam
+from jaxcomp.optimizers import onebit_lamb
+from jaxcomp.optimizers import zero_one_adam
 
 # Reading a compiled step.
 from jaxcomp.hlo.traffic import CollectiveOp
@@ -94,6 +101,8 @@ __all__ = [
     "compressed_value_and_grad",
     # Low-communication training.
     "diloco", "demo",
+    # Compressed optimizers.
+    "onebit_adam", "zero_one_adam", "onebit_lamb",
     # Reading a compiled step.
     "collective_traffic", "Traffic", "CollectiveOp",
 ]

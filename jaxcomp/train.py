@@ -175,14 +175,16 @@ def _check_diloco(opt_state, layout: Layout) -> None:
   """Refuses DiLoCo without its layout, and its layout without DiLoCo."""
   if holds_diloco(opt_state) and not isinstance(layout, Islands):
     raise ValueError(
-        "tx holds jaxcomp.diloco, whose inner steps need each device's (or "
+        "tx holds jaxcomp.diloco (or jaxcomp.zero_one_adam), whose local "
+        "steps need each device's (or "
         "island's) own copy of the parameters: pass layout=jaxcomp.Islands() "
         "(or Islands(over=<the islands' axis>)) to jaxcomp.init and "
         "jaxcomp.make_train_step")
   if isinstance(layout, Islands) and not holds_diloco(opt_state):
     raise ValueError(
         "layout=jaxcomp.Islands() keeps a copy of the parameters per device "
-        "or island, which only jaxcomp.diloco in tx synchronizes: wrap the "
+        "or island, which only jaxcomp.diloco in tx synchronizes (or "
+        "jaxcomp.zero_one_adam, between its local steps): wrap the "
         "inner optimizer in jaxcomp.diloco(...), or use "
         "layout=jaxcomp.DataParallel() for a step that averages every step")
 

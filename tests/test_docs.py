@@ -55,7 +55,7 @@ def test_design_doc_example_compressor_works_in_compressed_mean():
 # run in tests/test_training_loop.py, design.md's above.
 
 GUIDES = ["index.md", "getting_started.md", "sharded.md", "lowcomm.md", "multihost.md",
-          "perfmodel.md", "collectives.md"]
+          "perfmodel.md", "collectives.md", "optimizers.md"]
 # Pages whose code other tests run: design.md above, training_loop.md's
 # recipes in tests/test_training_loop.py.
 RUN_ELSEWHERE = ["design.md", "training_loop.md"]

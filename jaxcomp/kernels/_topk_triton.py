@@ -3,7 +3,7 @@
 
 The selection by threshold: which elements of ``x`` have ``|x| >= t``,
 compacted in index order into a fixed capacity, in two passes over ``x``
-(:func:`select_at_least`).
+(``select_at_least``).
 
 1. **Count** (:func:`count_at_least`): each Pallas program takes ``span``
    consecutive elements with one masked load and writes how many of them
@@ -197,7 +197,7 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   threshold ``t`` of an evenly spaced sample, the candidates ``key >= t``
   compacted in index order into a fixed capacity, the ``k``-th largest key
   found among them) with the compaction done by
-  :func:`select_at_least`: a count pass and a compact pass over ``x``, which also returns the candidates' keys, in
+  ``select_at_least``: a count pass and a compact pass over ``x``, which also returns the candidates' keys, in
   place of the packed masks, prefix sums, scatter and running maximum over
   ``n / 32`` words. The candidates' keys are sorted whole (one sort), or
   with ``band_only`` only those between the sample's two thresholds (the
@@ -267,7 +267,7 @@ def sampled_topk_triton(x: jax.Array, k: int, key: jax.Array, *,
                         ) -> tuple[jax.Array, jax.Array]:
   """:func:`jaxcomp.kernels.topk.sampled_topk` (DGC) with its selection
   done by the two Triton-lowered kernels of :func:`topk_triton`
-  (:func:`select_at_least` with capacity ``k``): the same threshold from the same sample, the same values and
+  (``select_at_least`` with capacity ``k``): the same threshold from the same sample, the same values and
   indices.
 
   Not yet timed on a GPU, so no ``implementation`` picks it (``python

@@ -40,6 +40,7 @@ import optax
 
 from jaxcomp import _mesh
 from jaxcomp import distributed
+from jaxcomp import optimizers
 from jaxcomp import transform
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
@@ -410,16 +411,23 @@ def _update(spec: _DiLoCo, updates, state, params=None):
       pending=tuple(pendings))
 
 
-def _diloco_states(opt_state) -> list[DiLoCoState]:
+# The states that keep one copy of the parameters per device (or island)
+# between synchronisations, with the synchronised copy (``anchor``) and
+# which leaves synchronised last step (``synced``): DiLoCo's, and 0/1
+# Adam's (its local steps).
+_ISLANDS_STATES = (DiLoCoState, optimizers.ZeroOneAdamState)
+
+
+def _diloco_states(opt_state, kinds=_ISLANDS_STATES) -> list:
   found = []
   jax.tree_util.tree_map(
-      lambda x: found.append(x) if isinstance(x, DiLoCoState) else None,
-      opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+      lambda x: found.append(x) if isinstance(x, kinds) else None,
+      opt_state, is_leaf=lambda x: isinstance(x, kinds))
   return found
 
 
-def _find(opt_state) -> DiLoCoState:
-  found = _diloco_states(opt_state)
+def _find(opt_state, kinds=_ISLANDS_STATES):
+  found = _diloco_states(opt_state, kinds)
   if len(found) != 1:
     raise ValueError(f"expected one diloco state in opt_state, found {len(found)}")
   return found[0]
@@ -466,7 +474,7 @@ def traffic(opt_state) -> LowCommTraffic:
   Raises:
     ValueError: ``opt_state`` holds no :func:`diloco` state, or several.
   """
-  st = _find(opt_state)
+  st = _find(opt_state, DiLoCoState)
   steps = int(jax.device_get(st.step))
   syncs, per_interval, total, wire_total, dense = [], 0.0, 0.0, 0.0, 0.0
   for ex in st.exchange_state:
@@ -489,7 +497,9 @@ def traffic(opt_state) -> LowCommTraffic:
 
 def synced_params(opt_state):
   """The synchronized parameters (the outer optimizer's, identical on every
-  device) held in a state containing one :func:`diloco`."""
+  device) held in a state containing one :func:`diloco` (or
+  :func:`jaxcomp.zero_one_adam`: the parameters at its last
+  synchronisation)."""
   return _find(opt_state).anchor
 
 
@@ -505,7 +515,8 @@ def per_device_copies(params, mesh, axis_name: AxisName = "data"):
 
 
 def holds_diloco(opt_state) -> bool:
-  """Whether ``opt_state`` holds a :func:`diloco` state."""
+  """Whether ``opt_state`` holds a :func:`diloco` state (or another state
+  with one copy of the parameters per device: :func:`jaxcomp.zero_one_adam`'s)."""
   return bool(_diloco_states(opt_state))
 
 

@@ -234,7 +234,7 @@ def break_even(profile: _model_profile.ModelProfile, compressor, network: costs.
   Args:
     profile, compressor, network: as for :func:`predict`.
     codec: its encode/decode cost.
-    sweep: ``{gbps: speedup}`` over :data:`DECADES` (or finer), if made.
+    sweep: ``{gbps: speedup}`` over ``DECADES`` (or finer), if made.
     **kw: :func:`compare`'s options (buckets, overlap, ...).
 
   Returns:
