@@ -62,7 +62,7 @@ nitpick_ignore_regex = [
                r"Exception|ValueError|TypeError|RuntimeError|KeyError|"
                r"NameError|FileNotFoundError|Ellipsis|EllipsisType|"
                r"GradientTransformation|GradientTransformationExtraArgs|"
-               r"Params|Updates|OptState)"),
+               r"Params|Updates|OptState|AxisName)"),
 ]
 
 autodoc_typehints = "signature"

@@ -90,7 +90,7 @@ def diloco(inner: optax.GradientTransformation,
   reports it with ``every=sync_every`` and its bytes per sync (a step
   averages ``bytes_sent / sync_every``), apart from any exchange of every
   step in ``inner`` (islands: the mean inside each island);
-  :func:`traffic` counts the run's total and per-step average from the
+  :func:`jaxcomp.lowcomm.traffic` counts the run's total and per-step average from the
   state's counters.
 
   Args:
