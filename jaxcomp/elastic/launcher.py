@@ -36,7 +36,7 @@ def _start_island(name: str, command: Sequence[str], processes: int,
                   address: str) -> subprocess.Popen:
   argv = list(command)
   if processes > 1:  # jaxcomp.launch: one JAX job of `processes` processes
-    argv = [sys.executable, "-m", "jaxcomp.launch", "-n", str(processes),
+    argv = [sys.executable, "-m", "jaxcomp.cli", "launch", "-n", str(processes),
             "--", *argv]
   proc = subprocess.Popen(argv, env=_island_env(name, address),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -58,7 +58,7 @@ def run_islands(command: Sequence[str], islands: int, *, processes: int = 1,
   ``i1``, ...) and ``JAXCOMP_LIGHTHOUSE`` (the Lighthouse's address) in its
   environment, which :class:`ElasticDiLoCo` reads when ``island`` and
   ``lighthouse`` are not given; several processes per island go through
-  ``python -m jaxcomp.launch -n processes``. Output lines are prefixed
+  ``jaxcomp launch -n processes``. Output lines are prefixed
   with ``[<island>]``.
 
   Args:
@@ -156,7 +156,7 @@ def add_islands_command(subparsers) -> argparse.ArgumentParser:
       "JAX processes each on this machine")
   isl.add_argument("-n", "--islands", type=int, default=2)
   isl.add_argument("-m", "--processes", type=int, default=1,
-                   help="JAX processes per island (jaxcomp.launch)")
+                   help="JAX processes per island (jaxcomp launch)")
   isl.add_argument("--min-replicas", type=int, default=None)
   isl.add_argument("--join-timeout-ms", type=int, default=5000)
   isl.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
