@@ -425,6 +425,31 @@ def test_profile_orders_layers_and_times_backward(split):
   assert prof.meta["update_time"].startswith("assumed 0")
 
 
+def test_profile_split_by_measure_never_drops_the_backward_time_in_noise(monkeypatch):
+  import jax.numpy as jnp
+
+  from jaxcomp.perfmodel import profiling
+
+  # The first timing (the whole gradient) is well above the forward pass; the
+  # per-group timings taken after it come back at 0 (a noisy, busy machine),
+  # so every timed difference is <= 0: the measured total must still be split.
+  calls = []
+
+  def noisy(self, g, repeats):
+    calls.append(g)
+    return 1.0 if len(calls) == 1 else 0.0
+
+  monkeypatch.setattr(profiling._Suffixes, "time", noisy)
+  params = {"a": jnp.ones((4, 8)), "b": jnp.ones((8, 2))}
+  prof = pm.profile(lambda p, x: jnp.sum(jnp.tanh(x @ p["a"]) @ p["b"]), params,
+                    jnp.ones((3, 4)), max_groups=2, repeats=1, split="measure")
+  assert prof.backward_time == pytest.approx(prof.meta["backward_total"])
+  assert prof.backward_time > 0.9
+  # Split by element count: 32 and 16 elements.
+  assert prof.backward_times[0] == pytest.approx(2 * prof.backward_times[1])
+  assert "split by element count" in prof.meta["backward_times"]
+
+
 def test_profile_of_a_flax_nnx_module():
   import jax.numpy as jnp
   from flax import nnx
