@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -161,3 +162,8 @@ def add_autotune_command(sub):
                  help="a simulated GPU: the Pallas kernels in interpret mode, timed for "
                  "real at small sizes (to try the command off GPUs; its own cache table)")
   p.set_defaults(func=_run_autotune)
+
+
+if __name__ == "__main__":  # a library module: its command is on the CLI
+  sys.exit("jaxcomp.autotune is not a command: run `jaxcomp autotune ...` "
+           "(or `python -m jaxcomp autotune ...`)")

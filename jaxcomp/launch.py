@@ -503,3 +503,8 @@ def _run_launch(args: argparse.Namespace) -> int:
                   heartbeat_timeout=args.heartbeat_timeout,
                   preemption_grace=args.preemption_grace)
   return result.returncode
+
+
+if __name__ == "__main__":  # a library module: its command is on the CLI
+  sys.exit("jaxcomp.launch is not a command: run `jaxcomp launch -n N -- command ...` "
+           "(or `python -m jaxcomp launch ...`)")

@@ -270,3 +270,24 @@ def test_zero_size_leaves_train_with_random_block_over_the_whole_model(mesh8, la
   whole = state.model_params()
   assert whole["z"].shape == (0, 3) and np.isfinite(float(l))
   assert float(jnp.sum(whole["w"] != 1.0)) > 0  # the model trained
+
+
+@pytest.mark.parametrize("module,command", [("jaxcomp.launch", "launch"),
+                                            ("jaxcomp.autotune", "autotune"),
+                                            ("jaxcomp.elastic.launcher", "islands")])
+def test_running_a_library_module_names_the_command_instead_of_exiting_0(module, command):
+  import subprocess
+  import sys
+
+  r = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 1 and f"run `jaxcomp {command}" in r.stderr
+
+
+def test_python_dash_m_jaxcomp_is_the_command_line():
+  import subprocess
+  import sys
+
+  r = subprocess.run([sys.executable, "-m", "jaxcomp", "launch", "--help"],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and r.stdout.startswith("usage: jaxcomp launch")

@@ -182,3 +182,8 @@ def add_lighthouse_command(subparsers) -> argparse.ArgumentParser:
   lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
   lh.set_defaults(func=_run_lighthouse_command)
   return lh
+
+
+if __name__ == "__main__":  # a library module: its command is on the CLI
+  sys.exit("jaxcomp.elastic.launcher is not a command: run `jaxcomp islands ...` "
+           "(or `python -m jaxcomp islands ...`)")
