@@ -184,15 +184,11 @@ class IntBlock(_Rounded):
     return q.astype(jnp.float32) * kernels.per_element(
         payload["scales"], self.block_size, n)
 
-  def payload_bytes(self, n: int) -> int:
-    return (4 * bitpack.packed_words(n, self.wire_bits)
-            + 4 * (-(-n // self.block_size)))
-
   def payload_arrays(self, n: int, dtype=jnp.float32) -> tuple[int, ...]:
     """By formula for float32 buffers, in the payload's tree order (what
     tracing ``encode`` gives, tested; the performance model prices
     thousands of bucket sizes and a trace costs some 40 ms): ``codes``
-    (uint32 words) and ``scales`` (float32)."""
+    (uint32 words) and ``scales`` (float32); :meth:`payload_bytes` is their sum."""
     if jnp.dtype(dtype) != jnp.float32:
       return super().payload_arrays(n, dtype)
     n = int(n)

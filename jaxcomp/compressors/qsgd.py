@@ -142,14 +142,11 @@ class QSGD(Compressor):
         payload["codes"], payload["norms"], n=n, levels=self._levels(),
         bucket_size=self.bucket_size, bits=self.bits)
 
-  def payload_bytes(self, n: int) -> int:
-    return 4 * bitpack.packed_words(n, self.bits) + 4 * self._buckets(n)
-
   def payload_arrays(self, n: int, dtype=jnp.float32) -> tuple[int, ...]:
     """By formula for float32 buffers, in the payload's tree order (what
     tracing ``encode`` gives, tested; the performance model prices
     thousands of bucket sizes and a trace costs some 100 ms): ``codes``
-    (uint32 words) and ``norms`` (float32)."""
+    (uint32 words) and ``norms`` (float32); :meth:`payload_bytes` is their sum."""
     if jnp.dtype(dtype) != jnp.float32:
       return super().payload_arrays(n, dtype)
     n = int(n)
