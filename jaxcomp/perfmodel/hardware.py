@@ -117,16 +117,20 @@ NETWORKS: dict[str, NetworkPreset] = {n.name: n for n in (
 )}
 
 
+def _preset(table: dict, what: str, name: str):
+  key = name.lower()
+  if key not in table:
+    raise ValueError(f"unknown {what} {name!r}; presets are {', '.join(table)}")
+  return table[key]
+
+
 def device_preset(name: str) -> DevicePreset:
   """The preset ``name`` (case-insensitive).
 
   Raises:
     ValueError: no such preset; the message lists them.
   """
-  key = name.lower()
-  if key not in DEVICES:
-    raise ValueError(f"unknown device {name!r}; presets are {', '.join(DEVICES)}")
-  return DEVICES[key]
+  return _preset(DEVICES, "device", name)
 
 
 def network_preset(name: str) -> NetworkPreset:
@@ -135,10 +139,7 @@ def network_preset(name: str) -> NetworkPreset:
   Raises:
     ValueError: no such preset; the message lists them.
   """
-  key = name.lower()
-  if key not in NETWORKS:
-    raise ValueError(f"unknown network {name!r}; presets are {', '.join(NETWORKS)}")
-  return NETWORKS[key]
+  return _preset(NETWORKS, "network", name)
 
 
 def preset_of_kind(platform: str, device_kind: str) -> DevicePreset | None:
