@@ -32,7 +32,17 @@ H100) it runs, in this order, each section in a process of its own:
    their buckets into a fresh cache file;
 5. **autotune**: the autotuner's table: every key the example steps
    measured, and each kernel compressor's encode at 2^20 and 2^24
-   elements (what ``jaxcomp autotune`` tunes, with its functions).
+   elements (what ``jaxcomp autotune`` tunes, with its functions), with the
+   time of each candidate (XLA, Mosaic GPU, Triton where the dispatch takes
+   it) and the choice.
+
+The kernels' check alone, with the benchmark first in line for time (the
+compiled tests, the benchmark at 2.5e7 and 1e8 elements with
+``torch.topk``, the autotuner's table), within 10 minutes::
+
+  python benchmarks/device_check.py --budget 560 \
+      --sections tests kernels autotune --kernel-sizes 2.5e7 1e8 \
+      --shares tests=0.3 kernels=0.55 autotune=0.15
 
 Each section gets a share of what is left of the budget (25, 30, 20, 15 and
 10 percent of it, what one leaves unused passing on); a section that runs
@@ -117,6 +127,20 @@ REGRESSION = 0.10
 REGRESSION_OPS = ("topk", "sampled_topk")
 
 
+def _share(text: str) -> tuple[str, float]:
+  """An argparse type: ``SECTION=FRACTION`` with a fraction > 0."""
+  name, _, value = text.partition("=")
+  try:
+    fraction = float(value)
+  except ValueError:
+    fraction = 0.0
+  if name not in SECTIONS or fraction <= 0:
+    raise argparse.ArgumentTypeError(
+        f"a share is SECTION=FRACTION with SECTION one of {SECTIONS} and a "
+        f"fraction > 0, got {text!r}")
+  return name, fraction
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--budget", type=float, default=600.0,
                       help="wall-time budget in seconds (default 600)")
@@ -134,6 +158,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="pytest workers of the tests section (default "
                       f"{COMPILED_WORKERS}, or the cores if fewer; 1 in the "
                       "interpret form); the suite takes one per core")
+  parser.add_argument("--kernel-sizes", nargs="+", default=list(KERNEL_SIZES),
+                      metavar="N", help="element counts of the kernels "
+                      f"section, in order (default: {' '.join(KERNEL_SIZES)})")
+  parser.add_argument("--shares", nargs="+", default=[], metavar="SECTION=F",
+                      type=_share, help="a section's share of the budget "
+                      "instead of the default (e.g. kernels=0.6); shares are "
+                      "taken relative to those of the sections that run")
   parser.add_argument("--baseline-dir", default=None,
                       help="earlier kernels tables (kernels*.json) that the "
                       "kernels section compares its top-k rows with "
@@ -408,7 +439,7 @@ def _kernels(args, root, run_dir, timeout, compiled) -> Result:
   cmd = [sys.executable, os.path.join(HERE, "kernels_bench.py"),
          "--json", os.path.join(run_dir, "kernels.json")]
   if compiled:
-    cmd += ["--implementation", "both", "--sizes", *KERNEL_SIZES,
+    cmd += ["--implementation", "both", "--sizes", *args.kernel_sizes,
             "--ops", *KERNEL_OPS, "--dtype", "f32", "bf16"]
     if importlib.util.find_spec("torch") is not None:
       cmd.append("--torch")
@@ -491,8 +522,8 @@ def _autotune(args, root, run_dir, timeout, compiled) -> Result:
       rows = json.load(f)["decisions"]
     table = autotune.autotune_table(rows)
     chosen = [r["implementation"] for r in rows]
-    detail = (f"{len(rows)} keys: pallas {chosen.count('pallas')}, xla "
-              f"{chosen.count('xla')} (autotune.txt, autotune.json)")
+    counts = ", ".join(f"{c} {chosen.count(c)}" for c in sorted(set(chosen)))
+    detail = f"{len(rows)} keys: {counts} (autotune.txt, autotune.json)"
   except (OSError, ValueError, KeyError):
     pass
   if code is None:
@@ -570,8 +601,9 @@ def main(args: argparse.Namespace) -> int:
   sections = [s for s in SECTIONS if s in args.sections]
   for i, name in enumerate(sections):
     left = args.budget - (time.monotonic() - start)
-    shares = sum(SHARES[s] for s in sections[i:])
-    timeout = left * SHARES[name] / shares
+    share = dict(SHARES, **dict(args.shares))
+    shares = sum(share[s] for s in sections[i:])
+    timeout = left * share[name] / shares
     if timeout < 5:
       results.append(Result(name, "skipped: out of budget"))
     else:

@@ -6,14 +6,61 @@ Read here: the mesh axes a value varies over inside ``jax.shard_map``
 0.10, ``.mat`` as an alias from 0.10; ``manual_axis_type`` is the name that
 JAX 0.10.2, 0.11.2 and 0.12.0.1 all have, and that ``jax.ShapeDtypeStruct``
 takes); and a Mosaic GPU store without a transfer plan (``ref[...] = v``
-before JAX 0.12, ``plgpu.store(..., optimized=False)`` from it). Nothing
-here imports JAX's private modules or reads a jaxpr's equations.
+before JAX 0.12, ``plgpu.store(..., optimized=False)`` from it); and
+Pallas' Triton backend (``jax.experimental.pallas.triton``), deprecated in
+JAX 0.11, warning at each lowering from 0.12 and to be removed: whether it
+is here (:data:`pallas_triton`) and whether its lowering warns
+(:func:`pallas_triton_warns`). Nothing here imports JAX's private modules or
+reads a jaxpr's equations.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+class MissingBackend:
+  """Stands for a Pallas backend module that this JAX does not have: any
+  attribute read raises ``ImportError`` naming the module, so that only a
+  kernel that really needs the backend fails, when it is built."""
+
+  def __init__(self, module: str):
+    self.module = module
+
+  def __getattr__(self, name: str):
+    raise ImportError(
+        f"{self.module} is not in this JAX (jax {jax.__version__}), so its "
+        f"kernels cannot be built; use implementation='xla' (or None)")
+
+
+try:
+  # Pallas' Triton backend: the Triton kernels' loads, stores and compiler
+  # parameters. A JAX that has removed it gets the stand-in.
+  from jax.experimental.pallas import triton as _pallas_triton
+  pallas_triton: Any = _pallas_triton
+except ImportError:
+  pallas_triton = MissingBackend("jax.experimental.pallas.triton")
+
+# The first JAX whose Pallas Triton lowering warns, at every lowering
+# ("The Pallas Triton backend is deprecated ..." , a DeprecationWarning from
+# JAX's deprecation registry, id "jax-pallas-triton"): checked on 0.12.0.1;
+# 0.10.2 lowers without a warning. 0.11 deprecated the backend in its
+# changelog; its lowering was not checked here.
+PALLAS_TRITON_WARNS_FROM = (0, 12)
+
+
+def pallas_triton_present() -> bool:
+  """Whether this JAX has Pallas' Triton backend."""
+  return not isinstance(pallas_triton, MissingBackend)
+
+
+def pallas_triton_warns() -> bool:
+  """Whether lowering a Pallas Triton kernel warns on this JAX (from
+  :data:`PALLAS_TRITON_WARNS_FROM`)."""
+  return tuple(jax.__version_info__[:2]) >= PALLAS_TRITON_WARNS_FROM
 
 
 def varying_axes(x) -> frozenset[str]:

@@ -1,5 +1,6 @@
-"""``jaxcomp autotune``: the kernel compressors' Pallas and XLA paths timed on
-the user's own GPU, the faster kept in the autotuning cache
+"""``jaxcomp autotune``: the kernel compressors' paths (XLA, the Mosaic GPU
+and the Triton kernels) timed on the user's own GPU, the fastest kept in the
+autotuning cache
 (:mod:`jaxcomp.kernels`' autotuner), and the tables it prints. The command
 line (:mod:`jaxcomp.cli`) registers :func:`add_autotune_command`; the device
 check (``benchmarks/device_check.py``) reuses the rest.
@@ -85,18 +86,30 @@ def cache_entries(path: str, table: str) -> list[tuple[str, dict]]:
     return []
 
 
+# The timed paths' columns, in this order where any row has them ("pallas":
+# a table of the releases that timed one Pallas path against XLA).
+TABLE_PATHS = ("xla", "mosaic", "triton", "pallas")
+
+
 def autotune_table(rows: Sequence[dict]) -> str:
   """A markdown table of decisions (:func:`autotune_rows`' dicts, or cache
-  entries with ``key`` and ``from``): the choice and milliseconds per call."""
-  lines = ["| key | from | choice | pallas ms | xla ms | xla / pallas |",
-           "| --- | --- | --- | --- | --- | --- |"]
+  entries with ``key`` and ``from``): the choice, milliseconds per call of
+  each timed path (XLA, the Mosaic GPU and the Triton kernel; ``failed``
+  where one did not compile or run, blank where the op had none) and XLA's
+  time over the choice's."""
+  paths = [p for p in TABLE_PATHS
+           if any(p in r.get("seconds", {}) for r in rows)]
+  lines = ["| key | from | choice | "
+           + "".join(f"{p} ms | " for p in paths) + "xla / choice |",
+           "| --- | --- | --- | " + "--- | " * len(paths) + "--- |"]
   for r in rows:
     s = r.get("seconds", {})
-    p, x = s.get("pallas"), s.get("xla")
-    fmt = lambda v: "failed" if v is None else f"{v * 1e3:.4f}"
-    ratio = f"{x / p:.2f}" if p and x else ""
+    cells = ["" if p not in s else "failed" if s[p] is None
+             else f"{s[p] * 1e3:.4f}" for p in paths]
+    x, c = s.get("xla"), s.get(r["implementation"])
+    ratio = f"{x / c:.2f}" if x and c else ""
     lines.append(f"| {r['key']} | {r['from']} | {r['implementation']} | "
-                 f"{fmt(p) if s else ''} | {fmt(x) if s else ''} | {ratio} |")
+                 + "".join(f"{cell} | " for cell in cells) + f"{ratio} |")
   return "\n".join(lines)
 
 
@@ -136,11 +149,11 @@ def _run_autotune(args) -> int:
 
 def add_autotune_command(sub):
   p = sub.add_parser(
-      "autotune", help="time the Pallas kernels against XLA on this GPU and "
-      "keep the faster in the autotuning cache",
+      "autotune", help="time the Pallas kernels (Mosaic GPU, Triton) against "
+      "XLA on this GPU and keep the fastest in the autotuning cache",
       description="Autotune the kernel compressors' encodes on this machine's "
-      "NVIDIA GPU: for each op and size, time the Pallas and the XLA path, "
-      "keep the faster in the cache file that implementation=None reads "
+      "NVIDIA GPU: for each op and size, time XLA and the op's Mosaic GPU "
+      "and Triton kernels, keep the fastest in the cache file that implementation=None reads "
       "(jaxcomp.kernels.Autotuner; one table per GPU kind and JAX, jaxlib and "
       "jaxcomp version), and print the decisions. Keys already in the cache "
       "are read, not timed again. Off NVIDIA GPUs XLA is taken and nothing is "

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxcomp import _jaxcompat
 from jaxcomp.compressors import block_quant
 from jaxcomp.compressors import qsgd
 from jaxcomp.kernels import _launch
+from jaxcomp.kernels import _triton
 from jaxcomp.kernels import QuantizeConfig
 from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
@@ -74,6 +76,15 @@ def _paths(n, dtype=jnp.float32):
 # 16-bit inputs in place, launched as one program per 8 blocks (no
 # persistent grid).
 TRITON_PATHS = {"IntBlock.encode_stochastic", "FP8Block.encode_stochastic"}
+
+
+@pytest.fixture(autouse=True)
+def _triton_where_the_backend_is(monkeypatch):
+  """The block compressors' ``pallas`` path takes the Triton kernel
+  wherever Pallas' Triton backend is present, also on a JAX whose lowering
+  of it warns (where the dispatch otherwise takes XLA): its structure is
+  checked there too."""
+  monkeypatch.setattr(_triton, "available", _jaxcompat.pallas_triton_present)
 
 
 def _structure(name, n, dtype=jnp.float32):

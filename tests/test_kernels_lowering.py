@@ -6,6 +6,10 @@ asserts that the exported module really holds a Mosaic GPU kernel call, so a
 silent fallback to XLA would fail here.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -94,3 +98,43 @@ def test_exports_inside_shard_map_with_check_vma(op):
   arg = S((8, 3001), jnp.float32, sharding=NamedSharding(mesh, P("data")))
   exported = jax.export.export(f, platforms=["cuda"])(arg)
   assert "stablehlo.custom_call @mosaic_gpu" in exported.mlir_module()
+
+
+# Imports jaxcomp and lowers every op's dispatch for CUDA with
+# DeprecationWarning and FutureWarning made errors: the library must warn
+# about nothing, on every JAX the CI runs (JAX 0.12 warns at each lowering of
+# a Pallas Triton kernel, which the dispatch therefore does not take there).
+NO_WARNINGS = """
+import jax, jax.numpy as jnp
+import jaxcomp
+from jaxcomp.hlo import kernel_structure as structure
+from jaxcomp.kernels import fp8_block, int8_block, qsgd, sign, topk
+x = jax.ShapeDtypeStruct((4096,), jnp.float32)
+seed = jnp.array([1, 2], jnp.uint32)
+for impl in ("pallas", None):
+  for f in (
+      lambda v: int8_block.int8_block_quantize_auto(
+          v, block_size=256, implementation=impl),
+      lambda v: fp8_block.fp8_block_quantize_auto(
+          v, block_size=256, seed=seed, implementation=impl),
+      lambda v: sign.sign_pack_auto(v, implementation=impl),
+      lambda v: qsgd.qsgd_quantize_auto(
+          v, levels=15, bucket_size=512, seed=seed, implementation=impl),
+      lambda v: topk.topk_auto(v, 40, implementation=impl),
+      lambda v: topk.sampled_topk(v, 40, jax.random.key(0), sample_ratio=0.1,
+                                  implementation=impl)):
+    structure.export_cuda(f, x)
+print("OK")
+"""
+
+
+def test_import_and_lowering_warn_nothing():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep
+             + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+  res = subprocess.run(
+      [sys.executable, "-W", "error::DeprecationWarning",
+       "-W", "error::FutureWarning", "-c", NO_WARNINGS],
+      env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert res.returncode == 0 and res.stdout.strip().endswith("OK"), (
+      res.stdout + res.stderr)

@@ -8,7 +8,10 @@ Triton without a GPU) holds one Triton custom call reading ``x`` as it is.
 """
 
 import itertools
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxcomp.kernels import _launch
+from jaxcomp.kernels import _triton
 from jaxcomp.kernels import fp8_block
 from jaxcomp.kernels import int8_block
 from jaxcomp.kernels import qsgd
@@ -251,6 +255,7 @@ def test_sign_empty_input():
 
 
 def test_pallas_path_takes_triton_for_powers_of_two(monkeypatch):
+  monkeypatch.setattr(_triton, "available", lambda: True)
   calls = []
   monkeypatch.setattr(int8_block, "int8_block_quantize_triton",
                       lambda x, **kw: calls.append(("triton", kw["block_size"])))
@@ -265,6 +270,66 @@ def test_pallas_path_takes_triton_for_powers_of_two(monkeypatch):
     int8_block.int8_block_quantize_pallas(x, block_size=block)
     fp8_block.fp8_block_quantize_pallas(x, block_size=block)
   assert calls == [("triton", 256)] * 2 + [("mosaic", 96)] * 2
+  # Where the dispatch takes no Triton kernel: XLA for the powers of two.
+  monkeypatch.setattr(_triton, "available", lambda: False)
+  calls.clear()
+  for block in (256, 96):
+    got = int8_block.int8_block_quantize_pallas(x, block_size=block)
+    if block == 256:
+      want = int8_block.int8_block_quantize_reference(x, block_size=256)
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    fp8_block.fp8_block_quantize_pallas(x, block_size=block)
+  assert calls == [("mosaic", 96)] * 2
+
+
+# Run with Pallas' Triton backend made unimportable (as in a JAX that has
+# removed it): jaxcomp imports, the dispatch takes XLA where it took Triton
+# (payload and CUDA export), and the Triton kernels asked for by name raise
+# ImportError.
+WITHOUT_TRITON = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # import raises
+import jax, jax.numpy as jnp, numpy as np
+import jaxcomp
+from jaxcomp import _jaxcompat
+from jaxcomp.hlo import kernel_structure as structure
+from jaxcomp.kernels import _triton, int8_block, fp8_block, sign, topk
+assert not _jaxcompat.pallas_triton_present() and not _triton.available()
+x = jnp.linspace(-3.0, 3.0, 4096, dtype=jnp.float32)
+auto = lambda v: int8_block.int8_block_quantize_auto(
+    v, block_size=256, implementation="pallas")
+for a, b in zip(auto(x), int8_block.int8_block_quantize_reference(
+    x, block_size=256)):
+  np.testing.assert_array_equal(a, b)
+text = structure.export_cuda(auto, x).mlir_module()
+assert "custom_call" not in text, text
+fp8 = lambda v: fp8_block.fp8_block_quantize_auto(
+    v, block_size=256, implementation="pallas")
+assert "custom_call" not in structure.export_cuda(fp8, x).mlir_module()
+for f in (lambda: int8_block.int8_block_quantize_triton(
+              x, block_size=256, interpret=True),
+          lambda: sign.sign_pack_triton(x, interpret=True),
+          lambda: topk.topk_triton(x, 40, interpret=True)):
+  try:
+    f()
+  except ImportError as e:
+    assert "jax.experimental.pallas.triton" in str(e), e
+  else:
+    raise AssertionError("built a Triton kernel without the backend")
+print("OK")
+"""
+
+
+def test_without_the_triton_backend_the_dispatch_takes_xla():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep
+             + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], env=env,
+                       capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert res.returncode == 0 and res.stdout.strip().endswith("OK"), (
+      res.stdout + res.stderr)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

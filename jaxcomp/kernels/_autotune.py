@@ -1,17 +1,21 @@
-"""Which implementation of a kernel op runs, ``"pallas"`` or ``"xla"``: the
-one the caller names, the one the environment forces, or, with
-``implementation=None`` on an NVIDIA GPU, the one measured faster on that
-GPU (autotuning), as Triton autotunes a kernel per shape and XLA measures
-its cuBLAS / cuDNN candidates while it compiles.
+"""Which implementation of a kernel op runs: the one the caller names
+(``"pallas"`` or ``"xla"``), the one the environment forces, or, with
+``implementation=None`` on an NVIDIA GPU, the fastest of the op's
+candidates measured on that GPU (autotuning): XLA, the Mosaic GPU kernel
+and the kernel lowered by Triton, where the op has each
+(``jaxcomp.kernels.CANDIDATES``), as Triton autotunes a
+kernel per shape and XLA measures its cuBLAS / cuDNN candidates while it
+compiles.
 
 Autotuning. The first time a trace asks for an op with ``implementation=None``
 at a :class:`TuneKey` (op, dtype, size class ``2**(c-1) < n <= 2**c`` and
 the parameters that change the kernel: code width, bucket / block size,
-rounding, whether ``x`` is read in place), the :class:`Autotuner` times both
-paths on a scratch buffer of that size on the local GPU (a compile and warm
-call, then 5 trials of at least 1 ms of back-to-back calls; the median per
-call), takes the faster (XLA where the Pallas path fails to compile or run,
-e.g. Mosaic GPU kernels on a GPU before Hopper), and keeps the choice in
+rounding, whether ``x`` is read in place), the :class:`Autotuner` times every
+candidate the op offers for those parameters on a scratch buffer of that
+size on the local GPU (a compile and warm call, then 5 trials of at least 1
+ms of back-to-back calls; the median per call), takes the fastest (a kernel
+that fails to compile or run loses, e.g. Mosaic GPU kernels on a GPU before
+Hopper; XLA must run), and keeps the choice in
 memory and in a JSON cache file. The size is static, so the choice is made
 before tracing goes on. Off NVIDIA GPUs nothing is timed: XLA.
 
@@ -58,6 +62,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from . import _launch
+from ._autotune_cache import CHOICES
 from ._autotune_cache import CacheFile
 from ._autotune_cache import Decision
 from ._autotune_cache import IMPLEMENTATIONS
@@ -95,14 +100,16 @@ class Tunable:
     dtype: its input's dtype.
     run: ``run(implementation, interpret)`` returns the op as a function
       ``f(x, *extras)`` of a scratch input ``x`` of ``n`` elements of
-      ``dtype`` (and of ``extras(x)``), on that implementation
-      (``interpret``: the Pallas kernels in interpret mode, for a simulated
-      GPU on a CPU).
+      ``dtype`` (and of ``extras(x)``), on that implementation (one of
+      ``jaxcomp.kernels._autotune_cache.CHOICES``; ``interpret``: the
+      Pallas kernels in interpret mode, for a simulated GPU on a CPU).
     params: the parameters that change the kernel (:attr:`TuneKey.params`).
     extras: the op's other operands for a scratch run (e.g. a seed), from
       the scratch ``x``.
     supported: whether the Pallas path takes these parameters (e.g. a
       bucket size that is a multiple of 32); if not, XLA, untimed.
+    candidates: what is timed, in order (``"xla"`` among them): the names
+      ``run`` takes, from ``jaxcomp.kernels._autotune_cache.CHOICES``.
   """
   op: str
   n: int
@@ -111,6 +118,7 @@ class Tunable:
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   extras: Callable[[jax.Array], tuple] = _no_extras
   supported: bool = True
+  candidates: tuple[str, ...] = ("pallas", "xla")
 
   @property
   def key(self) -> TuneKey:
@@ -118,6 +126,13 @@ class Tunable:
                    size_class=size_class(self.n),
                    params=tuple(sorted((str(k), str(v))
                                        for k, v in self.params.items())))
+
+
+def candidates(*, mosaic: bool, triton: bool) -> tuple[str, ...]:
+  """An op's candidates for :attr:`Tunable.candidates`: XLA, and the Mosaic
+  GPU and Triton kernels where they take the call's parameters."""
+  return (("xla",) + (("mosaic",) if mosaic else ())
+          + (("triton",) if triton else ()))
 
 
 Timer = Callable[[TuneKey, str, Callable[..., Any], tuple], float]
@@ -158,7 +173,7 @@ def _default_timer(key: TuneKey, implementation: str, fn, args) -> float:
 
 
 def _process_0s_choice(implementation: str) -> str:
-  """Process 0's ``implementation`` (``"pallas"`` or ``"xla"``), on every
+  """Process 0's ``implementation`` (one of ``CHOICES``), on every
   process of the job: one broadcast of its index over the job's devices
   (``jax.experimental.multihost_utils.broadcast_one_to_all``). It runs at
   once even while a program is being traced: in a thread of its own, whose
@@ -166,14 +181,14 @@ def _process_0s_choice(implementation: str) -> str:
   call it at the same point: they do, tracing the same program."""
   def broadcast():
     return int(multihost_utils.broadcast_one_to_all(
-        np.int32(IMPLEMENTATIONS.index(implementation))))
+        np.int32(CHOICES.index(implementation))))
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return IMPLEMENTATIONS[pool.submit(broadcast).result()]
+    return CHOICES[pool.submit(broadcast).result()]
 
 
 class Autotuner:
-  """Chooses ``"pallas"`` or ``"xla"`` for ``implementation=None`` (see the
+  """Chooses among an op's candidates for ``implementation=None`` (see the
   module doc); one per process is the default (:func:`default_autotuner`),
   and :func:`use_autotuner` puts another in its place.
 
@@ -255,8 +270,9 @@ class Autotuner:
       self._decisions.clear()
 
   def resolve(self, tunable: Tunable) -> str:
-    """``"pallas"`` or ``"xla"`` for ``tunable`` under
-    ``implementation=None``.
+    """The implementation of ``tunable`` under ``implementation=None``:
+    one of ``tunable.candidates``, or ``"pallas"`` where
+    ``JAXCOMP_KERNELS=pallas`` forces the op's Pallas path.
 
     Raises:
       ValueError: ``JAXCOMP_KERNELS`` is not one of :data:`MODES`, or is
@@ -340,8 +356,9 @@ class Autotuner:
     return decision
 
   def _measure(self, key: TuneKey, tunable: Tunable) -> Decision:
-    """Times both implementations on a scratch input of ``tunable.n``
-    elements on the local device, outside the trace in progress."""
+    """Times every candidate on a scratch input of ``tunable.n`` elements
+    on the local device, outside the trace in progress; the fastest wins
+    (of equal times XLA, else the first in ``tunable.candidates``)."""
     seconds: dict[str, float | None] = {}
     errors: dict[str, str] = {}
 
@@ -351,14 +368,14 @@ class Autotuner:
           jax.random.normal(jax.random.key(0), (tunable.n,), jnp.float32)
           .astype(tunable.dtype), device)
       extras = tunable.extras(x)
-      for implementation in IMPLEMENTATIONS:
+      for implementation in tunable.candidates:
         try:
           fn = tunable.run(implementation, self.interpret)
           seconds[implementation] = float(
               self.timer(key, implementation, fn, (x, *extras)))
         except Exception as e:  # pylint: disable=broad-except
           # A kernel that does not compile or run here (e.g. Mosaic GPU on a
-          # GPU before Hopper) loses to the other path.
+          # GPU before Hopper) loses to the other candidates.
           seconds[implementation] = None
           errors[implementation] = (
               f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
@@ -367,8 +384,9 @@ class Autotuner:
 
     _outside_traces(measure)
     # measure() raises where XLA fails: its time is a number.
-    pallas, xla = seconds["pallas"], cast(float, seconds["xla"])
-    implementation = "pallas" if pallas is not None and pallas < xla else "xla"
+    timed = {impl: s for impl, s in seconds.items() if s is not None}
+    implementation = min(
+        timed, key=lambda impl: (cast(float, timed[impl]), impl != "xla"))
     return Decision(
         key=key, implementation=implementation, source="measured",
         seconds=seconds, errors=errors, n=tunable.n, device=self.device_kind,
@@ -429,14 +447,17 @@ def use_autotuner(tuner: Autotuner):
 def resolve_implementation(implementation: str | None, *, op: str | None = None,
                            n: int | None = None, dtype=jnp.float32,
                            tunable: Tunable | None = None) -> str:
-  """Returns ``"pallas"`` or ``"xla"``.
+  """Returns the implementation to run: one of
+  ``jaxcomp.kernels._autotune_cache.CHOICES``.
 
   Args:
     implementation: ``"pallas"``, ``"xla"`` or ``None``. Named, it is
       returned. ``None``: ``"xla"`` off NVIDIA GPUs (CPU, TPU, ROCm: Mosaic
       GPU kernels do not compile there) and with ``JAXCOMP_KERNELS=xla``;
-      on an NVIDIA GPU the path :func:`default_autotuner` measures faster
-      for ``tunable`` (``"xla"`` where no ``tunable`` describes the call).
+      ``"pallas"`` with ``JAXCOMP_KERNELS=pallas``; on an NVIDIA GPU the
+      candidate of ``tunable`` that :func:`default_autotuner` measures
+      fastest (``"xla"``, ``"mosaic"`` or ``"triton"``; ``"xla"`` where no
+      ``tunable`` describes the call).
     op, n, dtype: the op, its input's element count and dtype (used where
       no ``tunable`` is given).
     tunable: the call, for autotuning.

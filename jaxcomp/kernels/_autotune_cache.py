@@ -30,7 +30,13 @@ except ImportError:  # not POSIX: the atomic replace alone keeps the file whole
   fcntl = None
 
 
+# What a caller names as ``implementation=`` ("pallas": the op's default
+# Pallas kernel), and the candidates the autotuner times where an op offers
+# them: XLA, the Mosaic GPU kernel, the kernel lowered by Triton. A decision
+# is one of CHOICES ("pallas" where JAXCOMP_KERNELS=pallas forced it).
 IMPLEMENTATIONS = ("pallas", "xla")
+CANDIDATES = ("xla", "mosaic", "triton")
+CHOICES = ("pallas", "xla", "mosaic", "triton")
 # The autotuning cache file's path ("~" expanded), read at each lookup:
 # unset or empty for the default ($XDG_CACHE_HOME/jaxcomp/autotune.json, else
 # ~/.cache/jaxcomp/autotune.json), or "none" (any case) for no file: the
@@ -76,7 +82,8 @@ class Decision:
 
   Attributes:
     key: what it covers.
-    implementation: ``"pallas"`` or ``"xla"``.
+    implementation: one of ``CHOICES``: a measured candidate
+      (``"xla"``, ``"mosaic"``, ``"triton"``) or ``"pallas"`` (forced).
     source: ``"measured"``, ``"cache file"``, ``"process 0"`` (another
       process of the job), or ``"not timed: <reason>"``.
     seconds: measured seconds per call of each implementation (None for
@@ -102,7 +109,7 @@ class Decision:
   @classmethod
   def from_json(cls, key: TuneKey, device: str, entry: Mapping) -> Decision:
     implementation = entry["implementation"]
-    if implementation not in IMPLEMENTATIONS:
+    if implementation not in CHOICES:
       raise ValueError(f"implementation {implementation!r}")
     return cls(key=key, implementation=implementation, source="cache file",
                seconds=dict(entry.get("seconds", {})),

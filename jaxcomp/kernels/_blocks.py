@@ -256,10 +256,20 @@ def split_rounding(rounding_: str, r: tuple):
           else (r[0], None) if rounding_ == "array" else (None, None))
 
 
-def block_tunable(op: str, x, *, block_size, rounding: str, run, **params):
-  """The autotuning key and candidates of an int8 / fp8 block quantization."""
+def rounding_args(uniform, seed) -> tuple:
+  """The operands after ``x`` of a run (:func:`split_rounding`'s inverse)."""
+  return tuple(r for r in (uniform, seed) if r is not None)
+
+
+def block_tunable(op: str, x, *, block_size, rounding: str, run, triton: bool,
+                  **params):
+  """The autotuning key and candidates of an int8 / fp8 block quantization
+  (``triton``: whether the Triton kernel is a candidate)."""
+  supported = block_size % ROW == 0
   return _autotune.Tunable(
       op=op, n=x.size, dtype=x.dtype, run=run, extras=extras_of(rounding),
       params={"block_size": block_size, "rounding": rounding,
               "in_place": in_place(x.size, block_size, x.dtype), **params},
-      supported=block_size % ROW == 0)
+      supported=supported,
+      candidates=_autotune.candidates(mosaic=supported,
+                                      triton=supported and triton))

@@ -39,7 +39,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from jaxcomp._jaxcompat import pallas_triton as plt
 
 from . import _launch
 from . import _topk_select
@@ -209,8 +210,9 @@ def topk_triton(x: jax.Array, k: int, *, config: TopKConfig = DEFAULT_CONFIG,
   ascending index order.
 
   Written for NVIDIA GPUs and checked there only by its CUDA export (two
-  Triton calls reading ``x``): not yet timed on one, so no ``implementation``
-  picks it; ``python benchmarks/kernels_bench.py --ops topk`` times it (rows
+  Triton calls reading ``x``): not yet timed on one; ``implementation=None``
+  times it as a candidate on an NVIDIA GPU (``topk.topk_auto``), and
+  ``python benchmarks/kernels_bench.py --ops topk`` times it (rows
   ``pallas:triton``).
 
   Args:
@@ -270,7 +272,8 @@ def sampled_topk_triton(x: jax.Array, k: int, key: jax.Array, *,
   (``select_at_least`` with capacity ``k``): the same threshold from the same sample, the same values and
   indices.
 
-  Not yet timed on a GPU, so no ``implementation`` picks it (``python
+  Not yet timed on a GPU; ``implementation=None`` times it as a candidate
+  on an NVIDIA GPU (``topk.sampled_topk``; ``python
   benchmarks/kernels_bench.py --ops sampled_topk``, row ``pallas:triton``).
 
   Returns:

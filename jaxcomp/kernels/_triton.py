@@ -34,6 +34,17 @@ Random numbers for stochastic rounding come either as an array (read with
 the same mask; uint32 bits are turned into floats in the kernel) or from a
 seed (hashed from each element's flat index in the kernel,
 :mod:`jaxcomp.kernels.dither`), the numbers the references draw.
+
+Past Pallas' Triton backend. JAX 0.11 deprecated it, JAX 0.12 warns at
+every lowering of one of its kernels, and a later JAX removes it. The
+dispatch (``implementation=None`` and ``"pallas"``) takes these kernels
+only where :func:`available` says so: where the backend is importable and
+lowers without a warning (before JAX 0.12). Elsewhere the int8 and fp8
+blocks' ``pallas`` path is the XLA path (faster than their Mosaic GPU
+kernel on the H200, above) and the autotuner does not time a Triton
+candidate; the ``*_triton`` functions called by name still build the
+kernels where the backend exists (and JAX's warning is theirs), and raise
+``ImportError`` where it does not. jaxcomp imports without the backend.
 """
 
 from __future__ import annotations
@@ -44,7 +55,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from jaxcomp import _jaxcompat
+from jaxcomp._jaxcompat import pallas_triton as plt
 
 from . import _blocks
 from . import _launch
@@ -59,6 +72,15 @@ DEFAULT_WARPS = 4
 # registers, and 32 KiB of float32 per program of 4 warps is where register
 # pressure starts to spill.
 MAX_SPAN = 8192
+
+
+def available() -> bool:
+  """Whether the dispatch takes the Triton kernels: Pallas' Triton backend
+  is in this JAX (:func:`jaxcomp._jaxcompat.pallas_triton_present`) and its
+  lowering does not warn (:func:`jaxcomp._jaxcompat.pallas_triton_warns`).
+  """
+  return (_jaxcompat.pallas_triton_present()
+          and not _jaxcompat.pallas_triton_warns())
 
 
 def check_launch(block_size: int, rows: int, num_warps: int) -> None:

@@ -339,8 +339,16 @@ def fp8_block_quantize_triton(
 def fp8_block_quantize_pallas(x, *, block_size, format="e4m3", seed=None,  # pylint: disable=redefined-builtin
                               stochastic_uniform=None, interpret=False):
   """The ``pallas`` implementation: the Triton kernel where ``block_size``
-  is a power of two, else the Mosaic GPU kernel (any multiple of 32)."""
+  is a power of two, else the Mosaic GPU kernel (any multiple of 32). Where
+  the dispatch does not take the Triton kernels
+  (``jaxcomp.kernels._triton.available()``: Pallas' Triton backend absent,
+  or warning at each lowering as from JAX 0.12) the power-of-two blocks take
+  the XLA path (:func:`fp8_block_quantize_reference`)."""
   if _triton.supported_block(block_size):
+    if not _triton.available():
+      return fp8_block_quantize_reference(
+          x, block_size=block_size, format=format,
+          stochastic_uniform=stochastic_uniform, seed=seed)
     return fp8_block_quantize_triton(
         x, block_size=block_size, format=format,
         stochastic_uniform=stochastic_uniform, seed=seed,
@@ -357,11 +365,12 @@ def fp8_block_quantize_pallas(x, *, block_size, format="e4m3", seed=None,  # pyl
 
 def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylint: disable=redefined-builtin
                             implementation: str | None = None):
-  """fp8 block quantization through the kernel or the reference:
+  """fp8 block quantization through a kernel or the reference:
   ``implementation``, or with None the one
   :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off NVIDIA
-  GPUs, the faster one measured on an NVIDIA GPU); pass ``seed`` for
-  stochastic rounding.
+  GPUs; on an NVIDIA GPU the fastest measured of XLA, the Mosaic GPU kernel
+  and, for power-of-two blocks where ``jaxcomp.kernels._triton.available()``,
+  the Triton kernel); pass ``seed`` for stochastic rounding.
 
   Returns:
     ``(codes, scales)`` as :func:`fp8_block_quantize_reference`.
@@ -370,23 +379,23 @@ def fp8_block_quantize_auto(x, *, block_size, format="e4m3", seed=None,  # pylin
     ValueError: what the chosen path raises.
   """
   rounding = _blocks.rounding_of(None, seed, required=False)
+  kernels = {"pallas": fp8_block_quantize_pallas,
+             "mosaic": fp8_block_quantize,
+             "triton": fp8_block_quantize_triton}
 
   def run(impl, interpret):
     def f(v, *r):
       s = _blocks.split_rounding(rounding, r)[1]
-      if impl == "pallas":
-        return fp8_block_quantize_pallas(v, block_size=block_size,
-                                         format=format, seed=s,
-                                         interpret=interpret)
+      if impl in kernels:
+        return kernels[impl](v, block_size=block_size, format=format, seed=s,
+                             interpret=interpret)
       return fp8_block_quantize_reference(v, block_size=block_size,
                                           format=format, seed=s)
     return f
 
-  tunable = _blocks.block_tunable("fp8", x, block_size=block_size,
-                                  rounding=rounding, run=run, format=format)
-  if _autotune.resolve_implementation(implementation,
-                                      tunable=tunable) == "pallas":
-    return fp8_block_quantize_pallas(x, block_size=block_size, format=format,
-                                     seed=seed)
-  return fp8_block_quantize_reference(x, block_size=block_size, format=format,
-                                      seed=seed)
+  tunable = _blocks.block_tunable(
+      "fp8", x, block_size=block_size, rounding=rounding, run=run,
+      triton=_triton.available() and _triton.supported_block(block_size),
+      format=format)
+  choice = _autotune.resolve_implementation(implementation, tunable=tunable)
+  return run(choice, False)(x, *_blocks.rounding_args(None, seed))

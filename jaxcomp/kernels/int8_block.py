@@ -211,8 +211,17 @@ def int8_block_quantize_triton(
 def int8_block_quantize_pallas(x, *, block_size, stochastic_uniform=None,
                                seed=None, interpret=False):
   """The ``pallas`` implementation: the Triton kernel where ``block_size``
-  is a power of two, else the Mosaic GPU kernel (any multiple of 32)."""
+  is a power of two, else the Mosaic GPU kernel (any multiple of 32). Where
+  the dispatch does not take the Triton kernels
+  (``jaxcomp.kernels._triton.available()``: Pallas' Triton backend absent,
+  or warning at each lowering as from JAX 0.12) the power-of-two blocks take
+  the XLA path (:func:`int8_block_quantize_reference`), which was faster
+  than the Mosaic GPU kernel on an H200."""
   if _triton.supported_block(block_size):
+    if not _triton.available():
+      return int8_block_quantize_reference(
+          x, block_size=block_size, stochastic_uniform=stochastic_uniform,
+          seed=seed)
     return int8_block_quantize_triton(
         x, block_size=block_size, stochastic_uniform=stochastic_uniform,
         seed=seed, interpret=interpret)
@@ -228,11 +237,13 @@ def int8_block_quantize_pallas(x, *, block_size, stochastic_uniform=None,
 
 def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
                              seed=None, implementation: str | None = None):
-  """int8 block quantization through the kernel or the reference:
+  """int8 block quantization through a kernel or the reference:
   ``implementation``, or with None the one
   :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off NVIDIA
-  GPUs, the faster one measured on an NVIDIA GPU); pass
-  ``stochastic_uniform`` or ``seed`` for stochastic rounding.
+  GPUs; on an NVIDIA GPU the fastest measured of XLA, the Mosaic GPU kernel
+  and, for power-of-two blocks where ``jaxcomp.kernels._triton.available()``,
+  the Triton kernel); pass ``stochastic_uniform`` or ``seed`` for stochastic
+  rounding.
 
   Returns:
     ``(q, scales)`` as :func:`int8_block_quantize_reference`.
@@ -242,25 +253,23 @@ def int8_block_quantize_auto(x, *, block_size, stochastic_uniform=None,
       chosen path raises.
   """
   rounding = _blocks.rounding_of(stochastic_uniform, seed, required=False)
+  kernels = {"pallas": int8_block_quantize_pallas,
+             "mosaic": int8_block_quantize,
+             "triton": int8_block_quantize_triton}
 
   def run(impl, interpret):
     def f(v, *r):
       u, s = _blocks.split_rounding(rounding, r)
-      if impl == "pallas":
-        return int8_block_quantize_pallas(v, block_size=block_size,
-                                          stochastic_uniform=u, seed=s,
-                                          interpret=interpret)
+      if impl in kernels:
+        return kernels[impl](v, block_size=block_size, stochastic_uniform=u,
+                             seed=s, interpret=interpret)
       return int8_block_quantize_reference(v, block_size=block_size,
                                            stochastic_uniform=u, seed=s)
     return f
 
-  tunable = _blocks.block_tunable("int8", x, block_size=block_size,
-                                  rounding=rounding, run=run)
-  if _autotune.resolve_implementation(implementation,
-                                      tunable=tunable) == "pallas":
-    return int8_block_quantize_pallas(x, block_size=block_size,
-                                      stochastic_uniform=stochastic_uniform,
-                                      seed=seed)
-  return int8_block_quantize_reference(x, block_size=block_size,
-                                       stochastic_uniform=stochastic_uniform,
-                                       seed=seed)
+  tunable = _blocks.block_tunable(
+      "int8", x, block_size=block_size, rounding=rounding, run=run,
+      triton=_triton.available() and _triton.supported_block(block_size))
+  choice = _autotune.resolve_implementation(implementation, tunable=tunable)
+  return run(choice, False)(
+      x, *_blocks.rounding_args(stochastic_uniform, seed))

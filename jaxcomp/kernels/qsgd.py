@@ -381,8 +381,10 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic QSGD kernel lost to XLA at
   2.5e7 (0.74x) and barely won at 1e8 (1.09x); not yet timed on a GPU
-  itself, so no ``implementation`` picks it (``python
-  benchmarks/kernels_bench.py --ops qsgd``, row ``pallas:triton``).
+  itself: ``implementation="pallas"`` is the Mosaic kernel, and
+  ``implementation=None`` times this one as a candidate on an NVIDIA GPU
+  (:func:`qsgd_quantize_auto`; ``python benchmarks/kernels_bench.py --ops
+  qsgd``, row ``pallas:triton``).
 
   Args:
     x: float32, bfloat16 or float16 array of ``n`` elements (any shape).
@@ -432,10 +434,14 @@ def qsgd_quantize_triton(x: jax.Array, uniform: jax.Array | None = None, *,
 
 def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
                        implementation: str | None = None):
-  """QSGD through the kernel or the reference: ``implementation``, or with
-  None the one :func:`jaxcomp.kernels.resolve_implementation` picks (XLA
-  off NVIDIA GPUs, the faster one measured on an NVIDIA GPU); pass
-  ``uniform`` or ``seed`` as in :func:`qsgd_quantize_reference`.
+  """QSGD through a kernel or the reference: ``implementation``
+  (``"pallas"``: the Mosaic GPU kernel, :func:`qsgd_quantize`), or with None
+  the one :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off
+  NVIDIA GPUs; on an NVIDIA GPU the fastest measured of XLA, the Mosaic GPU
+  kernel and, for power-of-two buckets where
+  ``jaxcomp.kernels._triton.available()``, the Triton kernel,
+  :func:`qsgd_quantize_triton`); pass ``uniform`` or ``seed`` as in
+  :func:`qsgd_quantize_reference`.
 
   Returns:
     ``(words, norms)`` as :func:`qsgd_quantize_reference`.
@@ -445,18 +451,21 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
       chosen path raises.
   """
   rounding = _blocks.rounding_of(uniform, seed, required=True)
+  kernels = {"pallas": qsgd_quantize, "mosaic": qsgd_quantize,
+             "triton": qsgd_quantize_triton}
 
   def run(impl, interpret):
     def f(v, *r):
       u, s = _blocks.split_rounding(rounding, r)
-      if impl == "pallas":
-        return qsgd_quantize(v, u, levels=levels, bucket_size=bucket_size,
+      if impl in kernels:
+        return kernels[impl](v, u, levels=levels, bucket_size=bucket_size,
                              seed=s, interpret=interpret)
       return qsgd_quantize_reference(v, u, levels=levels,
                                      bucket_size=bucket_size, seed=s)
     return f
 
   bits = qsgd_bits(levels)
+  supported = bucket_size % ROW == 0
   tunable = _autotune.Tunable(
       op="qsgd", n=x.size, dtype=x.dtype, run=run,
       extras=_blocks.extras_of(rounding),
@@ -467,10 +476,9 @@ def qsgd_quantize_auto(x, uniform=None, *, levels, bucket_size, seed=None,
                   bucket_size
                   * _blocks_mosaic.buckets_per_row(bucket_size, bits),
                   x.dtype)},
-      supported=bucket_size % ROW == 0)
-  if _autotune.resolve_implementation(implementation,
-                                      tunable=tunable) == "pallas":
-    return qsgd_quantize(x, uniform, levels=levels, bucket_size=bucket_size,
-                         seed=seed)
-  return qsgd_quantize_reference(x, uniform, levels=levels,
-                                 bucket_size=bucket_size, seed=seed)
+      supported=supported,
+      candidates=_autotune.candidates(
+          mosaic=supported,
+          triton=_triton.available() and _triton.supported_block(bucket_size)))
+  choice = _autotune.resolve_implementation(implementation, tunable=tunable)
+  return run(choice, False)(x, *_blocks.rounding_args(uniform, seed))

@@ -25,7 +25,8 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from jaxcomp._jaxcompat import pallas_triton as plt
 
 from . import _autotune
 from . import _blocks
@@ -184,8 +185,10 @@ def sign_pack_triton(x: jax.Array, *, rows: int = TRITON_ROWS,
   Written after the int8 kernel of the same form measured 1.7-2.1x XLA on
   an H200 (docs/kernels.md), where the Mosaic kernel (:func:`sign_pack`)
   was 1.94x XLA at 1e8 float32 but 0.77x at 2.5e7; not yet timed on a GPU
-  itself, so no ``implementation`` picks it (``python
-  benchmarks/kernels_bench.py --ops sign``, row ``pallas:triton``).
+  itself: ``implementation="pallas"`` is the Mosaic kernel, and
+  ``implementation=None`` times this one as a candidate on an NVIDIA GPU
+  (:func:`sign_pack_auto`; ``python benchmarks/kernels_bench.py --ops
+  sign``, row ``pallas:triton``).
 
   Args:
     x: float32, bfloat16 or float16 array of ``n`` elements (any shape).
@@ -214,23 +217,28 @@ def sign_pack_triton(x: jax.Array, *, rows: int = TRITON_ROWS,
 
 
 def sign_pack_auto(x, *, implementation: str | None = None):
-  """Sign packing through the kernel or the reference: ``implementation``,
-  or with None the one :func:`jaxcomp.kernels.resolve_implementation`
-  picks (XLA off NVIDIA GPUs, the faster one measured on an NVIDIA GPU).
+  """Sign packing through a kernel or the reference: ``implementation``
+  (``"pallas"``: the Mosaic GPU kernel, :func:`sign_pack`), or with None
+  the one :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off
+  NVIDIA GPUs; on an NVIDIA GPU the fastest measured of XLA, the Mosaic GPU
+  kernel and, where ``jaxcomp.kernels._triton.available()``, the Triton
+  kernel, :func:`sign_pack_triton`).
 
   Returns:
     As :func:`sign_pack_reference`.
   """
+  kernels = {"pallas": sign_pack, "mosaic": sign_pack,
+             "triton": sign_pack_triton}
 
   def run(impl, interpret):
-    if impl == "pallas":
-      return lambda v: sign_pack(v, interpret=interpret)
+    if impl in kernels:
+      return lambda v: kernels[impl](v, interpret=interpret)
     return sign_pack_reference
 
   tunable = _autotune.Tunable(
       op="sign", n=x.size, dtype=x.dtype, run=run,
-      params={"in_place": _blocks.in_place(x.size, ROW, x.dtype)})
-  if _autotune.resolve_implementation(implementation,
-                                      tunable=tunable) == "pallas":
-    return sign_pack(x)
-  return sign_pack_reference(x)
+      params={"in_place": _blocks.in_place(x.size, ROW, x.dtype)},
+      candidates=_autotune.candidates(mosaic=True,
+                                      triton=_triton.available()))
+  return run(_autotune.resolve_implementation(implementation,
+                                              tunable=tunable), False)(x)

@@ -89,6 +89,7 @@ from . import _autotune
 from . import _launch
 from . import _topk_mosaic
 from . import _topk_select
+from . import _triton
 from . import compact
 from ._topk_mosaic import count_ge
 from ._topk_mosaic import radix_passes
@@ -225,7 +226,9 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   replacement) with ``key``. Elements with ``|x| >= t`` are taken in ascending
   index order, at most ``k``; missing slots hold index 0 and value 0.0. The
   mask pass runs on the Pallas kernel or in XLA (``implementation``, or
-  with None as :func:`jaxcomp.kernels.resolve_implementation` picks).
+  with None as :func:`jaxcomp.kernels.resolve_implementation` picks, which
+  also times :func:`sampled_topk_triton`'s Triton selection where
+  ``jaxcomp.kernels._triton.available()`` and ``config`` is the default).
 
   Returns:
     ``(values[k] in x.dtype, indices[k] int32)``.
@@ -237,9 +240,13 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
   _topk_select.check_k(x.size, k)
 
   def run(impl, interpret):
+    if impl == "triton":
+      return lambda v, key_: sampled_topk_triton(
+          v, k, key_, sample_ratio=sample_ratio, interpret=bool(interpret))
     return lambda v, key_: _sampled_topk(
         v, k, key_, sample_ratio=sample_ratio, config=config,
-        implementation=impl, interpret=interpret)
+        implementation="pallas" if impl == "mosaic" else impl,
+        interpret=interpret)
 
   tunable = _autotune.Tunable(
       op="sampled_topk", n=x.size, dtype=x.dtype, run=run,
@@ -248,11 +255,14 @@ def sampled_topk(x: jax.Array, k: int, key: jax.Array, *, sample_ratio: float,
               "sample_ratio": sample_ratio,
               "in_place": _rows_in_place(x.size, x.dtype),
               **_config_params(config)},
-      supported=k > 0)
+      supported=k > 0,
+      # The Triton selection has no TopKConfig: a candidate for the default.
+      candidates=_autotune.candidates(
+          mosaic=True,
+          triton=_triton.available() and config == DEFAULT_CONFIG))
   implementation = _autotune.resolve_implementation(implementation,
                                                     tunable=tunable)
-  return _sampled_topk(x, k, key, sample_ratio=sample_ratio, config=config,
-                       implementation=implementation, interpret=interpret)
+  return run(implementation, interpret)(x, key)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "sample_ratio", "config",
@@ -332,12 +342,17 @@ def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
   :func:`fast_path_min_size` elements, :func:`topk_threshold_xla` from
   there), by ``implementation``, or with None as
   :func:`jaxcomp.kernels.resolve_implementation` picks (XLA off NVIDIA GPUs,
-  the faster one measured on an NVIDIA GPU: the earlier radix-select kernel
-  was slower than the XLA path on an H100 at every size measured)."""
+  the fastest measured on an NVIDIA GPU of the XLA path, the Mosaic GPU
+  kernels and, where ``jaxcomp.kernels._triton.available()``,
+  :func:`topk_triton`: the earlier radix-select kernel was slower than the
+  XLA path on an H100 at every size measured)."""
 
   def run(impl, interpret):
-    if impl == "pallas":
+    if impl in ("pallas", "mosaic"):
       return lambda v: topk(v, k, config=config, interpret=interpret)
+    if impl == "triton":
+      return lambda v: topk_triton(v, k, config=config,
+                                   interpret=bool(interpret))
     return lambda v: _topk_xla(v, k, config)
 
   tunable = _autotune.Tunable(
@@ -345,11 +360,11 @@ def topk_auto(x: jax.Array, k: int, *, implementation: str | None = None,
       params={"density": _density_class(x.size, k),
               "in_place": _rows_in_place(x.size, x.dtype),
               **_config_params(config)},
-      supported=k > 0)
-  if _autotune.resolve_implementation(implementation,
-                                      tunable=tunable) == "pallas":
-    return topk(x, k, config=config)
-  return _topk_xla(x, k, config)
+      supported=k > 0,
+      candidates=_autotune.candidates(mosaic=True,
+                                      triton=_triton.available()))
+  return run(_autotune.resolve_implementation(implementation,
+                                              tunable=tunable), False)(x)
 
 
 def _topk_xla(x, k, config):
