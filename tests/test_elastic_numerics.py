@@ -18,6 +18,7 @@ import jaxcomp
 from jaxcomp import compressors
 from jaxcomp import lowcomm
 from jaxcomp.elastic import _outer
+from jaxcomp.elastic import _shares
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"b": (16,), "w": (8, 8)}  # 80 elements, one buffer
@@ -139,3 +140,137 @@ def test_jaxcomp_imports_without_torch():
                             "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert "ERR" in out.stdout and "jaxcomp[elastic]" in out.stdout, out.stdout
+
+
+# Shares and shards (jaxcomp.elastic._shares): three islands of two
+# processes each, simulated here process by process (each process's share
+# encoded, "all-gathered" with the same share of the other islands,
+# decoded; the island's mean shares gathered where its processes need
+# them) against the whole payload of one-process islands.
+SHARE_SHAPES = {"b": (64,), "w": (32, 4)}  # 192 elements
+
+
+def _whole(shape):
+  return tuple((0, n) for n in shape)
+
+
+def _rows(shape, p, m):
+  rows = shape[0] // m
+  return ((p * rows, (p + 1) * rows), *_whole(shape)[1:])
+
+
+def _share_islands(comp, outer, params, locals_, rounds, boxes):
+  """The anchor (whole leaves), each process's payload bytes and whether
+  any process needed the island's gather, after ``rounds`` syncs of
+  islands whose process ``p`` holds ``boxes[l][p]`` of leaf ``l``."""
+  m = len(boxes[0])
+  shapes = [np.shape(x) for x in jax.tree.leaves(params)]
+  treedef = jax.tree.structure(params)
+  key = jax.random.key(0)
+  fb = _outer.feedback_for(True)
+  procs = []
+  for p in range(m):
+    lay = _shares.layout_of(boxes, shapes, p)
+    cut = lambda tree, lay=lay: jax.tree.unflatten(treedef, [
+        jnp.asarray(np.asarray(x)[tuple(slice(a, b) for a, b in s.box)])
+        for x, s in zip(jax.tree.leaves(tree), lay.mine)])
+    anchor = cut(params)
+    share_plan, held_plan = _shares.plans(lay, anchor, comp, key)
+    procs.append(dict(
+        lay=lay, cut=cut, anchor=anchor, state=outer.init(anchor),
+        plan=share_plan,
+        fns=_shares.jitted(lay, share_plan, held_plan, comp, fb, outer),
+        residuals=[jnp.zeros((share_plan.n,), jnp.float32)
+                   for _ in locals_[0]]))
+  for r in range(rounds):
+    means = []
+    for q in procs:
+      enc, dec, _ = q["fns"]
+      payloads = []
+      for i, local in enumerate(locals_[r]):
+        payload, q["residuals"][i] = enc(q["anchor"], q["cut"](local),
+                                         q["residuals"][i], key)
+        payloads.append(payload)
+      means.append(np.asarray(dec([jnp.stack(a) for a in zip(*payloads)],
+                                  key)))
+    for q in procs:
+      held_mean = (_shares.assemble(q["lay"], means)
+                   if q["lay"].needs_gather else means[q["lay"].index])
+      q["anchor"], q["state"] = q["fns"][2](q["anchor"], q["state"],
+                                            jnp.asarray(held_mean))
+  full = [np.zeros(s, np.float32) for s in shapes]
+  for q in procs:
+    for f, x, s in zip(full, jax.tree.leaves(q["anchor"]), q["lay"].mine):
+      f[tuple(slice(a, b) for a, b in s.box)] = np.asarray(x)
+  return (jax.tree.unflatten(treedef, full),
+          [q["plan"].payload_bytes for q in procs],
+          any(q["lay"].needs_gather for q in procs))
+
+
+def _share_case():
+  comp = compressors.get("int8_block", block_size=32)
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  rng = np.random.default_rng(0)
+  params = {k: (rng.normal(size=s) * 0.5).astype(np.float32)
+            for k, s in SHARE_SHAPES.items()}
+  locals_ = [[{k: params[k] + (rng.normal(size=s) * (r + 1.0)).astype(
+      np.float32) for k, s in SHARE_SHAPES.items()}
+      for _ in range(3)] for r in range(2)]
+  return comp, outer, params, locals_
+
+
+def test_island_shares_and_fsdp_shards_reach_the_whole_payloads_anchor():
+  """Each process of a replicated 2-process island sends half the payload
+  (int8, one scale per 32 elements: 108 of 216 bytes), and the islands
+  reach the anchor of the whole payload bit for bit (the shares' blocks
+  are the whole buffer's). Each process of a 2-process FSDP island (rows
+  of every leaf) sends its own block's share and steps it without
+  gathering anything, and reaches the replicated island's anchor within
+  1e-6."""
+  comp, outer, params, locals_ = _share_case()
+  whole, whole_bytes, _ = _share_islands(
+      comp, outer, params, locals_, 2,
+      [[_whole(s)] for s in SHARE_SHAPES.values()])
+  halves, share_bytes, gathered = _share_islands(
+      comp, outer, params, locals_, 2,
+      [[_whole(s)] * 2 for s in SHARE_SHAPES.values()])
+  assert whole_bytes == [216] and share_bytes == [108, 108]
+  assert gathered  # replicated: the island gathers its mean shares
+  for k in SHARE_SHAPES:
+    np.testing.assert_array_equal(np.asarray(halves[k]),
+                                  np.asarray(whole[k]), err_msg=k)
+  assert not np.array_equal(np.asarray(whole["w"]), np.asarray(params["w"]))
+  sharded, shard_bytes, gathered = _share_islands(
+      comp, outer, params, locals_, 2,
+      [[_rows(s, p, 2) for p in range(2)] for s in SHARE_SHAPES.values()])
+  assert not gathered and shard_bytes == [108, 108]
+  for k in SHARE_SHAPES:
+    np.testing.assert_allclose(np.asarray(sharded[k]),
+                               np.asarray(halves[k]), rtol=0, atol=1e-6,
+                               err_msg=k)
+
+
+def test_share_layouts_and_residuals():
+  """Parts split each held block among its holders in process order; a
+  residual's shares make the whole buffer's and back; a process holding
+  two rectangles, or overlapping unequal blocks, is refused."""
+  shapes = [(5,), (2, 3)]
+  lays = [_shares.layout_of([[_whole(s)] * 3 for s in shapes], shapes, p)
+          for p in range(3)]
+  assert [[(s.start, s.stop) for s in lay.mine] for lay in lays] == [
+      [(0, 1), (0, 2)], [(1, 3), (2, 4)], [(3, 5), (4, 6)]]
+  whole = np.arange(11, dtype=np.float32)
+  shares = [_shares.own_residual(lay, whole) for lay in lays]
+  assert [s.tolist() for s in shares] == [[0, 5, 6], [1, 2, 7, 8],
+                                          [3, 4, 9, 10]]
+  np.testing.assert_array_equal(_shares.whole_residual(lays[1], shares),
+                                whole)
+  fsdp = _shares.layout_of([[((0, 1), (0, 3)), ((1, 2), (0, 3))]],
+                           [(2, 3)], 1)
+  assert fsdp.sharded and not fsdp.needs_gather
+  assert (fsdp.mine[0].start, fsdp.mine[0].stop) == (0, 3)
+  with pytest.raises(ValueError, match="overlapping"):
+    _shares.layout_of([[((0, 2),), ((1, 3),)]], [(3,)], 0)
+  with pytest.raises(ValueError, match="rectangular"):
+    _shares._box_of([(slice(0, 1), slice(0, 1)), (slice(1, 2), slice(1, 2))],
+                    (2, 2))

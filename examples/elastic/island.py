@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import elastic
@@ -82,6 +83,10 @@ def parse(argv=None):
   p.add_argument("--train-bytes", type=int, default=500_000,
                  help="char_lm: bytes of the training stream")
   p.add_argument("--compressor", default="int8_block")
+  p.add_argument("--fsdp", action="store_true",
+                 help="shard every parameter's rows over the island's "
+                 "devices (FSDP): each process syncs its own rows, with no "
+                 "gather")
   p.add_argument("--min-islands", type=int, default=1)
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--timeout", type=float, default=10.0)
@@ -144,6 +149,15 @@ def make_model(args) -> Model:
                lambda p: float(jax.jit(loss)(p, valid[:, :-1], valid[:, 1:])))
 
 
+def _digest(tree) -> str:
+  """The digest of this process's part of ``tree`` (its rows of a leaf
+  sharded over the island: process r of every island holds the same
+  ones)."""
+  return elastic.digest(jax.tree.map(
+      lambda x: x.addressable_data(0) if isinstance(x, jax.Array)
+      and not x.is_fully_addressable else x, tree))
+
+
 def _island_seed(name: str) -> int:
   return sum(ord(c) * 31**i for i, c in enumerate(name)) % (2**31)
 
@@ -166,6 +180,9 @@ def main(argv=None) -> int:
 
   model = make_model(args)
   params = model.params
+  if args.fsdp:  # rows over the island's devices; they stay sharded
+    params = distributed.global_array(params, mesh, P("data"))
+    replicated = lambda tree: tree
   inner = model.inner
   isl = elastic.ElasticDiLoCo(
       params, island=args.island, lighthouse=args.lighthouse,
@@ -175,7 +192,7 @@ def main(argv=None) -> int:
       config={"sync_every": args.sync_every, "model": args.model,
               "inner": model.inner_name})
   say("ready", step=isl.step, restored=isl.restored_step,
-      anchor=elastic.digest(isl.anchor))
+      anchor=_digest(isl.anchor))
   if args.go_file:
     while not os.path.exists(args.go_file):
       time.sleep(0.05)
@@ -187,7 +204,7 @@ def main(argv=None) -> int:
     return optax.apply_updates(p, u), s, loss
 
   seed = _island_seed(args.island)
-  inner_state = replicated(inner.init(params))
+  inner_state = replicated(jax.jit(inner.init)(params))
   loss = jnp.float32(0)
   while True:
     stop = args.outer_steps
@@ -199,10 +216,9 @@ def main(argv=None) -> int:
     say("begin", step=isl.step, islands=isl.islands, healed=isl.healed,
         heal_seconds=isl.heal_seconds if isl.healed else None,
         heal_bytes=isl.heal_bytes if isl.healed else None,
-        anchor=elastic.digest(isl.anchor),
-        residual=elastic.digest(isl.residual))
+        anchor=_digest(isl.anchor), residual=elastic.digest(isl.residual))
     if isl.healed:
-      inner_state = replicated(inner.init(isl.anchor))
+      inner_state = replicated(jax.jit(inner.init)(isl.anchor))
     for i in range(args.sync_every):
       x, y = model.batch(seed, isl.step, i)
       x, y = distributed.global_array((x, y), mesh, P("data"))
@@ -213,17 +229,18 @@ def main(argv=None) -> int:
       time.sleep(args.step_delay)
     r = isl.sync(p)
     say("sync", step=r.step, committed=r.committed, islands=r.islands,
-        anchor=elastic.digest(isl.anchor),
-        residual=elastic.digest(isl.residual),
+        anchor=_digest(isl.anchor), residual=elastic.digest(isl.residual),
         loss=float(loss.addressable_data(0)),
-        seconds=r.seconds, bytes=r.bytes_sent,
+        seconds=r.seconds, bytes=r.bytes_sent, pg_bytes=isl.exchange_bytes,
+        gather_bytes=isl.gather_bytes,
         error=None if r.error is None else repr(r.error)[:300])
-  valid = model.valid_loss(isl.anchor)
+  # The whole anchor on every process (FSDP: gathered once, at the end).
+  anchor = (multihost_utils.process_allgather(isl.anchor, tiled=True)
+            if args.fsdp else isl.anchor)
+  valid = model.valid_loss(anchor)
   if args.output:
-    np.savez(fill(args.output),
-             **{k: np.asarray(v) for k, v in isl.anchor.items()})
-  say("done", step=isl.step, anchor=elastic.digest(isl.anchor),
-      valid_loss=valid)
+    np.savez(fill(args.output), **{k: np.asarray(v) for k, v in anchor.items()})
+  say("done", step=isl.step, anchor=elastic.digest(anchor), valid_loss=valid)
   isl.close()
   distributed.shutdown()
   return 0

@@ -1,8 +1,8 @@
 """Elastic DiLoCo islands: each island its own JAX job, the outer sync
 through torchft, so that losing an island does not stop the others.
 
-An *island* is one JAX job (one process here; exact or compressed data
-parallelism over its devices inside, as any jaxcomp step). Islands train on
+An *island* is one JAX job (one process or several; exact or compressed
+data parallelism, or FSDP, over its devices inside, as any jaxcomp step). Islands train on
 their own for ``H`` inner steps; at each outer sync every island present
 sends its compressed pseudo-gradient (``anchor - local``, with error
 feedback) to the others, decodes and averages them in JAX, and takes the
@@ -34,7 +34,9 @@ jaxcomp that imports torch and torchft, ``pip install "jaxcomp[elastic]"``,
 and only when an island or a Lighthouse is made, so this package imports
 without them); ``_outer`` (the sync's JAX numerics: lowcomm's
 pseudo-gradient and outer step, :mod:`jaxcomp.feedback`'s residual, on one
-flat buffer); ``_anchor`` (the Orbax checkpoints); :mod:`.launcher`
+flat buffer); ``_shares`` (each process of an island sends its share of
+that buffer, ``1/M`` of it, or its own block of FSDP-sharded parameters,
+and the island gathers the averaged shares where needed); ``_anchor`` (the Orbax checkpoints); :mod:`.launcher`
 (``jaxcomp islands`` and ``jaxcomp lighthouse``, :func:`run_islands`).
 
 Example (one island; start one per island, and the Lighthouse once, e.g.

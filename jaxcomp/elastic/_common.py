@@ -35,7 +35,8 @@ class SyncResult(NamedTuple):
       committed, the unchanged anchor when not (the interval's inner
       steps are discarded with it).
     seconds: wall time of the exchange, decode and outer step (s).
-    bytes_sent: this island's payload, bytes (header not counted).
+    bytes_sent: this process's payload (its share of the island's),
+      bytes (header not counted).
     error: the exception that made the sync fail, or None.
   """
 
@@ -55,7 +56,8 @@ def describe(params, outer_state, compressor, error_feedback: bool,
   o_leaves, o_treedef = jax.tree.flatten(outer_state)
   return {
       "params": [[jax.tree_util.keystr(p), list(np.shape(x)),
-                  str(np.asarray(x).dtype)] for p, x in leaves],
+                  str(np.dtype(x.dtype) if hasattr(x, "dtype")
+                      else np.asarray(x).dtype)] for p, x in leaves],
       "params_tree": str(treedef),
       "outer_state": [[list(np.shape(x)), str(np.asarray(x).dtype)]
                       for x in o_leaves],

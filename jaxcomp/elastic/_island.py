@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ import optax
 
 from jaxcomp import compressors
 from jaxcomp.elastic import _outer
+from jaxcomp.elastic import _shares
 from jaxcomp.elastic._anchor import AnchorCheckpoints
 from jaxcomp.elastic._common import ElasticConfigError
 from jaxcomp.elastic._common import QuorumError
@@ -86,24 +88,6 @@ def _own_address() -> str:
     return socket.gethostbyname(name)
   except OSError:
     return name
-
-
-def _process_copy(x):
-  """This process's copy of a leaf replicated over the island's processes
-  (a global ``jax.Array`` of a multi-process island); other values as they
-  are.
-
-  Raises:
-    ValueError: a multi-process leaf that is not replicated (FSDP shards:
-      gather them before the sync).
-  """
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    if not x.sharding.is_fully_replicated:
-      raise ValueError(
-          "sync needs the island's parameters replicated over its processes "
-          f"(sharding P()), got {x.sharding}: gather the shards first")
-    return x.addressable_data(0)
-  return x
 
 
 def _island_store(store_host: str | None):
@@ -185,7 +169,13 @@ class ElasticDiLoCo:
   Args:
     params: the initial parameters (a pytree of arrays, identical on every
       island: the same seed). Their structure, shapes and dtypes are part
-      of the configuration every island must share.
+      of the configuration every island must share. In an island of
+      several processes, host values or replicated global arrays are held
+      whole by every process; a leaf given as a global array sharded over
+      the processes (FSDP: each process's devices holding one rectangular
+      block) stays sharded: each process sends its own block's share and
+      steps it, with no gather, and :attr:`anchor`, :meth:`begin` and the
+      sync's ``params`` return it as a global array of that sharding.
     island: this island's name (torchft's ``replica_id``; also its
       checkpoint folder). A restarted island keeps its name. Default:
       ``JAXCOMP_ISLAND`` (set by ``jaxcomp islands``).
@@ -205,7 +195,8 @@ class ElasticDiLoCo:
       islands does not commit.
     checkpoint_dir: Orbax checkpoints of the anchor at each commit, in
       ``checkpoint_dir/<island>``; at start the newest step of any island
-      there is restored. None: no checkpoints.
+      there is restored. None: no checkpoints. Not with sharded leaves
+      (ValueError).
     config: more settings every island must share (``sync_every``, learning
       rates, ...), JSON-able; compared with the peers' like the model.
     timeout: seconds for the exchange and the heal (torchft's
@@ -226,9 +217,11 @@ class ElasticDiLoCo:
       the veth address in ``/etc/netns/NAME/hosts``); ``"localhost"`` only
       when every island runs on one machine. An island of several JAX processes
       (``jax.distributed``) runs one torchft manager per process (torchft's
-      group ranks); each exchanges the whole payload with the same rank of
-      the other islands, and the island commits only when all of its
-      processes do.
+      group ranks); each sends only its share of the payload (``1/M`` of
+      it in an island of ``M`` processes) to the same rank of the other
+      islands, the island gathers the averaged shares over its own links
+      (a JAX all-gather), and it commits only when all of its processes
+      do (:mod:`jaxcomp.elastic._shares`).
     seed: the compressor's shared randomness, ``fold_in(key(seed), step)``
       (folded with the island's rank in the quorum for a compressor with
       independent randomness, as :func:`jaxcomp.compressed_mean` folds the
@@ -237,6 +230,8 @@ class ElasticDiLoCo:
   Raises:
     ImportError: without torch and torchft (``pip install
       "jaxcomp[elastic]"``).
+    ValueError: ``checkpoint_dir`` with sharded leaves; a process holding
+      more than one rectangle of a leaf.
     ElasticConfigError: the checkpoint restored at start, or the anchor a
       peer sends at a heal, comes from another configuration; or a peer in
       the exchange has another configuration.
@@ -267,16 +262,27 @@ class ElasticDiLoCo:
     self._key = jax.random.key(seed)
     self._quorum_timeout = float(quorum_timeout)
 
-    anchor = jax.tree.map(lambda x: jnp.asarray(x), params)
+    # This process's share of the sync (jaxcomp.elastic._shares): the
+    # anchor and outer state are its held blocks, the residual its share.
+    self._layout = _shares.layout(params)
+    if self._layout.sharded and checkpoint_dir:
+      raise ValueError("checkpoint_dir needs the island's parameters "
+                       "replicated over its processes (sharded leaves are "
+                       "not checkpointed yet)")
+    anchor = _shares.held(self._layout, params)
     outer_state = self._outer.init(anchor)
-    self._description = describe(anchor, outer_state, self._comp, self._ef,
+    self._description = describe(params, outer_state, self._comp, self._ef,
                                  config)
     self.fingerprint = fingerprint(self._description)
-    self._plan = _outer.plan_buffer(anchor, self._comp, self._key)
+    self._plan, held_plan = _shares.plans(self._layout, anchor, self._comp,
+                                          self._key)
     self._anchor, self._outer_state = anchor, outer_state
     self._residual = jnp.zeros((self._plan.n,), jnp.float32)
-    self._encode, self._decode_mean, self._outer_step = _outer.jitted(
-        self._plan, self._comp, _outer.feedback_for(self._ef), self._outer)
+    self._encode, self._decode_mean, self._outer_step = _shares.jitted(
+        self._layout, self._plan, held_plan, self._comp,
+        _outer.feedback_for(self._ef), self._outer)
+    self.exchange_bytes = 0  # passed to the process group's all-gathers
+    self.gather_bytes = 0  # gathered inside the island at the last sync
     self.healed = False  # whether the last begin() healed from a peer
     self.heal_seconds = 0.0  # the last heal's wall time, s
     self.heal_bytes = 0  # the last heal's anchor and outer state, bytes
@@ -306,8 +312,9 @@ class ElasticDiLoCo:
   @property
   def anchor(self):
     """The synchronized parameters (identical on every island at a
-    step)."""
-    return self._anchor
+    step): leaves given sharded over the island's processes as global
+    arrays of that sharding, the others as host-local arrays."""
+    return _shares.to_params(self._layout, self._anchor)
 
   @property
   def outer_state(self):
@@ -315,7 +322,8 @@ class ElasticDiLoCo:
 
   @property
   def residual(self) -> jax.Array:
-    """This island's error-feedback residual, float32 ``(n,)``."""
+    """This process's error-feedback residual, float32: its share of the
+    buffer (``(n,)`` in a one-process island)."""
     return self._residual
 
   def _state_dict(self) -> dict:
@@ -348,27 +356,33 @@ class ElasticDiLoCo:
 
   def _save(self, step: int) -> None:
     if self._ckpt is not None:
+      residual = self._residual
+      if self._layout.processes > 1:  # the whole buffer's, from the shares
+        shares, _ = _shares.gather(self._layout, residual, True)
+        residual = _shares.whole_residual(self._layout, shares)
       self._ckpt.save(step, {"anchor": self._anchor,
                              "outer_state": self._outer_state,
-                             "residual": self._residual},
+                             "residual": residual},
                       self.fingerprint, self._description)
 
   def _restore(self) -> int | None:
     """Restores the newest anchor of any island under ``checkpoint_dir``;
     returns its step, or None when there is none."""
     assert self._ckpt is not None
+    whole = sum(math.prod(s) for s in self._layout.shapes)
     found = self._ckpt.restore_newest(
         self.fingerprint, self._description,
         {"anchor": self._anchor, "outer_state": self._outer_state,
-         "residual": self._residual})
+         "residual": np.zeros((whole,), np.float32)})
     if found is None:
       return None
     step, name, state = found
     self._anchor = jax.tree.map(jnp.asarray, state["anchor"])
     self._outer_state = jax.tree.map(jnp.asarray, state["outer_state"])
     # Another island's residual is not ours (see _load_state_dict).
-    self._residual = (jnp.asarray(state["residual"]) if name == self.island
-                      else jnp.zeros((self._plan.n,), jnp.float32))
+    self._residual = (
+        jnp.asarray(_shares.own_residual(self._layout, state["residual"]))
+        if name == self.island else jnp.zeros((self._plan.n,), jnp.float32))
     self.restored_step = step
     return step
 
@@ -409,7 +423,7 @@ class ElasticDiLoCo:
       self.heal_seconds = time.monotonic() - t0
       self.heal_bytes = sum(to_bytes(x).size for x in jax.tree.leaves(
           (self._anchor, self._outer_state)))
-    return self._anchor
+    return self.anchor
 
   @property
   def islands(self) -> int:
@@ -420,17 +434,40 @@ class ElasticDiLoCo:
     tt = _torch()
     t = tt.torch.from_numpy(buf)
     out = [tt.torch.empty_like(t) for _ in range(islands)]
+    self.exchange_bytes += t.nbytes
     self._pg.allgather([out], [t], tt.AllgatherOptions()).wait()
     return [o.numpy() for o in out]
 
   def _exchange(self, local) -> tuple[Any, Any, jax.Array, int]:
-    """Encodes, all-gathers and averages. Returns the new anchor, outer
-    state and residual (not yet applied), and the payload's bytes."""
+    """Encodes this process's share, all-gathers it with the other
+    islands', averages it, gathers the island's mean shares where its
+    processes need them (:mod:`jaxcomp.elastic._shares`) and takes the
+    outer step on the held blocks. Returns the new anchor, outer state and
+    residual (not yet applied), and the payload's bytes."""
+    mean, residual, nbytes, failure = None, None, 0, None
+    try:
+      mean, residual, nbytes = self._send(local)
+    except Exception as e:  # raised after the island's gather, below
+      failure = e
+    mean, self.gather_bytes = _shares.island_mean(self._layout, mean,
+                                                  failure, self.island)
+    assert residual is not None  # island_mean raised otherwise
+    anchor, outer_state = self._outer_step(self._anchor, self._outer_state,
+                                           mean)
+    jax.block_until_ready((anchor, outer_state, residual))
+    return anchor, outer_state, residual, nbytes
+
+  def _send(self, local) -> tuple[jax.Array, jax.Array, int]:
+    """Encodes this process's share, all-gathers it with the same share of
+    the other islands and decodes their mean. Returns the mean share
+    (float32), the share's new residual and the payload's bytes."""
     islands = self.islands
     key = jax.random.fold_in(self._key, self.step)
     if self._comp.randomness == "independent":
       # Each island its own draws, as compressed_mean's devices.
       key = jax.random.fold_in(key, self._manager.participating_rank() or 0)
+    if self._layout.processes > 1:  # each share its own draws
+      key = jax.random.fold_in(key, self._layout.index)
     payload, residual = self._encode(self._anchor, local, self._residual,
                                      key)
     buf = np.concatenate([to_bytes(p) for p in payload])
@@ -447,6 +484,12 @@ class ElasticDiLoCo:
           "exchange have another model or configuration (their fingerprint "
           "differs); every island must start with the same parameters, "
           "compressor and config")
+    bad = [i for i, h in enumerate(headers) if not np.array_equal(h, header)]
+    if bad:
+      raise ElasticConfigError(
+          f"island {self.island!r}: the peers of rank(s) {bad} in this "
+          "exchange send shares of another size: every island must hold its "
+          "parameters alike (the same processes and shardings)")
     bufs = self._allgather(buf, islands)
     stacked, off = [], 0
     for s in self._plan.payload:
@@ -454,11 +497,7 @@ class ElasticDiLoCo:
       stacked.append(jnp.asarray(np.stack(
           [from_bytes(b[off:off + nb], s.shape, s.dtype) for b in bufs])))
       off += nb
-    mean = self._decode_mean(stacked, key)
-    anchor, outer_state = self._outer_step(self._anchor, self._outer_state,
-                                           mean)
-    jax.block_until_ready((anchor, outer_state, residual))
-    return anchor, outer_state, residual, int(buf.size)
+    return self._decode_mean(stacked, key), residual, int(buf.size)
 
   def sync(self, local) -> SyncResult:
     """Ends an interval: exchanges ``anchor - local`` (compressed, with
@@ -470,7 +509,8 @@ class ElasticDiLoCo:
     Args:
       local: this island's parameters after the interval's inner steps,
         the anchor's structure, shapes and dtypes (in a multi-process
-        island, global arrays replicated over its processes).
+        island, global arrays, replicated over its processes or sharded
+        as the ``params`` given at construction).
 
     Returns:
       A :class:`SyncResult`; continue from its ``params``.
@@ -481,7 +521,7 @@ class ElasticDiLoCo:
       QuorumError: no commit for ``quorum_timeout`` seconds.
     """
     t0 = time.monotonic()
-    local = jax.tree.map(_process_copy, local)
+    local = _shares.held(self._layout, local)
     islands = self.islands
     new, error, nbytes = None, None, 0
     if self._manager.errored() is None:
@@ -496,6 +536,8 @@ class ElasticDiLoCo:
         self._manager.report_error(e)
     else:
       error = self._manager.errored()
+      if self._layout.needs_gather:  # the island's other processes wait
+        _shares.gather(self._layout, None, False)
     committed = bool(self._manager.should_commit())
     if committed and new is not None:
       self._anchor, self._outer_state, self._residual = new
