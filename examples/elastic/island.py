@@ -83,6 +83,10 @@ def parse(argv=None):
                  help="char_lm: bytes of the training stream")
   p.add_argument("--compressor", default="int8_block")
   p.add_argument("--min-islands", type=int, default=1)
+  p.add_argument("--wait-for", type=int, default=None,
+                 help="islands to wait for before the first commit "
+                 "(default: JAXCOMP_WAIT_FOR, set by jaxcomp islands "
+                 "--wait-for, else 1)")
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--timeout", type=float, default=10.0)
   p.add_argument("--quorum-timeout", type=float, default=60.0)
@@ -170,6 +174,7 @@ def main(argv=None) -> int:
   isl = elastic.ElasticDiLoCo(
       params, island=args.island, lighthouse=args.lighthouse,
       compressor=args.compressor, min_islands=args.min_islands,
+      wait_for=args.wait_for,
       checkpoint_dir=args.checkpoint_dir, timeout=args.timeout,
       quorum_timeout=args.quorum_timeout,
       config={"sync_every": args.sync_every, "model": args.model,

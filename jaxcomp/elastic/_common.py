@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from typing import Any, NamedTuple
 
 import jax
@@ -99,3 +100,14 @@ def digest(tree) -> str:
   for x in jax.tree.leaves(tree):
     h.update(to_bytes(x).tobytes())
   return h.hexdigest()
+
+
+def own_address() -> str:
+  """This machine's hostname resolved to an address (what peers dial): the
+  hostname itself would resolve to each peer's own address where every
+  network namespace maps it to its veth (``/etc/netns/NAME/hosts``)."""
+  name = socket.gethostname()
+  try:
+    return socket.gethostbyname(name)
+  except OSError:
+    return name
