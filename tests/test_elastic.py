@@ -196,7 +196,7 @@ def _faulted_run(run):
       run.start(name, None, "--go-file", go)
     run.wait_for("three ready islands", lambda: all(
         any(e["event"] == "ready" for e in _events(run.log(n, r)))
-        for n in "abc" for r in range(PROCS)), timeout=90, alive="abc")
+        for n in "abc" for r in range(PROCS)), timeout=180, alive="abc")
     open(go, "w").close()
     mid = run.wait_for("c in the middle of its third interval", lambda: [
         e for e in _events(run.log("c"))

@@ -179,11 +179,6 @@ def main(argv=None) -> int:
       quorum_timeout=args.quorum_timeout,
       config={"sync_every": args.sync_every, "model": args.model,
               "inner": model.inner_name})
-  say("ready", step=isl.step, restored=isl.restored_step,
-      anchor=elastic.digest(isl.anchor))
-  if args.go_file:
-    while not os.path.exists(args.go_file):
-      time.sleep(0.05)
 
   @jax.jit
   def train_step(p, s, x, y):
@@ -193,6 +188,16 @@ def main(argv=None) -> int:
 
   seed = _island_seed(args.island)
   inner_state = replicated(inner.init(params))
+  # The inner step compiled before the first quorum: a joiner's first
+  # interval is then no slower than its peers', who wait for it at the
+  # exchange (at most --timeout seconds).
+  x, y = distributed.global_array(model.batch(seed, 0, 0), mesh, P("data"))
+  jax.block_until_ready(train_step(replicated(isl.anchor), inner_state, x, y))
+  say("ready", step=isl.step, restored=isl.restored_step,
+      anchor=elastic.digest(isl.anchor))
+  if args.go_file:
+    while not os.path.exists(args.go_file):
+      time.sleep(0.05)
   loss = jnp.float32(0)
   while True:
     stop = args.outer_steps

@@ -289,6 +289,11 @@ class ElasticDiLoCo:
         self._plan, self._comp, _outer.feedback_for(self._ef), self._outer)
     self._decode_mean = _exchange.Decoders(decode_mean, self._plan.payload,
                                            self._key)
+    # Compiled before this island joins: its first sync is then no slower
+    # than its peers', who wait for it at most ``timeout``.
+    jax.block_until_ready((
+        self._encode(anchor, anchor, self._residual, self._key),
+        self._outer_step(anchor, outer_state, self._residual)))
     self.healed = False  # whether the last begin() healed from a peer
     self.heal_seconds = 0.0  # the last heal's wall time, s
     self.heal_bytes = 0  # the last heal's anchor and outer state, bytes
