@@ -32,15 +32,16 @@ import jax  # noqa: E402
 
 from jaxcomp import compressors  # noqa: E402
 from jaxcomp import elastic  # noqa: E402
+from jaxcomp.elastic import _exchange  # noqa: E402
 from jaxcomp.elastic import _outer  # noqa: E402
 from jaxcomp import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISLAND = os.path.join(ROOT, "examples", "elastic", "island.py")
-NAMESPACE = {"a": 1, "b": 2, "c": 3, "d": 1}  # island -> namespace (0: Lighthouse)
+# island -> namespace (0: Lighthouse)
+NAMESPACE = {"a": 1, "b": 2, "c": 3, "d": 1, "x": 1}
 # The faulted run goes once: in network namespaces where it can (root, ip
-# and tc), else on localhost; JAXCOMP_TEST_NETNS=0 keeps it on localhost
-# (CI's second leg: the namespaces' run is the first leg's).
+# and tc), else on localhost; JAXCOMP_TEST_NETNS=0 keeps it on localhost.
 NETNS_OK = (os.geteuid() == 0 and shutil.which("ip") is not None
             and shutil.which("tc") is not None
             and os.environ.get("JAXCOMP_TEST_NETNS", "1") != "0")
@@ -207,7 +208,7 @@ def _faulted_run(run):
       run.start(name, None, "--go-file", go)
     run.wait_for("three ready islands", lambda: all(
         any(e["event"] == "ready" for e in _events(run.log(n, r)))
-        for n in "abc" for r in range(PROCS)), timeout=90, alive="abc")
+        for n in "abc" for r in range(PROCS)), timeout=180, alive="abc")
     open(go, "w").close()
     mid = run.wait_for("c in the middle of its third interval", lambda: [
         e for e in _events(run.log("c"))
@@ -373,6 +374,68 @@ def test_replacement_after_all_stopped_restores_from_checkpoint(faulted_run):
   assert sync["step"] == stop_at + 1
 
 
+def test_four_islands_a_refused_joiner_and_a_kill(tmp_path):
+  """Four islands of one process start together (``--wait-for 4``: the
+  first commit has all four). A joiner with another model is refused at its
+  heal and no healthy island loses an interval to it. Then c is SIGKILLed
+  mid-interval: a, which is not c's neighbour in a ring, and b and d each
+  commit with three islands within the heartbeat timeout + 3 s."""
+  run = _Islands(tmp_path)
+  names = "abcd"
+  syncs = lambda tag: _syncs(_events(run.log(tag)))
+  go = os.path.join(run.tmp, "go_x")
+  try:
+    run.start_lighthouse(min_replicas=2)
+    for name in names:
+      run.start(name, None, "--wait-for", "4", procs=1)
+    # The joiner starts beside them (its imports overlap theirs) and asks
+    # for a quorum once they committed.
+    (joiner,) = run.start("x", None, "--dim", "16", "--checkpoint-dir",
+                          str(tmp_path / "x_ckpt"), "--go-file", go, procs=1)
+    run.wait_for("the four islands' first commits", lambda: all(
+        any(e["committed"] for e in syncs(n)) for n in names), timeout=180,
+        alive=names)
+    t_join = time.time()
+    open(go, "w").close()
+    run.wait_for("the joiner to be refused", lambda: joiner.poll() is not None,
+                 timeout=90, alive=names)
+    assert joiner.returncode != 0 and "ElasticConfigError" in run.output("x")
+    t_refused = time.time()
+    step = max(e["step"] for e in syncs("a"))
+    mid = run.wait_for("c in the middle of an interval", lambda: [
+        e for e in _events(run.log("c"))
+        if e["event"] == "mid" and e["step"] >= step + 1], alive=names)[0]
+    run.procs["c.p0"].send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    run.procs["c.p0"].wait()
+    survivors = "abd"
+    run.wait_for("a, b and d to commit after the kill", lambda: all(
+        any(e["committed"] and e["t"] > t_kill for e in syncs(n))
+        for n in survivors), timeout=30, alive=survivors)
+    with open(run.stop + ".tmp", "w") as f:
+      f.write(str(mid["step"] + 2))
+    os.replace(run.stop + ".tmp", run.stop)
+    for key in run.of(survivors):
+      run.procs[key].wait(timeout=60)
+      assert run.procs[key].returncode == 0, run.output(key)
+  finally:
+    run.kill_all()
+    run.stop_lighthouses()
+  for n in names:
+    first = [e for e in syncs(n) if e["committed"]][0]
+    assert first["islands"] == 4, first  # the clean start
+  for n in survivors:
+    during = [e for e in syncs(n) if t_join < e["t"] < t_kill]
+    # The joiner cost no interval: every sync from its start to the kill
+    # committed, with the four healthy islands.
+    assert all(e["committed"] and e["islands"] == 4 for e in during), during
+    assert any(e["t"] > t_refused for e in during), during
+    nxt = [e for e in syncs(n) if e["committed"] and e["t"] > t_kill][0]
+    assert nxt["islands"] == 3, (n, nxt)
+    assert nxt["t"] - t_kill < HEARTBEAT_S + 3, (n, nxt["t"] - t_kill)
+  assert mid["step"] >= 1
+
+
 def test_joiner_with_another_model_gets_a_clear_error(tmp_path):
   """A heal from a peer with another model, and a checkpoint of another
   model, raise ElasticConfigError naming what differs; nothing changes."""
@@ -420,33 +483,36 @@ def _half_payload(elements):
 
 
 def test_islands_launcher(tmp_path):
-  """``jaxcomp islands -n 2 -m 2 -- island --fsdp`` starts the
-  Lighthouse and two FSDP islands of two JAX processes (each holding half
-  the rows of every parameter); both commit together and end with the
-  same anchor. Each process passes the process group half the payload
-  (its rows: 34 of the 68 elements) and the island gathers nothing."""
+  """``jaxcomp islands -n 2 -m 2 --bind 127.0.0.1:0 --advertise 127.0.0.1
+  -- island --fsdp`` starts the Lighthouse there and two FSDP islands of
+  two JAX processes, i0 and i1 (each process holding half the rows of
+  every parameter); both commit together (the first commit with both:
+  ``--wait-for`` defaults to all) and end with the same anchor. Each
+  process passes the process group half the payload (its rows: 34 of the
+  68 elements) and the island gathers nothing."""
   log = str(tmp_path / "{island}.p{process}.jsonl")
   out = subprocess.run(
       [sys.executable, "-m", "jaxcomp.cli", "islands", "-n", "2", "-m",
-       "2", "--", sys.executable, ISLAND, "--outer-steps", "3",
+       "2", "--bind", "127.0.0.1:0", "--advertise", "127.0.0.1", "--",
+       sys.executable, ISLAND, "--outer-steps", "3",
        "--sync-every", "4", "--dim", "16", "--fsdp", "--log", log],
       cwd=ROOT, capture_output=True, text=True, timeout=110,
       env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-  assert "[lighthouse] http" in out.stdout
+  assert "[lighthouse] http://127.0.0.1:" in out.stdout
   done = {}
   for island in ("i0", "i1"):
     for r in range(2):
       ev = _events(str(tmp_path / f"{island}.p{r}.jsonl"))
-      assert any(e["event"] == "sync" and e["committed"]
-                 and e["islands"] == 2 for e in ev), ev
+      assert [e for e in ev if e["event"] == "sync"
+              and e["committed"]][0]["islands"] == 2, ev
       done[island, r] = [e for e in ev if e["event"] == "done"][0]
       syncs = _syncs(ev)
       sent = np.diff([0] + [e["pg_bytes"] for e in syncs])
-      # The header (40 bytes) and the share's payload, nothing else.
+      # The handshake's header and the share's payload, nothing else.
       assert all(e["bytes"] == _half_payload(34) for e in syncs), syncs
-      assert sent.tolist() == [40 + _half_payload(34)] * len(syncs)
+      assert sent.tolist() == [_exchange.HEADER_BYTES + _half_payload(34)] * len(syncs)
       assert all(e["gather_bytes"] == 0 for e in syncs), syncs
   assert {d["step"] for d in done.values()} == {3}
   assert len({d["anchor"] for d in done.values()}) == 1
@@ -456,6 +522,35 @@ def test_islands_launcher(tmp_path):
         str(tmp_path / f"{i}.p{r}.jsonl"))) if e["committed"]}
         for i in ("i0", "i1")]
     assert per_step[0] == per_step[1]
+
+
+def test_launcher_options_and_names():
+  """``--wait-for``, ``--bind`` and ``--advertise`` reach run_islands; the
+  help names the islands; the advertised address keeps the bound port;
+  ``wait_for`` below 1 is refused before anything starts."""
+  import argparse
+  from jaxcomp.elastic import launcher
+
+  sub = argparse.ArgumentParser().add_subparsers()
+  isl = launcher.add_islands_command(sub)
+  assert "i0, i1, ..., i{N-1}" in isl.description
+  args = isl.parse_args(["-n", "4", "--wait-for", "3", "--bind",
+                         "127.0.0.1:0", "--advertise", "10.0.0.2", "--",
+                         "prog"])
+  assert (args.islands, args.wait_for, args.bind, args.advertise) == (
+      4, 3, "127.0.0.1:0", "10.0.0.2")
+  server = elastic.lighthouse("127.0.0.1:0")
+  try:
+    port = server.address().rsplit(":", 1)[1]
+    assert launcher.advertised(server, "10.0.0.2") == f"http://10.0.0.2:{port}"
+    assert launcher.advertised(server) == server.address()
+  finally:
+    server.shutdown()
+  with pytest.raises(ValueError, match="wait_for"):
+    elastic.ElasticDiLoCo({"w": np.ones((2,), np.float32)}, island="a",
+                          lighthouse="http://127.0.0.1:1", wait_for=0)
+  with pytest.raises(ValueError, match="wait_for"):
+    launcher.run_islands(["prog"], 2, wait_for=0)
 
 
 def test_quorum_below_the_minimum_raises_quorum_error(tmp_path):

@@ -88,6 +88,10 @@ def parse(argv=None):
                  "devices (FSDP): each process syncs its own rows, with no "
                  "gather")
   p.add_argument("--min-islands", type=int, default=1)
+  p.add_argument("--wait-for", type=int, default=None,
+                 help="islands to wait for before the first commit "
+                 "(default: JAXCOMP_WAIT_FOR, set by jaxcomp islands "
+                 "--wait-for, else 1)")
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--timeout", type=float, default=10.0)
   p.add_argument("--quorum-timeout", type=float, default=60.0)
@@ -187,15 +191,11 @@ def main(argv=None) -> int:
   isl = elastic.ElasticDiLoCo(
       params, island=args.island, lighthouse=args.lighthouse,
       compressor=args.compressor, min_islands=args.min_islands,
+      wait_for=args.wait_for,
       checkpoint_dir=args.checkpoint_dir, timeout=args.timeout,
       quorum_timeout=args.quorum_timeout,
       config={"sync_every": args.sync_every, "model": args.model,
               "inner": model.inner_name})
-  say("ready", step=isl.step, restored=isl.restored_step,
-      anchor=_digest(isl.anchor))
-  if args.go_file:
-    while not os.path.exists(args.go_file):
-      time.sleep(0.05)
 
   @jax.jit
   def train_step(p, s, x, y):
@@ -205,6 +205,16 @@ def main(argv=None) -> int:
 
   seed = _island_seed(args.island)
   inner_state = replicated(jax.jit(inner.init)(params))
+  # The inner step compiled before the first quorum: a joiner's first
+  # interval is then no slower than its peers', who wait for it at the
+  # exchange (at most --timeout seconds).
+  x, y = distributed.global_array(model.batch(seed, 0, 0), mesh, P("data"))
+  jax.block_until_ready(train_step(replicated(isl.anchor), inner_state, x, y))
+  say("ready", step=isl.step, restored=isl.restored_step,
+      anchor=_digest(isl.anchor))
+  if args.go_file:
+    while not os.path.exists(args.go_file):
+      time.sleep(0.05)
   loss = jnp.float32(0)
   while True:
     stop = args.outer_steps

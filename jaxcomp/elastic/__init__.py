@@ -17,6 +17,9 @@ outer step in JAX. Membership is torchft's (Lighthouse quorum, one
 * a lost island is dropped at the next quorum (torchft's Lighthouse: no
   heartbeat for ``heartbeat_timeout_ms``), and the survivors average over
   the islands present, each with weight ``1 / islands`` (DiLoCo's mean);
+* before the first commit, a quorum of fewer than ``wait_for`` islands is
+  asked again (a clean start); a joiner with another configuration is
+  refused at its heal and the others commit without it;
 * an island that comes back, or a replacement, heals at the quorum: it
   receives the *anchor* (outer parameters, outer-optimizer state, the step,
   the configuration's fingerprint) from a peer through torchft's
@@ -32,7 +35,9 @@ The package's parts: ``_island`` (the manager, :meth:`ElasticDiLoCo.begin`,
 :meth:`ElasticDiLoCo.sync`, the heal, :func:`lighthouse`: the one module of
 jaxcomp that imports torch and torchft, ``pip install "jaxcomp[elastic]"``,
 and only when an island or a Lighthouse is made, so this package imports
-without them); ``_outer`` (the sync's JAX numerics: lowcomm's
+without them); ``_exchange`` (the handshake and the exchange, each island
+sending to every other directly, so a dead island fails every survivor's
+exchange at once); ``_outer`` (the sync's JAX numerics: lowcomm's
 pseudo-gradient and outer step, :mod:`jaxcomp.feedback`'s residual, on one
 flat buffer); ``_shares`` (each process of an island sends its share of
 that buffer, ``1/M`` of it, or its own block of FSDP-sharded parameters,

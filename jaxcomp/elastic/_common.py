@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 from typing import Any, NamedTuple
 
 import jax
@@ -101,3 +103,41 @@ def digest(tree) -> str:
   for x in jax.tree.leaves(tree):
     h.update(to_bytes(x).tobytes())
   return h.hexdigest()
+
+
+def own_address() -> str:
+  """This machine's hostname resolved to an address (what peers dial): the
+  hostname itself would resolve to each peer's own address where every
+  network namespace maps it to its veth (``/etc/netns/NAME/hosts``)."""
+  name = socket.gethostname()
+  try:
+    return socket.gethostbyname(name)
+  except OSError:
+    return name
+
+
+def check_names(island: str | None, lighthouse: str | None,
+                 min_islands: int, wait_for: int | None
+                 ) -> tuple[str, str, int]:
+  """The island's name, the Lighthouse's address and ``wait_for``, from
+  the arguments or ``JAXCOMP_ISLAND``, ``JAXCOMP_LIGHTHOUSE``,
+  ``JAXCOMP_WAIT_FOR``.
+
+  Raises:
+    ValueError: no Lighthouse, a bad name, a count below 1.
+  """
+  island = island or os.environ.get("JAXCOMP_ISLAND", "")
+  lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
+  if wait_for is None:
+    wait_for = int(os.environ.get("JAXCOMP_WAIT_FOR", "1"))
+  if not lighthouse:
+    raise ValueError("lighthouse not given and JAXCOMP_LIGHTHOUSE not set: "
+                     "pass the Lighthouse's address, e.g. "
+                     "'http://host:29510'")
+  if not island or "/" in island or ":" in island:
+    raise ValueError(f"island must be a non-empty name without '/' or "
+                     f"':', got {island=!r}")
+  if min_islands < 1 or wait_for < 1:
+    raise ValueError(f"min_islands and wait_for must be >= 1, got "
+                     f"{min_islands=}, {wait_for=}")
+  return island, lighthouse, wait_for

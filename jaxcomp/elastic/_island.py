@@ -12,8 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
-import socket
 import time
 import types
 from datetime import timedelta
@@ -26,6 +24,7 @@ import numpy as np
 import optax
 
 from jaxcomp import compressors
+from jaxcomp.elastic import _exchange
 from jaxcomp.elastic import _outer
 from jaxcomp.elastic import _shares
 from jaxcomp.elastic._anchor import AnchorCheckpoints
@@ -36,9 +35,11 @@ from jaxcomp.elastic._common import describe
 from jaxcomp.elastic._common import differences
 from jaxcomp.elastic._common import fingerprint
 from jaxcomp.elastic._common import from_bytes
+from jaxcomp.elastic._common import check_names
+from jaxcomp.elastic._common import own_address
 from jaxcomp.elastic._common import to_bytes
 
-_HEADER_BYTES = 40  # sha256 fingerprint (32) + payload length (int64)
+_WAIT_POLL_S = 0.5  # pause between start quorums below ``wait_for``
 
 
 def _torch() -> types.SimpleNamespace:
@@ -48,10 +49,9 @@ def _torch() -> types.SimpleNamespace:
   The import runs after the island's JAX work (its model, its step), when
   the heap holds hundreds of thousands of objects that every collection
   during torch's thousands of module imports scans again: 5.0 s against
-  3.3 s paused in one process here, and on 2 busy cores the 6 island
-  processes of ``tests/test_elastic.py`` had not made their islands
-  in 90 s (they do with the collector paused; torch imported before the
-  JAX work, as when ``jaxcomp.elastic`` imported it, does too).
+  3.3 s paused in one process on a 2-core machine, where the 6 island
+  processes of ``tests/test_elastic.py`` had not made their islands in
+  90 s with the collector running.
 
   Raises:
     ImportError: without them, naming the extra to install.
@@ -65,8 +65,6 @@ def _torch() -> types.SimpleNamespace:
     from torchft import coordination  # pyright: ignore[reportMissingImports]
     from torchft.checkpointing.pg_transport import (  # pyright: ignore[reportMissingImports]
         PGTransport)
-    from torch.distributed.distributed_c10d import (  # pyright: ignore[reportMissingImports]
-        AllgatherOptions)  # pyright: ignore[reportPrivateImportUsage]
   except ImportError as e:
     raise ImportError(
         "jaxcomp.elastic's islands and Lighthouse need torch and torchft: "
@@ -76,18 +74,7 @@ def _torch() -> types.SimpleNamespace:
       gc.enable()
   return types.SimpleNamespace(
       torch=torch, tdist=tdist, torchft=torchft, coordination=coordination,
-      PGTransport=PGTransport, AllgatherOptions=AllgatherOptions)
-
-
-def _own_address() -> str:
-  """This machine's hostname resolved to an address (what peers dial): the
-  hostname itself would resolve to each peer's own address where every
-  network namespace maps it to its veth (``/etc/netns/NAME/hosts``)."""
-  name = socket.gethostname()
-  try:
-    return socket.gethostbyname(name)
-  except OSError:
-    return name
+      PGTransport=PGTransport)
 
 
 def _island_store(store_host: str | None):
@@ -97,7 +84,7 @@ def _island_store(store_host: str | None):
   tt = _torch()
   rank, size = jax.process_index(), jax.process_count()
   store = None
-  host = (store_host or _own_address()).encode()
+  host = (store_host or own_address()).encode()
   port = 0
   if rank == 0:
     store = tt.tdist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
@@ -132,35 +119,13 @@ def _manager(island: str, lighthouse: str, *, state_dict, load_state_dict,
       connect_timeout=timedelta(seconds=connect_timeout),
       rank=jax.process_index(), world_size=jax.process_count(),
       store_addr=host, store_port=port, lighthouse_addr=lighthouse,
-      replica_id=island, hostname=hostname or _own_address(), init_sync=True,
+      replica_id=island, hostname=hostname or own_address(), init_sync=True,
       # The heal travels through the gloo group itself: no second
       # address to advertise (torchft's HTTP transport advertises the
       # hostname, which another network namespace resolves to itself).
       checkpoint_transport=tt.PGTransport(pg, timeout=timeout_td,
                                           device=tt.torch.device("cpu")))
   return store, pg, manager
-
-
-def _check_names(island: str | None, lighthouse: str | None,
-                 min_islands: int) -> tuple[str, str]:
-  """The island's name and the Lighthouse's address, from the arguments or
-  the environment (``JAXCOMP_ISLAND``, ``JAXCOMP_LIGHTHOUSE``).
-
-  Raises:
-    ValueError: no Lighthouse, a bad name, ``min_islands`` below 1.
-  """
-  island = island or os.environ.get("JAXCOMP_ISLAND", "")
-  lighthouse = lighthouse or os.environ.get("JAXCOMP_LIGHTHOUSE")
-  if not lighthouse:
-    raise ValueError("lighthouse not given and JAXCOMP_LIGHTHOUSE not set: "
-                     "pass the Lighthouse's address, e.g. "
-                     "'http://host:29510'")
-  if not island or "/" in island or ":" in island:
-    raise ValueError(f"island must be a non-empty name without '/' or "
-                     f"':', got {island=!r}")
-  if min_islands < 1:
-    raise ValueError(f"min_islands must be >= 1, got {min_islands=}")
-  return island, lighthouse
 
 
 class ElasticDiLoCo:
@@ -193,6 +158,10 @@ class ElasticDiLoCo:
       pseudo + residual`` (EF-SGD; SparseLoCo keeps one), default True.
     min_islands: torchft's ``min_replica_size``: a sync with fewer
       islands does not commit.
+    wait_for: a clean start: before the run's first commit, a quorum of
+      fewer islands is asked again every 0.5 s, so islands still starting
+      are waited for (the same on every island). Default:
+      ``JAXCOMP_WAIT_FOR`` (``jaxcomp islands --wait-for``), else 1.
     checkpoint_dir: Orbax checkpoints of the anchor at each commit, in
       ``checkpoint_dir/<island>``; at start the newest step of any island
       there is restored. None: no checkpoints. Not with sharded leaves
@@ -200,7 +169,8 @@ class ElasticDiLoCo:
     config: more settings every island must share (``sync_every``, learning
       rates, ...), JSON-able; compared with the peers' like the model.
     timeout: seconds for the exchange and the heal (torchft's
-      ``timeout``, the gloo group's timeout).
+      ``timeout``, the gloo group's timeout): an exchange with a peer that
+      is alive but silent fails after it.
     quorum_timeout: seconds to wait for a quorum (torchft's), and the
       longest time without a commit before :class:`QuorumError`. Must
       exceed ``H`` x the step time + an island's restart time.
@@ -237,6 +207,12 @@ class ElasticDiLoCo:
       the exchange has another configuration.
     QuorumError: (from :meth:`begin` and :meth:`sync`) no commit for
       ``quorum_timeout`` seconds.
+
+  After each quorum the islands swap a handshake, and at the sync their
+  payloads, each island with every other directly
+  (:mod:`jaxcomp.elastic._exchange`): a dead island fails every survivor's
+  exchange at once. A joiner whose heal is refused flags its handshake and
+  leaves; the others exchange without it and commit.
   """
 
   def __init__(self, params, *, island: str | None = None,
@@ -245,11 +221,13 @@ class ElasticDiLoCo:
                compressor: str | compressors.Compressor = "int8_block",
                compressor_kwargs: dict | None = None,
                error_feedback: bool = True, min_islands: int = 1,
-               checkpoint_dir: str | None = None, config: dict | None = None,
+               wait_for: int | None = None, checkpoint_dir: str | None = None,
+               config: dict | None = None,
                timeout: float = 30.0, quorum_timeout: float = 300.0,
                connect_timeout: float = 30.0, hostname: str | None = None,
                store_host: str | None = None, seed: int = 0):
-    island, lighthouse = _check_names(island, lighthouse, min_islands)
+    island, lighthouse, self._wait_for = check_names(
+        island, lighthouse, min_islands, wait_for)
     self.island = island
     self._outer = (optax.sgd(0.7, momentum=0.9, nesterov=True)
                    if outer is None else outer)
@@ -261,6 +239,8 @@ class ElasticDiLoCo:
     self._ef = bool(error_feedback)
     self._key = jax.random.key(seed)
     self._quorum_timeout = float(quorum_timeout)
+    self._timeout = timedelta(seconds=timeout)
+    self._ranks: list[int] = []  # the exchange's ranks (handshake's)
 
     # This process's share of the sync (jaxcomp.elastic._shares): the
     # anchor and outer state are its held blocks, the residual its share.
@@ -278,11 +258,19 @@ class ElasticDiLoCo:
                                           self._key)
     self._anchor, self._outer_state = anchor, outer_state
     self._residual = jnp.zeros((self._plan.n,), jnp.float32)
-    self._encode, self._decode_mean, self._outer_step = _shares.jitted(
+    self._encode, decode_mean, self._outer_step = _shares.jitted(
         self._layout, self._plan, held_plan, self._comp,
         _outer.feedback_for(self._ef), self._outer)
-    self.exchange_bytes = 0  # passed to the process group's all-gathers
+    self._decode_mean = _exchange.Decoders(decode_mean, self._plan.payload,
+                                           self._key)
+    self.exchange_bytes = 0  # passed to the process group (each swap's buffer once), in all
     self.gather_bytes = 0  # gathered inside the island at the last sync
+    # Compiled before this island joins: its first sync is then no slower
+    # than its peers', who wait for it at most ``timeout``.
+    jax.block_until_ready((
+        self._encode(anchor, anchor, self._residual, self._key),
+        self._outer_step(anchor, outer_state,
+                         jnp.zeros((held_plan.n,), jnp.float32))))
     self.healed = False  # whether the last begin() healed from a peer
     self.heal_seconds = 0.0  # the last heal's wall time, s
     self.heal_bytes = 0  # the last heal's anchor and outer state, bytes
@@ -398,27 +386,47 @@ class ElasticDiLoCo:
           f"{self.step}) is kept" + (" and checkpointed" if self._ckpt
                                      else ""))
 
+  def _quorum(self) -> ElasticConfigError | None:
+    """torchft's quorum (blocking; heals this island if it is behind).
+    Returns a refused heal's ElasticConfigError, else None."""
+    try:
+      self._manager.start_quorum()
+    except ElasticConfigError as e:
+      return e
+    except Exception as e:  # torchft raises the RPC's error on a timeout
+      self._check_deadline()
+      raise QuorumError(f"island {self.island!r}: no quorum: {e}") from e
+    return None
+
   def begin(self):
     """Starts an interval: torchft's quorum (blocking), which heals this
     island from a peer if it is behind (:attr:`healed`; then
     :attr:`heal_seconds`, the quorum and transfer's wall time in seconds,
     and :attr:`heal_bytes`, the anchor's and outer state's bytes
-    received). Returns the anchor to start the interval's inner steps
+    received), and the handshake with the quorum's other islands. Before
+    the run's first commit a quorum of fewer than ``wait_for`` islands is
+    asked again. Returns the anchor to start the interval's inner steps
     from.
 
     Raises:
-      ElasticConfigError: the peer's anchor has another configuration.
+      ElasticConfigError: this island's heal was refused (the quorum has
+        another configuration; the others go on without it), or a peer
+        that is not healing has another configuration (raised on every
+        island of the quorum).
       QuorumError: no quorum for ``quorum_timeout`` seconds.
     """
-    self.healed = False
-    t0 = time.monotonic()
-    try:
-      self._manager.start_quorum()
-    except ElasticConfigError:
-      raise
-    except Exception as e:  # torchft raises the RPC's error on a timeout
+    while True:
+      self.healed = False
+      t0 = time.monotonic()
+      refused = self._quorum()
+      if (refused is not None or self.step > 0
+          or self._manager.num_participants() >= self._wait_for):
+        break
       self._check_deadline()
-      raise QuorumError(f"island {self.island!r}: no quorum: {e}") from e
+      time.sleep(_WAIT_POLL_S)
+    self._handshake(refused is not None)
+    if refused is not None:
+      raise refused
     if self.healed:
       self.heal_seconds = time.monotonic() - t0
       self.heal_bytes = sum(to_bytes(x).size for x in jax.tree.leaves(
@@ -427,16 +435,51 @@ class ElasticDiLoCo:
 
   @property
   def islands(self) -> int:
-    """Islands in the current quorum."""
-    return int(self._manager.num_participants())
+    """Islands in the current exchange (the quorum's but refused ones)."""
+    return len(self._ranks) or int(self._manager.num_participants())
 
-  def _allgather(self, buf: np.ndarray, islands: int) -> list[np.ndarray]:
-    tt = _torch()
-    t = tt.torch.from_numpy(buf)
-    out = [tt.torch.empty_like(t) for _ in range(islands)]
-    self.exchange_bytes += t.nbytes
-    self._pg.allgather([out], [t], tt.AllgatherOptions()).wait()
-    return [o.numpy() for o in out]
+  def _swap(self, buf: np.ndarray, ranks: list[int], tag: int):
+    self.exchange_bytes += buf.nbytes
+    return _exchange.swap(_torch().torch, self._pg, buf,
+                          self._manager.participating_rank(), ranks, tag,
+                          self._timeout)
+
+  def _fail(self, error: Exception) -> None:
+    """A failed handshake or exchange: reported to torchft (the interval is
+    discarded), and the group aborted, so a peer waiting on this island
+    fails now (a failed commit makes torchft's next group anew)."""
+    self._manager.report_error(error)
+    self._ranks = []
+    self._pg.abort()
+
+  def _handshake(self, refused: bool) -> None:
+    """Swaps the 48-byte header (fingerprint, payload length, refused)
+    with every island of the quorum and keeps the ranks of the exchange:
+    this island's fingerprint, not refused. A lost peer fails it
+    (:meth:`_fail`).
+
+    Raises:
+      ElasticConfigError: a peer not refused has another configuration.
+    """
+    self._ranks = []
+    header = _exchange.header(self.fingerprint, self._plan.payload_bytes,
+                              refused)
+    try:
+      headers = self._swap(header, list(range(
+          self._manager.num_participants())), _exchange.HANDSHAKE_TAG)
+    except Exception as e:  # a lost peer: the interval is discarded
+      self._fail(e)
+      return
+    if refused:
+      return
+    try:
+      ranks = _exchange.exchange_ranks(headers, self.fingerprint,
+                                       self._plan.payload_bytes, self.island)
+    except ElasticConfigError as err:
+      self._manager.report_error(err)
+      raise
+    self._ranks = ranks
+    self._decode_mean.warm(len(ranks))
 
   def _exchange(self, local) -> tuple[Any, Any, jax.Array, int]:
     """Encodes this process's share, all-gathers it with the other
@@ -461,7 +504,6 @@ class ElasticDiLoCo:
     """Encodes this process's share, all-gathers it with the same share of
     the other islands and decodes their mean. Returns the mean share
     (float32), the share's new residual and the payload's bytes."""
-    islands = self.islands
     key = jax.random.fold_in(self._key, self.step)
     if self._comp.randomness == "independent":
       # Each island its own draws, as compressed_mean's devices.
@@ -471,26 +513,7 @@ class ElasticDiLoCo:
     payload, residual = self._encode(self._anchor, local, self._residual,
                                      key)
     buf = np.concatenate([to_bytes(p) for p in payload])
-    header = np.concatenate([
-        np.frombuffer(bytes.fromhex(self.fingerprint), np.uint8),
-        np.array([buf.size], np.int64).view(np.uint8)])
-    assert header.size == _HEADER_BYTES, header.size
-    headers = self._allgather(header, islands)
-    bad = [i for i, h in enumerate(headers)
-           if h[:32].tobytes().hex() != self.fingerprint]
-    if bad:
-      raise ElasticConfigError(
-          f"island {self.island!r}: the peers of rank(s) {bad} in this "
-          "exchange have another model or configuration (their fingerprint "
-          "differs); every island must start with the same parameters, "
-          "compressor and config")
-    bad = [i for i, h in enumerate(headers) if not np.array_equal(h, header)]
-    if bad:
-      raise ElasticConfigError(
-          f"island {self.island!r}: the peers of rank(s) {bad} in this "
-          "exchange send shares of another size: every island must hold its "
-          "parameters alike (the same processes and shardings)")
-    bufs = self._allgather(buf, islands)
+    bufs = self._swap(buf, self._ranks, _exchange.PAYLOAD_TAG)
     stacked, off = [], 0
     for s in self._plan.payload:
       nb = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
@@ -516,24 +539,18 @@ class ElasticDiLoCo:
       A :class:`SyncResult`; continue from its ``params``.
 
     Raises:
-      ElasticConfigError: a peer in the exchange has another configuration
-        (raised on every island of the exchange; nothing is committed).
       QuorumError: no commit for ``quorum_timeout`` seconds.
     """
     t0 = time.monotonic()
     local = _shares.held(self._layout, local)
     islands = self.islands
     new, error, nbytes = None, None, 0
-    if self._manager.errored() is None:
+    if self._manager.errored() is None and self._ranks:
       try:
         *new, nbytes = self._exchange(local)
-      except ElasticConfigError as e:
-        self._manager.report_error(e)
-        self._manager.should_commit()
-        raise
       except Exception as e:  # a lost peer, a timeout: discard the interval
         error = e
-        self._manager.report_error(e)
+        self._fail(e)
     else:
       error = self._manager.errored()
       if self._layout.needs_gather:  # the island's other processes wait
