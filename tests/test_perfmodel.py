@@ -877,7 +877,19 @@ def test_validation_profile_of_a_model_case():
   mod = _validation_module()
   params, loss_fn, x, y, _ = mod.model_case("mlp", batch=2)
   with jax.numpy_rank_promotion("allow"):  # the benchmark's MLP adds biases by broadcasting
-    prof = pm.profile(loss_fn, params, x, y, name="mlp", max_groups=2, repeats=1)
+    prof = pm.profile(loss_fn, params, x, y, name="mlp", max_groups=1, repeats=1)
   assert prof.num_params == sum(a.size for a in jax.tree.leaves(params))
   assert len(prof.layer_sizes) == len(jax.tree.leaves(params))
   assert prof.meta["batch"] == ["float32[2, 512]", "int32[2]"]
+
+
+def test_validation_nominal_link_is_the_tc_rate():
+  # validate_perfmodel.py --fit nominal: no link fit, the tc rate and
+  # jaxcomp whatif's assumed 50 us per message, no per-step sync.
+  mod = _validation_module()
+  root = os.path.join(os.path.dirname(__file__), "..")
+  res = mod.load_runs([os.path.join(root, "docs", "perfmodel_validation_p2.json")])[(2, "1gbit")]
+  res["rate"] = "1gbit"
+  fits, preds = mod.predict_run(res, ["identity"], compute="local", fit="nominal")
+  assert fits["link"] == (50e-6, 8e-9) and fits["sync"] == 0.0
+  assert preds["identity"].step_time > res["local_steps"]["identity"]
