@@ -17,8 +17,15 @@ of bursts of steady-state calls:
    where workers outnumber cores, this and the one-worker step of (2) are
    timed after a barrier, so that all workers compute together and the
    first to finish wait idle, as in a synchronous step;
-4. real data-parallel training steps of an MLP with
+4. real data-parallel training steps of the model (``--model``: an MLP,
+   the Fashion-MNIST CNN of ``examples/fashion_mnist`` on Fashion-MNIST
+   images, or the character LM of ``examples/char_lm`` on its corpus) with
    ``jaxcomp.compressed_mean`` for dense (identity) and the compressors.
+
+The per-tensor split of (2) is the :class:`jaxcomp.perfmodel.ModelProfile`
+that ``jaxcomp.perfmodel.profile`` measures of that model; each round also
+records ``os.getloadavg()``, since other work on the machine moves every
+figure.
 
 The orchestrator then predicts every training run of (4) from (1) to (3)
 and the compiled step's collective messages (``--compute local`` takes (3)
@@ -27,6 +34,9 @@ and prints measured next to predicted with the relative error.
 
 Usage (root, iproute2 with tc):
   python benchmarks/validate_perfmodel.py --out docs/perfmodel_validation
+  python benchmarks/validate_perfmodel.py --model cnn --workers 2 \
+      --rates 100mbit 1gbit --compressors identity int8_block \
+      topk:ratio=0.01 powersgd:rank=2 --compute local --out /tmp/val_cnn
 Writes OUT.txt (the printed report), OUT.json (all measurements) and
 OUT.png (measured and predicted speedup over dense against bandwidth).
 
@@ -56,9 +66,85 @@ COMPRESSORS = ("identity", "bf16", "topk:ratio=0.01", "random_block:ratio=0.01",
                "qsgd:levels=16")
 LAYERS = (512, 1024, 512, 256, 10)  # MLP widths: input 512 ... 10 classes
 BATCH = 64  # per worker
+MODELS = ("mlp", "cnn", "char_lm")
+# Per-worker batches of the examples' models, small enough that a step on
+# one CPU core takes tens of milliseconds (rows of images; windows of tokens).
+MODEL_BATCH = {"mlp": BATCH, "cnn": 32, "char_lm": 8}
 # (float32 elements per array, arrays per collective): 4 KiB .. 2 MiB messages,
 # the small ones also as 8 operands of one collective.
 COLL_CASES = ((1 << 10, 1), (1 << 10, 8), (1 << 14, 1), (1 << 14, 8), (1 << 17, 1), (1 << 19, 1))
+
+
+def model_case(name: str, batch: int | None = None, seed: int = 0):
+  """``(params, loss_fn, x, y, label)`` of model ``name`` (:data:`MODELS`).
+
+  ``params`` is a pytree of float32 numpy arrays, ``loss_fn(params, x, y)``
+  a scalar loss, ``(x, y)`` one worker's batch of ``batch`` rows (default
+  :data:`MODEL_BATCH`): MLP on Gaussian inputs; the Fashion-MNIST CNN
+  (Flax NNX, ``examples/fashion_mnist``) on the first training images of
+  Fashion-MNIST (scikit-learn's digits where it is not installed); the
+  character LM (Flax linen, ``examples/char_lm``, its default size) on
+  windows of 64 bytes of its corpus.
+
+  Raises:
+    ValueError: an unknown ``name``.
+  """
+  import numpy as np
+  import optax
+  batch = batch or MODEL_BATCH.get(name, BATCH)
+  rng = np.random.default_rng(seed)
+  if name == "mlp":
+    params = {}
+    for i, (a, b) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
+      params[f"layer{i}"] = {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
+                             "b": np.zeros((b,), np.float32)}
+
+    def loss_fn(prm, x, y):
+      import jax
+      h = x
+      for i in range(len(LAYERS) - 1):
+        h = h @ prm[f"layer{i}"]["w"] + prm[f"layer{i}"]["b"]
+        if i < len(LAYERS) - 2:
+          h = jax.nn.relu(h)
+      return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    xs = rng.standard_normal((batch, LAYERS[0])).astype(np.float32)
+    ys = rng.integers(0, LAYERS[-1], (batch,)).astype(np.int32)
+    return params, loss_fn, xs, ys, f"MLP {'-'.join(map(str, LAYERS))}"
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+  import jax
+  if name == "cnn":
+    from flax import nnx
+    from examples.fashion_mnist import data as fashion_data
+    from examples.fashion_mnist.train import CNN
+    ds = fashion_data.load("auto")
+    model = CNN(ds.num_classes, image_shape=ds.train_images.shape[1:], rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(model, nnx.Param)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32), nnx.as_pure(state))
+
+    def loss_fn(prm, x, y):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          nnx.merge(graphdef, prm)(x), y).mean()
+
+    return (params, loss_fn, ds.train_images[:batch], ds.train_labels[:batch],
+            f"{ds.name} CNN")
+  if name == "char_lm":
+    from examples.char_lm import data as lm_data
+    from examples.char_lm.model import CharTransformer
+    model = CharTransformer()
+    text = lm_data.load(max_train_bytes=200_000, max_valid_bytes=1).train
+    win = lm_data.random_windows(text, batch, model.context + 1, rng).astype(np.int32)
+    xs, ys = win[:, :-1], win[:, 1:]
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32),
+                          model.init(jax.random.key(seed), xs)["params"])
+
+    def loss_fn(prm, x, y):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          model.apply({"params": prm}, x), y).mean()
+
+    return params, loss_fn, xs, ys, "char LM"
+  raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
 # --------------------------------------------------------------- worker ---
@@ -89,23 +175,10 @@ def worker(args) -> None:
     return distributed.global_array(tree, mesh, spec,
                                     process_local=spec != P())
 
-  # The model: an MLP, per-worker batch BATCH, softmax cross-entropy.
-  rng = np.random.default_rng(0)
-  params = {}
-  for i, (a, b) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
-    params[f"layer{i}"] = {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
-                           "b": np.zeros((b,), np.float32)}
-
-  def loss_fn(prm, x, y):
-    h = x
-    for i in range(len(LAYERS) - 1):
-      h = h @ prm[f"layer{i}"]["w"] + prm[f"layer{i}"]["b"]
-      if i < len(LAYERS) - 2:
-        h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
-
-  xs = rng.standard_normal((BATCH, LAYERS[0])).astype(np.float32)
-  ys = rng.integers(0, LAYERS[-1], (BATCH,)).astype(np.int32)
+  # The model (--model), one worker's batch, softmax cross-entropy.
+  params, loss_fn, xs, ys, label = model_case(args.model)
+  out["model"], out["batch_per_worker"] = label, int(xs.shape[0])
+  out["loadavg_start"] = os.getloadavg()
   lr = 0.01
   timed = {}  # name -> callable timing one call, run once per round
 
@@ -117,8 +190,9 @@ def worker(args) -> None:
   lp = jax.device_put(params, local)
   lx, ly = jax.device_put((xs, ys), local)
   sgd = lambda prm, g: jax.tree.map(lambda a, b: a - lr * b, prm, g)
-  prof = pm.profile(loss_fn, lp, lx, ly, name="mlp", split="measure",
-                    max_groups=len(LAYERS) * 2 - 2, repeats=3, update_fn=sgd)
+  prof = pm.profile(loss_fn, lp, lx, ly, name=args.model, split="measure",
+                    max_groups=min(16, len(jax.tree.leaves(params))), repeats=3,
+                    update_fn=sgd)
   out["profile"] = prof.to_dict()
   one_step = jax.jit(lambda prm, x, y: sgd(prm, jax.grad(loss_fn)(prm, x, y)))
   time_fn(one_step, lp, lx, ly, repeats=1, warmup=2)
@@ -177,7 +251,7 @@ def worker(args) -> None:
 
     def body(prm, x, y, *v, gather):
       new = sgd(prm, jax.grad(loss_fn)(prm, x, y))
-      s_ = new["layer0"]["b"][0]
+      s_ = jax.tree.leaves(new)[0].ravel()[0]
       coll = ((lambda a: lax.all_gather(a, "data", to="invarying")) if gather
               else (lambda a: lax.psum(a, "data")))
       return new, tuple(coll(a + s_) for a in v)
@@ -194,8 +268,14 @@ def worker(args) -> None:
   codec_runs = {}
   for spec in args.compressors:
     name, kw = parse_compressor_spec(spec)
+    comp = jaxcomp.compressors.get(name, **kw)
+    if getattr(comp, "own_exchange", False):
+      # PowerSGD has no encode/decode of its own to time: its matrix
+      # products run inside its exchange, which the one-device step of (3)
+      # includes (--compute local).
+      continue
     with jax.default_device(local):
-      codec_runs[spec] = codec_timers(jaxcomp.compressors.get(name, **kw), sizes)
+      codec_runs[spec] = codec_timers(comp, sizes)
 
   # 3. Real training steps with jaxcomp.compressed_mean, and (4.) the same
   #    step on a one-device mesh of this process: the transform,
@@ -250,9 +330,11 @@ def worker(args) -> None:
     for f in timed.values():
       f()
   samples = {k: [] for k in timed}
-  codec_samples = {s: [] for s in args.compressors}
+  codec_samples = {s: [] for s in codec_runs}
   step_samples = {s: [] for s in args.compressors}
+  out["loadavg"] = []  # per round, (1, 5, 15 min), at the round's start
   for _ in range(args.steps):
+    out["loadavg"].append(os.getloadavg())
     for k, f in timed.items():
       samples[k].append(f())
     for spec, run in codec_runs.items():
@@ -270,7 +352,8 @@ def worker(args) -> None:
   out["local_steps"] = {k: med(v) for k, v in out["local_steps_all"].items()}
   out["single_worker_step"] = med(samples["single_worker_step"])
   out["single_worker_all"] = samples["single_worker_step"]
-  out["codecs"] = {}
+  out["codecs"] = {s: dict(ZERO_CODEC, device="inside the exchange (own_exchange)")
+                   for s in args.compressors if s not in codec_runs}
   for spec, runs in codec_samples.items():
     enc = [med(r[0][i] for r in runs) for i in range(len(sizes))]
     dec = [med(r[1][i] for r in runs) for i in range(len(sizes))]
@@ -335,13 +418,20 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
   return alpha, beta, c0
 
 
+NOMINAL_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}  # tc tbf rates, bit/s
+NOMINAL_ALPHA = 50e-6  # s per message: jaxcomp whatif's default (assumed)
+ZERO_CODEC = {"encode_fixed": 0.0, "encode_per_element": 0.0,
+              "decode_fixed": 0.0, "decode_per_element": 0.0}
+
+
 class OnWire:
   """A compressor whose payload bytes are scaled to what the compiled
-  program's collectives carry (same linear / biased)."""
+  program's collectives carry (same linear / biased; one that runs its own
+  exchange, PowerSGD, is priced as the all-reduces its step sends)."""
 
   def __init__(self, inner, factor):
     self.inner, self.factor = inner, factor
-    self.linear = inner.linear
+    self.linear = inner.linear or getattr(inner, "own_exchange", False)
     self.biased = getattr(inner, "biased", False)
 
   def payload_bytes(self, n):
@@ -357,7 +447,16 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   # all-reduces and all-gathers together, and (fit="per-kind") one pair per
   # collective kind: gloo's all-gather is not the ideal ring (at 100 Mbit it
   # moves the same bytes 1.3-1.45x slower than its all-reduce).
-  alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
+  if fit == "nominal":
+    # Not fitted: the tc rate as the bandwidth and jaxcomp whatif's assumed
+    # start-up cost, as a user would ask the model; no per-step sync. The
+    # link fit needs collectives that stand out of the compute's noise,
+    # which a heavily loaded machine does not give.
+    if res.get("rate") not in NOMINAL_BITS:
+      raise ValueError(f"--fit nominal needs a link of {', '.join(NOMINAL_BITS)}")
+    alpha, beta, c0 = NOMINAL_ALPHA, 8 / NOMINAL_BITS[res["rate"]], 0.0
+  else:
+    alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
   fits = {"link": (alpha, beta)}
   per_kind = None
   if fit == "per-kind":
@@ -372,8 +471,11 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     per_kind["all-to-all"] = per_kind["all-gather"]
   prof = pm.ModelProfile.from_dict(res["profile"])
   # profile gives the per-tensor split; its total is rescaled to the
-  # one-worker step timed in the same interleaved rounds as the training.
-  prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
+  # one-worker step timed in the same interleaved rounds as the training
+  # (compute="profile": not rescaled, the profile's own times as measured
+  # once before the rounds, while every worker profiled).
+  if compute != "profile":
+    prof = prof.scaled(res["single_worker_step"] / prof.compute_time)
   net = pm.Network(p, pm.Link(alpha, beta), per_collective=per_kind)
   comps = {}
   for spec in specs:
@@ -393,9 +495,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     # Compute, transform and encode/decode as one measured local step.
     if "local_steps" not in res:
       raise ValueError("--compute local needs runs with local_steps (rerun)")
-    zero = pm.CodecCost.from_dict({"encode_fixed": 0.0, "encode_per_element": 0.0,
-                                   "decode_fixed": 0.0, "decode_per_element": 0.0,
-                                   "device": "local step"})
+    zero = pm.CodecCost.from_dict(dict(ZERO_CODEC, device="local step"))
     codecs = {s: zero for s in specs}
   leaves = len(res["leaf_sizes"])
   # Synchronisation: the workers wait for each other once per step, c0 of
@@ -469,7 +569,7 @@ def run_one(cluster, nproc, rate, args, tmpdir):
             "--worker", "--rank", str(i), "--nproc", str(nproc), "--coordinator", coord,
             "--result", result, "--steps", str(args.steps), "--burst", str(args.burst),
             "--compute-after-barrier", args.compute_after_barrier,
-            "--compressors", *args.compressors]
+            "--model", args.model, "--compressors", *args.compressors]
     procs.append(cluster.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
   deadline = time.time() + args.timeout
   try:
@@ -482,7 +582,11 @@ def run_one(cluster, nproc, rate, args, tmpdir):
     cluster.kill_all()
     for log in logs:
       log.close()
-  bad = [i for i, pr in enumerate(procs) if pr.returncode]
+  # A worker that wrote its result and then failed in jax.distributed's
+  # shutdown (the coordinator, rank 0, gone first; seen on a loaded
+  # machine) has measured everything.
+  written = [result] + [f"{result}.rank{r}" for r in range(1, nproc)]
+  bad = [i for i, pr in enumerate(procs) if pr.returncode and not os.path.exists(written[i])]
   if bad or not os.path.exists(result):
     tail = open(os.path.join(tmpdir, f"w{nproc}_{rate}_{bad[0] if bad else 0}.log")).read()[-3000:]
     raise RuntimeError(f"workers {bad} failed at {rate}:\n{tail}")
@@ -510,7 +614,7 @@ def merge_ranks(res, others):
         max(w["local_steps_all"][spec][i] for w in everyone) for i in range(len(mine)))
   sizes = res["codec_sizes"]
   from jaxcomp.perfmodel.codec import fit_codec
-  for spec in res["codecs"]:
+  for spec in res.get("codec_samples", {}):
     enc = [statistics.median(max(w["codec_samples"][spec][i][0][k] for w in everyone)
                              for i in range(rounds)) for k in range(len(sizes))]
     dec = [statistics.median(max(w["codec_samples"][spec][i][1][k] for w in everyone)
@@ -534,13 +638,22 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
   table = []
   for key, res in runs.items():
     nproc, rate = key
-    fits, preds = predict_run(res, specs, compute=compute, fit=fit)
+    res["rate"] = rate
+    try:
+      fits, preds = predict_run(res, specs, compute=compute, fit=fit)
+    except ValueError as e:  # a link fit that the measurements do not support
+      say(f"{nproc} workers, {rate}: no prediction with --fit {fit}: {e}")
+      continue
     _, formula = predict_run(res, specs, from_hlo=False, compute=compute, fit=fit)
+    _, alone = predict_run(res, specs, compute="profile", fit=fit)
     alpha, beta = fits["link"]
     say(f"{nproc} workers, {rate}: fitted alpha = {alpha * 1e6:.0f} us, beta = "
         f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-step sync "
         f"{fits['sync'] * 1e3:.2f} ms; one-worker step "
         f"{res['single_worker_step'] * 1e3:.1f} ms")
+    if res.get("loadavg"):  # os.getloadavg() at each round's start
+      say(f"  1-min load average per round: {', '.join(f'{la[0]:.1f}' for la in res['loadavg'])} "
+          f"(machine of {os.cpu_count()} cores)")
     for kind in ("allreduce", "allgather"):
       if kind in fits:
         a, b = fits[kind]
@@ -553,6 +666,7 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
           "workers": nproc, "rate": rate, "compressor": spec, "measured_ms": meas * 1e3,
           "predicted_ms": pred * 1e3, "rel_error": (pred - meas) / meas,
           "formula_predicted_ms": formula[spec].step_time * 1e3,
+          "profile_alone_predicted_ms": alone[spec].step_time * 1e3,
           "wire_over_formula": res["wire_bytes"][spec] / sum(
               formula_bytes(spec, n) for n in res["leaf_sizes"]),
           "measured_speedup": res["steps"][specs[0]]["median"] / meas,
@@ -563,13 +677,15 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
   say()
   hdr = ("workers", "link", "compressor", "measured ms", "predicted ms", "error",
          "speedup meas", "speedup pred", "scaling meas", "scaling pred", "wire/formula",
-         "pred. formula bytes")
+         "pred. formula bytes", "pred. profile alone")
   rows = [(str(r["workers"]), r["rate"], r["compressor"], f"{r['measured_ms']:.1f}",
            f"{r['predicted_ms']:.1f}", f"{100 * r['rel_error']:+.1f}%",
            f"{r['measured_speedup']:.2f}", f"{r['predicted_speedup']:.2f}",
            f"{r['measured_scaling']:.3f}", f"{r['predicted_scaling']:.3f}",
            f"{r['wire_over_formula']:.2f}",
-           f"{r['formula_predicted_ms']:.1f} ({100 * (r['formula_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)")
+           f"{r['formula_predicted_ms']:.1f} ({100 * (r['formula_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)",
+           f"{r['profile_alone_predicted_ms']:.1f} "
+           f"({100 * (r['profile_alone_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)")
           for r in table]
   w = [max(len(x[i]) for x in rows + [hdr]) for i in range(len(hdr))]
   say(" | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)))
@@ -578,10 +694,13 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
     say(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)))
   say()
   worst = max(abs(r["rel_error"]) for r in table)
-  say(f"largest |relative error|: {100 * worst:.1f}% (target 20%)")
+  say(f"largest |relative error|: {100 * worst:.1f}% (target 20%); within 20%: "
+      f"{sum(abs(r['rel_error']) <= 0.2 for r in table)} of {len(table)}")
   order_ok, any_tie = [], False
   for key, res in runs.items():
     sub = [r for r in table if (r["workers"], r["rate"]) == key]
+    if not sub:  # no prediction for this run
+      continue
     # Compressors whose compiled steps send the same messages (XLA:CPU sends
     # a bf16 all-reduce as float32, so bf16 and identity do) differ only by
     # noise: they form one group, and the ordering is checked between groups.
@@ -613,7 +732,7 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
   return table, lines
 
 
-def plot(table, specs, path):
+def plot(table, specs, path, model=None):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -633,7 +752,7 @@ def plot(table, specs, path):
     ax.set_yscale("log")
     ax.set_xlabel("link (tc tbf)")
     ax.set_ylabel("speedup over dense")
-    ax.set_title(f"{p} JAX processes over gloo, MLP {'-'.join(map(str, LAYERS))}")
+    ax.set_title(f"{p} JAX processes over gloo, {model or 'MLP ' + '-'.join(map(str, LAYERS))}")
     ax.grid(True, which="both", alpha=0.3)
   axes[0][-1].legend(fontsize=7, ncol=2)
   fig.tight_layout()
@@ -660,6 +779,8 @@ def load_runs(paths):
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", choices=MODELS, default="mlp",
+                  help="the model trained and profiled (jaxcomp.perfmodel.profile)")
   ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--rates", nargs="+", default=list(RATES))
   ap.add_argument("--compressors", nargs="+", default=list(COMPRESSORS),
@@ -693,8 +814,9 @@ def main(argv=None) -> int:
                   "where workers outnumber this machine's cores")
   ap.add_argument("--pin", action="store_true",
                   help="pin worker i to core i %% cores (taskset)")
-  ap.add_argument("--fit", choices=("per-kind", "link"), default="per-kind",
-                  help="alpha/beta per collective kind (default) or one pair for the link")
+  ap.add_argument("--fit", choices=("per-kind", "link", "nominal"), default="per-kind",
+                  help="alpha/beta per collective kind (default), one pair for the link, "
+                  "or not fitted: the tc rate and an assumed 50 us per message")
   ap.add_argument("--report-from", nargs="+", metavar="JSON",
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)
@@ -710,7 +832,8 @@ def main(argv=None) -> int:
         f.write("\n".join(head + rep) + "\n")
       with open(args.out + "_table.json", "w") as f:
         json.dump(table, f, indent=1)
-      plot(table, args.compressors, args.out + ".png")
+      plot(table, args.compressors, args.out + ".png",
+           next(iter(runs.values())).get("model"))
     return 0
   if args.worker:
     worker(args)
@@ -740,9 +863,16 @@ def main(argv=None) -> int:
           t0 = time.time()
           runs[(p, rate)] = run_one(cluster, p, rate, args, tmpdir)
           print(f"[{p} workers, {rate}: {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
+          if args.out:  # each run as it ends, so a later failure loses nothing
+            with open(args.out + ".json", "w") as f:
+              json.dump({"runs": {f"{q}:{r}": v for (q, r), v in runs.items()}}, f, indent=1)
+  first = next(iter(runs.values()))
+  loads = [la[0] for r in runs.values() for la in r.get("loadavg", [])]
   lines = [f"$ python benchmarks/validate_perfmodel.py {' '.join(argv or sys.argv[1:])}",
-           f"({len(runs)} runs in {time.time() - t_start:.0f} s; MLP {LAYERS}, batch {BATCH} "
-           f"per worker, {args.steps} timed steps each, medians)", ""]
+           f"({len(runs)} runs in {time.time() - t_start:.0f} s; {first['model']}, batch "
+           f"{first['batch_per_worker']} per worker, {args.steps} timed steps each, medians; "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average "
+           f"per round {min(loads):.2f} .. {max(loads):.2f})", ""]
   for s in lines:
     print(s)
   if args.out:  # raw measurements first, so a failing report loses nothing
@@ -755,7 +885,7 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
       json.dump({"runs": {f"{p}:{r}": v for (p, r), v in runs.items()}, "table": table},
                 f, indent=1)
-    plot(table, args.compressors, args.out + ".png")
+    plot(table, args.compressors, args.out + ".png", first["model"])
     print(f"wrote {args.out}.txt, {args.out}.json, {args.out}.png")
   return 0
 

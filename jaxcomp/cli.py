@@ -391,7 +391,7 @@ def _add_whatif(sub):
       description="Predict step time, speedup over dense and scaling factor of compressors "
       "with the alpha-beta model of jaxcomp.perfmodel.")
   p.add_argument("--profile", default=None,
-                 help="built-in profile (resnet50, bert-base, gpt2-small) or a JSON file "
+                 help="built-in profile (resnet50, resnet18-cifar, bert-base, gpt2-small) or a JSON file "
                  "saved by jaxcomp.perfmodel.save_profile (default: resnet50)")
   _add_target_args(p)
   p.add_argument("--workers", "-p", type=_workers, default=16, action=_Given,

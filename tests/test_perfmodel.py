@@ -11,6 +11,7 @@ import random
 import re
 import sys
 
+import jax
 import pytest
 
 from jaxcomp import cli
@@ -252,7 +253,8 @@ def test_profile_validation_and_roundtrip(tmp_path):
 
 def test_builtin_profiles_match_architectures():
   # Parameter counts of the reference implementations.
-  expected = {"resnet50": 25_557_032, "bert-base": 109_482_240, "gpt2-small": 124_439_808}
+  expected = {"resnet50": 25_557_032, "resnet18-cifar": 11_173_962, "bert-base": 109_482_240,
+              "gpt2-small": 124_439_808}
   for name, n in expected.items():
     prof = pm.builtin_profile(name)
     assert prof.num_params == n
@@ -865,3 +867,29 @@ def test_goodput_counts_the_lost_island_seconds():
     pm.goodput(n, 0.0, 1.0, r)
   with pytest.raises(ValueError, match="failures_per_hour"):
     pm.goodput(n, i, -1.0, r)
+
+
+def test_validation_profile_of_a_model_case():
+  # validate_perfmodel.py --model: the profile the benchmark's prediction
+  # splits the backward pass by has one entry per parameter leaf of the
+  # model it trains. (The CNN and the char LM take longer to build than a
+  # unit test may; the benchmark's runs exercise them.)
+  mod = _validation_module()
+  params, loss_fn, x, y, _ = mod.model_case("mlp", batch=2)
+  with jax.numpy_rank_promotion("allow"):  # the benchmark's MLP adds biases by broadcasting
+    prof = pm.profile(loss_fn, params, x, y, name="mlp", max_groups=1, repeats=1)
+  assert prof.num_params == sum(a.size for a in jax.tree.leaves(params))
+  assert len(prof.layer_sizes) == len(jax.tree.leaves(params))
+  assert prof.meta["batch"] == ["float32[2, 512]", "int32[2]"]
+
+
+def test_validation_nominal_link_is_the_tc_rate():
+  # validate_perfmodel.py --fit nominal: no link fit, the tc rate and
+  # jaxcomp whatif's assumed 50 us per message, no per-step sync.
+  mod = _validation_module()
+  root = os.path.join(os.path.dirname(__file__), "..")
+  res = mod.load_runs([os.path.join(root, "docs", "perfmodel_validation_p2.json")])[(2, "1gbit")]
+  res["rate"] = "1gbit"
+  fits, preds = mod.predict_run(res, ["identity"], compute="local", fit="nominal")
+  assert fits["link"] == (50e-6, 8e-9) and fits["sync"] == 0.0
+  assert preds["identity"].step_time > res["local_steps"]["identity"]

@@ -1,7 +1,8 @@
-"""Built-in model profiles: ResNet-50, BERT-base and GPT-2 small.
+"""Built-in model profiles: ResNet-50, ResNet-18 for CIFAR-10, BERT-base and GPT-2 small.
 
 Gradient tensor sizes are exact (built from the architectures: torchvision's
-ResNet-50 v1.5, 25,557,032 parameters; BERT-base uncased with pooler,
+ResNet-50 v1.5, 25,557,032 parameters; the CIFAR-10 ResNet-18 of Kuang Liu's
+pytorch-cifar, which PowerSGD's experiments train, 11,173,962; BERT-base uncased with pooler,
 109,482,240; GPT-2 small with tied embeddings, 124,439,808). Compute times are
 *not* measured: each tensor's backward time is its layer's backward FLOPs
 (twice the forward FLOPs) divided by ``tflops`` effective TFLOP/s, forward time
@@ -58,6 +59,41 @@ def _resnet50_layers(batch: int, image: int = 224):
   return out
 
 
+def _resnet18_cifar_layers(batch: int, image: int = 32):
+  """(elements, forward FLOPs) per gradient tensor, forward order: a 3x3
+  stem without pooling, four stages of two basic blocks (64 to 512
+  channels; a 1x1 projection where the shape changes), global average
+  pooling and a 512x10 classifier."""
+  out = []
+
+  def conv(cin, cout, k, hw_out):
+    out.append((k * k * cin * cout, 2.0 * k * k * cin * cout * hw_out * hw_out * batch))
+
+  def bn(c, hw):
+    flops = 4.0 * c * hw * hw * batch
+    out.append((c, flops / 2))  # scale
+    out.append((c, flops / 2))  # bias
+
+  hw, cin = image, 64
+  conv(3, 64, 3, hw)
+  bn(64, hw)
+  for stage, width in enumerate((64, 128, 256, 512)):
+    for b in range(2):
+      stride = 2 if (b == 0 and stage > 0) else 1
+      hw_out = hw // stride
+      conv(cin, width, 3, hw_out)
+      bn(width, hw_out)
+      conv(width, width, 3, hw_out)
+      bn(width, hw_out)
+      if stride != 1 or cin != width:
+        conv(cin, width, 1, hw_out)
+        bn(width, hw_out)
+      cin, hw = width, hw_out
+  out.append((512 * 10, 2.0 * 512 * 10 * batch))
+  out.append((10, 10.0 * batch))
+  return out
+
+
 def _transformer_layers(*, vocab, positions, d, layers, seq, batch, ffn, token_types=0,
                         pooler=False, tied_head=False, fused_qkv=False):
   tokens = batch * seq
@@ -108,6 +144,8 @@ def _transformer_layers(*, vocab, positions, d, layers, seq, batch, ffn, token_t
 _BUILDERS = {
     "resnet50": (lambda: _resnet50_layers(batch=64),
                  "ResNet-50 v1.5, ImageNet 224x224, batch 64 per worker"),
+    "resnet18-cifar": (lambda: _resnet18_cifar_layers(batch=128),
+                       "ResNet-18 (pytorch-cifar), CIFAR-10 32x32, batch 128 per worker"),
     "bert-base": (lambda: _transformer_layers(vocab=30522, positions=512, d=768, layers=12,
                                               seq=128, batch=32, ffn=3072, token_types=2,
                                               pooler=True),
