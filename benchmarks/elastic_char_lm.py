@@ -1,23 +1,27 @@
 """Elastic DiLoCo islands on the character LM: a fault-free run and one in
 which an island is SIGKILLed mid-interval and restarted, side by side.
 
-Three islands of two JAX processes each (``examples/elastic/island.py
+``--islands`` islands (default three: ``a``, ``b``, ``c``, ...) of
+``--processes`` JAX processes each (default two) (``examples/elastic/island.py
 --model char_lm``: examples/char_lm's transformer, Adam 3e-3 inside an
 island, int8 blocks with error feedback across, outer Nesterov 0.7 / 0.9),
 each island in its own network namespace behind a ``tc tbf`` link
-(``benchmarks/netns.py``, needs root), the Lighthouse in a fourth. Both
-runs stop at the same outer step; the faulted one kills island ``c`` (both
-processes) in the middle of an interval once ``--kill-after`` outer steps
-are committed and restarts it ``--restart-after`` seconds later. Per run:
+(``benchmarks/netns.py``, needs root), the Lighthouse in one more. Both
+runs stop at the same outer step; the faulted one kills each ``--kill
+ISLAND@STEP`` island (all its processes; default ``c@4``) in the middle of
+its interval once STEP outer steps are committed and restarts it
+``--restart-after`` seconds later. Per run:
 wall time, the final validation loss (64 held-out windows, nats per
 character, island ``a``'s anchor), and for the faulted run the intervals
 the survivors discarded, the inner steps the killed island lost, seconds
 from the kill to the survivors' next commit, and the heal's bytes and
-seconds. Goodput: island-intervals committed over island-intervals run
-(the killed island's interval, the survivors' discarded one, and the
-intervals the dead island did not run count as lost)::
+seconds (one value per kill). Goodput: island-intervals committed over
+island-intervals run (the killed island's interval, the survivors' discarded
+ones, and the intervals the dead island did not run count as lost)::
 
   sudo python benchmarks/elastic_char_lm.py --out benchmarks/results/elastic_char_lm.txt
+  sudo python benchmarks/elastic_char_lm.py --islands 6 --processes 1 \
+    --kill c@4 --kill e@14 --out benchmarks/results/elastic_char_lm_6islands.txt
 """
 
 from __future__ import annotations
@@ -57,6 +61,42 @@ def _wait(pred, timeout, what):
   raise RuntimeError(f"timed out waiting for {what}")
 
 
+def _names(n: int) -> str:
+  return "abcdefghijklmnopqrstuvwxyz"[:n]
+
+
+def _kill(spec: str) -> tuple[str, int]:
+  name, _, step = spec.partition("@")
+  if len(name) != 1 or not step.isdigit():
+    raise argparse.ArgumentTypeError(f"expected ISLAND@STEP, got {spec!r}")
+  return name, int(step)
+
+
+def _kill_stats(args, log, syncs, kills, i: int) -> dict:
+  """The i-th kill's costs, from island a's syncs up to the next kill."""
+  name, mid, t_kill = kills[i]
+  t_end = kills[i + 1][2] if i + 1 < len(kills) else float("inf")
+  failed = [e for e in syncs if not e["committed"] and t_kill < e["t"] < t_end]
+  nxt = [e for e in syncs if e["committed"] and e["t"] > t_kill][0]
+  tag = name + "2"
+  heal = [e for e in log(tag) if e["event"] == "begin" and e["healed"]]
+  last = [e for e in log(name) if e["event"] == "sync" and e["committed"]]
+  first = [e for e in log(tag) if e["event"] == "sync" and e["committed"]]
+  return dict(
+      killed_at_step=mid["step"],
+      discarded_intervals=len(failed),
+      killed_inner_steps_lost=(mid["step"] - last[-1]["step"])
+      * args.sync_every + args.sync_every // 2 + 1,
+      seconds_to_next_commit=nxt["t"] - t_kill,
+      next_commit_islands=nxt["islands"],
+      heal_bytes=heal[0]["heal_bytes"] if heal else None,
+      heal_seconds=heal[0]["heal_seconds"] if heal else None,
+      # None: the survivors finished before it was back.
+      rejoined_at_step=first[0]["step"] if first else None,
+      restored_step=[e for e in log(tag) if e["event"] == "ready"][0]
+      ["restored"])
+
+
 def run(args, cluster, tmp: str, faulted: bool) -> dict:
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -91,27 +131,29 @@ def run(args, cluster, tmp: str, faulted: bool) -> dict:
               os.path.join(tmp, f"{tag}.p{r}.out"), "w"),
           stderr=subprocess.STDOUT))
 
-  for k, name in enumerate("abc"):
+  names = _names(args.islands)
+  for k, name in enumerate(names):
     start(name, name, k + 1)
   log = lambda tag: _events(os.path.join(tmp, f"{tag}.p0.jsonl"))
-  _wait(lambda: all(any(e["event"] == "ready" for e in log(n)) for n in "abc"),
-        300, "three ready islands")
+  _wait(lambda: all(any(e["event"] == "ready" for e in log(n)) for n in names),
+        600, f"{len(names)} ready islands")
   t0 = time.time()
   open(go, "w").close()
   out: dict = {"faulted": faulted}
-  if faulted:
-    mid = _wait(lambda: [e for e in log("c") if e["event"] == "mid"
-                         and e["step"] >= args.kill_after], 600, "c's interval")
-    for p in procs["c"]:
+  kills = []  # (island, its mid event, time of the kill)
+  for name, after in (args.kill if faulted else []):
+    mid = _wait(lambda: [e for e in log(name) if e["event"] == "mid"
+                         and e["step"] >= after], 1800, f"{name}'s interval")
+    for p in procs[name]:
       p.send_signal(signal.SIGKILL)
-    t_kill = time.time()
-    for p in procs["c"]:
+    kills.append((name, mid[0], time.time()))
+    for p in procs[name]:
       p.wait()
     time.sleep(args.restart_after)
-    start("c", "c2", 3)
-    out["killed_at_step"] = mid[0]["step"]
+    start(name, name + "2", names.index(name) + 1)
+  out["killed_at_step"] = [m["step"] for _, m, _ in kills]
   for tag, ps in procs.items():
-    if tag == "c" and faulted:
+    if tag in [k[0] for k in kills]:
       continue
     for p in ps:
       p.wait(timeout=1800)
@@ -122,31 +164,21 @@ def run(args, cluster, tmp: str, faulted: bool) -> dict:
   syncs = [e for e in a if e["event"] == "sync"]
   out.update(seconds=done["t"] - t0, steps=done["step"],
              valid_loss=done["valid_loss"], final_loss=syncs[-1]["loss"])
-  if faulted:
-    failed = [e for e in syncs if not e["committed"] and e["t"] > t_kill]
-    nxt = [e for e in syncs if e["committed"] and e["t"] > t_kill][0]
-    heal = [e for e in log("c2") if e["event"] == "begin" and e["healed"]]
-    c_last = [e for e in log("c") if e["event"] == "sync" and e["committed"]]
-    c2_first = [e for e in log("c2") if e["event"] == "sync"
-                and e["committed"]][0]
-    out.update(
-        discarded_intervals=len(failed),
-        killed_inner_steps_lost=(mid[0]["step"] - c_last[-1]["step"])
-        * args.sync_every + args.sync_every // 2 + 1,
-        seconds_to_next_commit=nxt["t"] - t_kill,
-        next_commit_islands=nxt["islands"],
-        heal_bytes=heal[0]["heal_bytes"] if heal else None,
-        heal_seconds=heal[0]["heal_seconds"] if heal else None,
-        rejoined_at_step=c2_first["step"],
-        restored_step=[e for e in log("c2") if e["event"] == "ready"][0]
-        ["restored"])
-    # Island-intervals: 3 per outer step; lost: the killed island's, the
-    # survivors' discarded ones, and those c did not run while down.
-    total = 3 * (out["steps"] + len(failed))
-    lost = 2 * len(failed) + 1 + max(0, c2_first["step"] - 1 - mid[0]["step"])
-    out["goodput"] = (total - lost) / total
-  else:
-    out["goodput"] = 1.0
+  n = len(names)
+  per_kill = [_kill_stats(args, log, syncs, kills, i) for i in range(len(kills))]
+  for key in ("discarded_intervals", "killed_inner_steps_lost",
+              "seconds_to_next_commit", "next_commit_islands", "heal_bytes",
+              "heal_seconds", "rejoined_at_step", "restored_step"):
+    out[key] = [k[key] for k in per_kill]
+  # Island-intervals: n per outer step; lost per kill: the killed island's,
+  # the survivors' discarded ones, and those it did not run while down.
+  failed = sum(k["discarded_intervals"] for k in per_kill)
+  total = n * (out["steps"] + failed)
+  lost = sum((n - 1) * k["discarded_intervals"] + 1
+             + max(0, (k["rejoined_at_step"] or out["steps"] + 1) - 1
+                   - k["killed_at_step"])
+             for k in per_kill)
+  out["goodput"] = (total - lost) / total
   cluster.kill_all()
   return out
 
@@ -161,8 +193,12 @@ def main(argv=None) -> int:
   p.add_argument("--d-model", type=int, default=64)
   p.add_argument("--batch-size", type=int, default=16, help="per island")
   p.add_argument("--compressor", default="int8_block")
-  p.add_argument("--kill-after", type=int, default=4,
-                 help="kill island c in its interval after this many commits")
+  p.add_argument("--islands", type=int, default=3,
+                 help="named a, b, c, ...; island a is never killed")
+  p.add_argument("--kill", type=_kill, action="append", default=None,
+                 metavar="ISLAND@STEP",
+                 help="in the faulted run, kill ISLAND mid-interval after "
+                 "STEP commits (repeatable; default c@4)")
   p.add_argument("--restart-after", type=float, default=2.0)
   p.add_argument("--heartbeat-ms", type=int, default=2000)
   p.add_argument("--runs", nargs="+", default=["fault-free", "faulted"],
@@ -171,12 +207,18 @@ def main(argv=None) -> int:
                  help="keep the runs' logs in this folder")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  args.kill = sorted(args.kill or [("c", 4)], key=lambda k: k[1])
+  killed = [k[0] for k in args.kill]
+  if not 2 <= args.islands <= 26 or len(set(killed)) < len(killed) or any(
+      k not in _names(args.islands)[1:] for k in killed):
+    p.error("--islands is 2..26 and each --kill names a distinct island "
+            "other than a")
   results = []
   for name in args.runs:
     tmp = (os.path.join(args.keep, name) if args.keep
            else tempfile.mkdtemp(prefix=f"elastic_{name}_"))
     os.makedirs(tmp, exist_ok=True)
-    with netns.RateLimitedCluster(4) as cluster:
+    with netns.RateLimitedCluster(args.islands + 1) as cluster:
       cluster.set_rate(args.rate)
       results.append(run(args, cluster, tmp, name == "faulted"))
       print(json.dumps(results[-1]), flush=True)
@@ -184,22 +226,26 @@ def main(argv=None) -> int:
     return 0
   clean, fault = results
   lines = [
-      f"# python benchmarks/elastic_char_lm.py (3 islands x {args.processes} "
+      f"# python benchmarks/elastic_char_lm.py ({args.islands} islands x "
+      f"{args.processes} "
       f"JAX processes, netns links {args.rate}, H={args.sync_every}, "
       f"{args.outer_steps} outer steps, {args.compressor}, d_model "
       f"{args.d_model}, batch {args.batch_size} per island)",
       "| run | wall s | outer steps | valid loss | goodput | discarded "
       "intervals | killed island's inner steps lost | s to next commit | "
-      "heal bytes | heal s |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-  for name, r in (("fault-free", clean), ("island c killed", fault)):
-    f = lambda k, fmt="{}": fmt.format(r[k]) if k in r and r[k] is not None else "-"
+      "heal bytes | heal s | rejoined at step |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  killed = ", ".join(f"{k[0]}@{k[1]}" for k in args.kill)
+  label = f"island{'s' * (len(args.kill) > 1)} {killed} killed"
+  for name, r in (("fault-free", clean), (label, fault)):
+    f = lambda k, fmt="{}": " / ".join(
+        "-" if v is None else fmt.format(v) for v in r.get(k) or [None])
     lines.append(
         f"| {name} | {r['seconds']:.1f} | {r['steps']} | {r['valid_loss']:.4f} "
         f"| {r['goodput']:.3f} | {f('discarded_intervals')} | "
         f"{f('killed_inner_steps_lost')} | "
         f"{f('seconds_to_next_commit', '{:.2f}')} | {f('heal_bytes')} | "
-        f"{f('heal_seconds', '{:.2f}')} |")
+        f"{f('heal_seconds', '{:.2f}')} | {f('rejoined_at_step')} |")
   diff = (fault["valid_loss"] - clean["valid_loss"]) / clean["valid_loss"]
   lines.append(f"valid loss, faulted vs fault-free: {100 * diff:+.2f}%")
   text = "\n".join(lines)
