@@ -38,6 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # for unbiased ones). WARMUP stands for the example's warm-up stage length
 # (--lm-warmup-stage / --fashion-warmup-stage).
 WARMUP = "warmup stage"
+FREEZE = "freeze step"  # --freeze-fraction of the example's steps
+LOCAL_SCALER = "local step scaler"  # --local-fraction of them
 SPECS = [
     ("dense (float32 all-reduce)", "identity", {}, None),
     ("top-k 1% + EF", "topk", {"ratio": 0.01}, True),
@@ -61,9 +63,43 @@ SPECS = [
     ("sign + EF", "sign", {}, True),
     ("PowerSGD rank 4 + EF", "powersgd", {"rank": 4}, None),
     ("int8 block", "int8_block", {"bits": 8}, None),
+    # DeepSpeed's compressed optimizers in place of the compressed mean and
+    # Adam (the example's learning rate and schedule); FREEZE stands for
+    # --freeze-fraction of the run's steps (select them by the optimizer's
+    # name in --compressors).
+    ("1-bit Adam", "identity", {}, None,
+     {"optimizer": "onebit_adam", "freeze_step": FREEZE}),
+    ("0/1 Adam", "identity", {}, None,
+     {"optimizer": "zero_one_adam", "freeze_step": FREEZE,
+      "local_step_scaler": LOCAL_SCALER, "local_step_clipper": 16}),
+    ("1-bit LAMB", "identity", {}, None,
+     {"optimizer": "onebit_lamb", "freeze_step": FREEZE}),
 ]
+ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 TARGETS = ("topk", "powersgd")  # must be close to dense at >= 10x fewer bytes
+# The compressed optimizers' targets on the LM (issue 57): within this
+# many percent of dense Adam's validation loss at >= this many times fewer
+# wire bytes over the whole run.
+ONEBIT_TARGETS = {"onebit_adam": (2.0, 4.0), "zero_one_adam": (3.0, 10.0)}
 EXAMPLES = ("fashion_mnist", "char_lm")
+
+
+def spec_name(spec) -> str:
+  """The name --compressors selects a spec by: its compressed optimizer's,
+  else its compressor's."""
+  extra = spec[4] if len(spec) > 4 else {}
+  return extra.get("optimizer") if extra.get("optimizer") in ONEBIT else spec[1]
+
+
+def spec_fields(args, ex: str, extra: dict) -> dict:
+  """``extra`` with its placeholders (WARMUP, FREEZE, LOCAL_SCALER) made
+  numbers for example ``ex`` ("fashion" or "lm")."""
+  steps = args.fashion_steps if ex == "fashion" else args.lm_steps
+  subst = {WARMUP: warmup_stage(args, ex),
+           FREEZE: max(1, round(args.freeze_fraction * steps)),
+           LOCAL_SCALER: max(1, round(args.local_fraction * steps))}
+  return {k: subst.get(v, v) if isinstance(v, str) else v
+          for k, v in extra.items()}
 
 
 def _config(train_module, base: dict, compressor: str, hp: dict, ef):
@@ -100,11 +136,15 @@ def worker(example: str, args, out_path: str) -> None:
                 batch_size=args.fashion_batch, progress=False)
   else:
     from examples.char_lm import train as train_module
-    base = dict(epochs=1, steps_per_epoch=args.lm_steps,
+    # --lm-evals > 1: the run in that many "epochs", each ending with an
+    # evaluation (the same steps, batches and schedule as one).
+    if args.lm_steps % args.lm_evals:
+      raise ValueError("--lm-evals must divide --lm-steps")
+    base = dict(epochs=args.lm_evals,
+                steps_per_epoch=args.lm_steps // args.lm_evals,
                 batch_size=args.lm_batch, d_model=args.lm_d_model,
-                lr_schedule=args.lm_schedule, progress=False)
+                lr_schedule=args.lm_schedule, progress=args.progress)
   ex = "fashion" if example == "fashion_mnist" else "lm"
-  stage = warmup_stage(args, ex)
   if getattr(args, f"{ex}_optimizer"):
     base["optimizer"] = getattr(args, f"{ex}_optimizer")
   if getattr(args, f"{ex}_lr"):
@@ -114,9 +154,12 @@ def worker(example: str, args, out_path: str) -> None:
   if os.path.exists(out_path):  # --resume: keep the runs already there
     with open(out_path) as f:
       done = {(r["label"], r.get("seed")) for r in map(json.loads, f)}
-  for label, name, hp, ef, *extra in SPECS:
-    if args.compressors and name not in args.compressors:
+  for spec in SPECS:
+    label, name, hp, ef, *extra = spec
+    if args.compressors and spec_name(spec) not in args.compressors:
       continue
+    if not args.compressors and spec_name(spec) in ONEBIT:
+      continue  # by name only: they replace the example's optimizer
     why = None
     if name not in available:
       why = "not registered when run"
@@ -130,8 +173,7 @@ def worker(example: str, args, out_path: str) -> None:
     for seed in args.seeds:
       if (label, seed) in done:
         continue
-      fields = {k: stage if v == WARMUP else v
-                for k, v in (extra[0] if extra else {}).items()}
+      fields = spec_fields(args, ex, extra[0] if extra else {})
       config = _config(train_module, dict(base, seed=seed, **fields),
                        name, hp, ef)
       t0 = time.perf_counter()
@@ -144,7 +186,18 @@ def worker(example: str, args, out_path: str) -> None:
              "wall_s": wall, "bytes_per_step": r["bytes_per_step"],
              "dense_bytes_per_step": r["dense_bytes_per_step"],
              "total_bytes": r["total_bytes"],
+             "total_wire_bytes": r.get("total_wire_bytes"),
              "dataset": r["dataset"]}
+      if "dense_steps" in r:  # a compressed optimizer's phases
+        row.update(dense_steps=r["dense_steps"],
+                   compressed_steps=r["compressed_steps"], fields=fields)
+      # (steps, validation loss, wire bytes so far) after each epoch.
+      per = r["steps"] // len(r["epochs"])
+      row["curve"] = [
+          ((i + 1) * per, e["valid_loss"],
+           e.get("total_wire_bytes", (r.get("total_wire_bytes") or 0)
+                 * (i + 1) / len(r["epochs"])))
+          for i, e in enumerate(r["epochs"])]
       if example == "fashion_mnist":
         row["metric"] = last["test_accuracy"]
       else:
@@ -162,8 +215,11 @@ def summarize(rows, args):
   out = {}
   for ex in EXAMPLES:
     out[ex] = []
-    for label, name, _hp, _ef, *_ in SPECS:
-      if args.compressors and name not in args.compressors:
+    for spec in SPECS:
+      label, name = spec[0], spec[1]
+      if args.compressors and spec_name(spec) not in args.compressors:
+        continue
+      if not args.compressors and spec_name(spec) in ONEBIT:
         continue
       rs = [r for r in rows if r["example"] == ex and r["label"] == label]
       if not rs:
@@ -187,7 +243,11 @@ def summarize(rows, args):
           "total_bytes": rs[0]["total_bytes"],
           "dense_bytes_per_step": rs[0]["dense_bytes_per_step"],
           "wall_s": statistics.median(r["wall_s"] for r in rs),
-          "dataset": rs[0]["dataset"]})
+          "dataset": rs[0]["dataset"], "spec_name": spec_name(spec),
+          "total_wire_bytes": rs[0].get("total_wire_bytes"),
+          "curve": rs[0].get("curve"), "fields": rs[0].get("fields"),
+          "dense_steps": rs[0].get("dense_steps"),
+          "compressed_steps": rs[0].get("compressed_steps")})
   return out
 
 
@@ -266,11 +326,53 @@ def write_markdown(summary, args, path, png_name, elapsed):
       if r["compressor"] in TARGETS:
         checks.append(f"- {ex}, {r['label']}: {target}: "
                       f"**{'met' if ok else 'missed'}** ({got}).")
+      if ex == "char_lm" and r.get("spec_name") in ONEBIT_TARGETS:
+        checks.append(_onebit_check(r, dense))
     lines.append("")
   lines += ["## Targets", ""] + (checks or ["- no target compressor ran"])
   lines += ["", f"![quality against bytes sent]({png_name})", ""]
   with open(path, "w") as f:
     f.write("\n".join(lines))
+
+
+def _onebit_check(r, dense) -> str:
+  """The target line of a compressed optimizer's row (issue 57's targets:
+  validation loss against dense Adam's, wire bytes over the whole run)."""
+  pct, fewer_min = ONEBIT_TARGETS[r["spec_name"]]
+  rel = 100 * (r["metric"] / dense["metric"] - 1)
+  fewer = dense["total_wire_bytes"] / r["total_wire_bytes"]
+  ok = rel <= pct and fewer >= fewer_min
+  return (f"- char_lm, {r['label']}: within {pct:g}% of dense Adam's "
+          f"validation loss at >= {fewer_min:g}x fewer wire bytes: "
+          f"**{'met' if ok else 'missed'}** ({rel:+.2f}% loss at "
+          f"{fewer:.1f}x fewer wire bytes; {r['dense_steps']} dense steps, "
+          f"{r['compressed_steps']} 1-bit exchanges, "
+          f"{r['steps'] - r['dense_steps'] - r['compressed_steps']} "
+          f"skipped).")
+
+
+def plot_curves(summary, path):
+  """Validation loss against the wire bytes sent so far, one line per row
+  that recorded its curve (``--lm-evals``): the LM only."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.8))
+  for r in summary.get("char_lm", []):
+    if r.get("missing") or not r.get("curve"):
+      continue
+    steps, loss, sent = zip(*r["curve"])
+    ax.plot(sent, loss, marker="o", ms=3, label=r["label"])
+    ax.annotate(f"{steps[-1]} steps", (sent[-1], loss[-1]), fontsize=7,
+                xytext=(4, 4), textcoords="offset points")
+  ax.set_xscale("log")
+  ax.set_xlabel("wire bytes sent per device so far (ring algorithms)")
+  ax.set_ylabel("validation loss (nats/char)")
+  ax.set_title("character LM: validation loss against bytes sent")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 def plot(summary, path):
@@ -326,6 +428,16 @@ def parse(argv=None):
                    help="steps per stage of the sparsity warm-up rows "
                    "(default: 1/36 of the steps, so 1%% is reached after "
                    "1/12 of the run)")
+  p.add_argument("--lm-evals", type=int, default=1,
+                 help="evaluate the LM this many times over the run")
+  p.add_argument("--freeze-fraction", type=float, default=0.15,
+                 help="1-bit Adam / LAMB: the dense warm-up's share of the "
+                 "steps; 0/1 Adam: its var_freeze_step's")
+  p.add_argument("--local-fraction", type=float, default=0.1,
+                 help="0/1 Adam: local_step_scaler as a share of the steps "
+                 "(frozen steps before the local interval doubles)")
+  p.add_argument("--progress", action="store_true",
+                 help="the LM's progress bar on stderr (long runs)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--jobs", type=int, default=2, choices=[1, 2])
@@ -388,6 +500,9 @@ def main(argv=None) -> int:
   write_markdown(summary, args, os.path.join(args.out, "convergence.md"),
                  "convergence.png", elapsed)
   plot(summary, os.path.join(args.out, "convergence.png"))
+  if any(r.get("curve") and r.get("spec_name") in ONEBIT
+         for r in summary.get("char_lm", [])):
+    plot_curves(summary, os.path.join(args.out, "convergence_curves.png"))
   print(open(os.path.join(args.out, "convergence.md")).read())
   return 0
 

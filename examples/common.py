@@ -50,7 +50,13 @@ class CompressionConfig:
   # "auto", packs small tensors together; --bucketing auto).
   bucketing: str = "layerwise"
   ratio_warmup_steps: int = 0  # DGC sparsity warm-up stage length (0: none)
-  optimizer: str = "adam"  # one of OPTIMIZERS, after the compressed mean
+  optimizer: str = "adam"  # one of OPTIMIZERS, after the compressed mean,
+  #                          or one of COMPRESSED_OPTIMIZERS in its place
+  freeze_step: int = 500  # onebit_adam / onebit_lamb: dense warm-up steps;
+  #                         zero_one_adam: its var_freeze_step
+  var_update_scaler: int = 16  # zero_one_adam (the paper's kappa)
+  local_step_scaler: int = 32678  # zero_one_adam: frozen steps per local
+  local_step_clipper: int = 16  # interval, and the longest interval (H)
   seed: int = 0
   max_steps: int | None = None  # stop early (tests)
   progress: bool = True
@@ -129,6 +135,9 @@ def add_run_flags(p: argparse.ArgumentParser, defaults, names) -> None:
 
 
 OPTIMIZERS = ("adam", "momentum", "sgd", "muon", "demo")
+# DeepSpeed's compressed optimizers (jaxcomp.optimizers): each replaces
+# both the compressed mean and the optimizer after it.
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 LR_SCHEDULES = ("constant", "cosine")  # char_lm's, after its warm-up
 
 
@@ -171,10 +180,38 @@ def optimizer(name: str, learning_rate, muon_dimensions=None):
   raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
+def compressed_optimizer(config, learning_rate):
+  """``config.optimizer`` (one of :data:`COMPRESSED_OPTIMIZERS`) over
+  ``"data"``, with ``config``'s freeze step (and 0/1 Adam's interval
+  settings) and ``learning_rate`` (a number or an optax schedule).
+
+  Raises:
+    ValueError: another name.
+  """
+  import jaxcomp
+  name = config.optimizer
+  if name == "onebit_adam":
+    return jaxcomp.onebit_adam(learning_rate, axis_name="data",
+                               freeze_step=config.freeze_step)
+  if name == "onebit_lamb":
+    return jaxcomp.onebit_lamb(learning_rate, axis_name="data",
+                               freeze_step=config.freeze_step)
+  if name == "zero_one_adam":
+    return jaxcomp.zero_one_adam(
+        learning_rate, axis_name="data", var_freeze_step=config.freeze_step,
+        var_update_scaler=config.var_update_scaler,
+        local_step_scaler=config.local_step_scaler,
+        local_step_clipper=config.local_step_clipper)
+  raise ValueError(f"compressed optimizer must be one of "
+                   f"{COMPRESSED_OPTIMIZERS}, got {name!r}")
+
+
 def exchange_name(args: argparse.Namespace) -> str:
   """What the run's exchange is called in its first output line."""
   if getattr(args, "optimizer", None) == "demo":
     return "none (DeMo sends its own DCT top-k momentum components)"
+  if getattr(args, "optimizer", None) in COMPRESSED_OPTIMIZERS:
+    return f"none ({args.optimizer} sends its own 1-bit momentum)"
   return args.compressor
 
 
@@ -268,6 +305,10 @@ def stages(config, learning_rate, muon_dimensions=None):
       # DeMo: a whole optimizer that sends its own DCT top-k components
       # (the compressor flags do not apply).
       return jaxcomp.demo(learning_rate)
+    if config.optimizer in COMPRESSED_OPTIMIZERS:
+      # 1-bit Adam, 0/1 Adam, 1-bit LAMB: dense warm-up, then their own
+      # 1-bit exchange of the momentum (the compressor flags do not apply).
+      return compressed_optimizer(config, learning_rate)
     if diloco_every:
       # DiLoCo (char_lm's --diloco-every): the optimizer runs per device,
       # the compressed mean carries the pseudo-gradient every H steps.

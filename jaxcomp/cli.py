@@ -141,6 +141,9 @@ def _build_compressors(specs: Sequence[str]):
     if name == "demo":  # jaxcomp.demo: an optimizer, priced by its exchange
       out[spec] = perfmodel.DeMoCompressor(**kwargs)
       continue
+    if name in perfmodel.OPTIMIZERS:  # 1-bit Adam, 0/1 Adam, 1-bit LAMB
+      out[spec] = perfmodel.CompressedOptimizer(name, **kwargs)
+      continue
     out[spec] = compressors.get(name, **kwargs)
   return out
 

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import optimizers
+from jaxcomp import perfmodel
 
 # -- the reference, in float64, written from DeepSpeed's code --------------
 
@@ -218,6 +219,11 @@ def test_onebit_adam_counts_the_bytes_of_each_phase(mesh8):
   # A 1-bit exchange is about 1/32 of the dense all-reduce, plus scales
   # and padding (small leaves pad to 64 elements on 8 devices).
   assert dense / compressed > 15
+  # The performance model prices the same run with the same bytes.
+  priced = perfmodel.optimizer_traffic(
+      perfmodel.CompressedOptimizer("onebit_adam", steps=5, freeze_step=3),
+      sizes, 8)
+  assert priced._asdict() == pytest.approx(t._asdict())
   # compressed_mean's get_stats does not count these (their own fields).
   assert jaxcomp.get_stats(state.opt_state) is None
 
@@ -256,3 +262,61 @@ def test_onebit_adam_stats_are_what_the_compiled_step_sends(mesh8):
   stats = state.opt_state.stats
   assert dense == float(stats.dense_bytes)
   assert onebit == float(stats.compressed_bytes)
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_an_fsdp_layout_refuses_the_compressed_optimizers_by_name(mesh8, name):
+  """They keep whole replicated parameters, momentum and variance and run
+  their own exchange of the whole momentum: jaxcomp.init refuses FSDP
+  naming the optimizer and the layout to use."""
+  make = getattr(jaxcomp, name)
+  tx = (make(1e-3, var_freeze_step=2) if name == "zero_one_adam"
+        else make(1e-3, freeze_step=2))
+  fix = "Islands" if name == "zero_one_adam" else "DataParallel"
+  with pytest.raises(ValueError, match=rf"jaxcomp\.{name}.*FSDP.*{fix}"):
+    jaxcomp.init(tx, {"w": jnp.zeros((64,))}, mesh8, layout=jaxcomp.FSDP())
+
+
+# 1-bit LAMB runs the same guard (optimizers._exchange.guard_nonfinite).
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(mesh8,
+                                                                      name):
+  """nonfinite="skip" (the default): a NaN in device 3's gradient on a 1-bit
+  step leaves every device's state (errors, momentum, counters) and
+  parameters as they were; the next finite step goes on from there."""
+  make = getattr(jaxcomp, name)
+  tx = (make(1e-2, var_freeze_step=1) if name == "zero_one_adam"
+        else make(1e-2, freeze_step=1))
+  layout = (jaxcomp.Islands() if name == "zero_one_adam"
+            else jaxcomp.DataParallel())
+  state = jaxcomp.init(tx, jax.tree.map(jnp.asarray, _params()), mesh8,
+                       layout=layout)
+  step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8, layout=layout,
+                                 donate=False)
+  g0, g1 = _grads(2, seed=3)
+  state, _ = step(state, _put(g0, mesh8))  # the dense step
+  bad = {k: v.copy() for k, v in g1.items()}
+  bad["w"][3, 0, 0] = np.nan
+  after, _ = step(state, _put(bad, mesh8))
+  before = jax.tree.leaves((state.params, state.opt_state))
+  for x, y in zip(before, jax.tree.leaves((after.params, after.opt_state))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  after, _ = step(after, _put(g1, mesh8))
+  assert all(np.isfinite(np.asarray(x)).all()
+             for x in jax.tree.leaves((after.params, after.opt_state)))
+  assert optimizers.traffic(after.opt_state).compressed_steps == 1
+
+
+def test_the_checkpoint_records_the_hyperparameters(mesh8):
+  """They are static data of the state, saved in a checkpoint's config
+  beside compressed_mean's (jaxcomp.checkpoint.describe)."""
+  tx = jaxcomp.onebit_lamb(lambda c: 1e-3 * c, freeze_step=7, max_coeff=8.0)
+  state = jaxcomp.init(tx, {"w": jnp.zeros((64,))}, mesh8)
+  (path, config), = optimizers.optimizer_configs(state.opt_state).items()
+  assert config["optimizer"] == "onebit_lamb"
+  assert (config["freeze_step"], config["max_coeff"],
+          config["learning_rate"], config["nonfinite"]) == (7, 8, "scheduled",
+                                                            "skip")
+  saved = jaxcomp.checkpoint.describe(state.opt_state)["config"]
+  assert saved[f"{path}: freeze_step"] == 7
+  assert saved[f"{path}: b2"] == 0.999

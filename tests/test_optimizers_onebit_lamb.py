@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import optimizers
+from jaxcomp import perfmodel
 from tests.test_optimizers_onebit_adam import ds_compressed_allreduce
 from tests.test_optimizers_onebit_adam import ds_padded
 
@@ -146,6 +147,11 @@ def test_onebit_lamb_is_the_papers_algorithm(mesh8, freeze_step, steps,
   words = -(-ds_padded(sum(int(np.prod(s)) for s in SHAPES.values()), 8)
             // 8 // 32)
   assert t.compressed_bytes_per_exchange == 4 * 8 * words + 4 * words + 8
+  priced = perfmodel.optimizer_traffic(
+      perfmodel.CompressedOptimizer("onebit_lamb", steps=steps,
+                                    freeze_step=freeze_step),
+      [int(np.prod(SHAPES[k])) for k in sorted(SHAPES)], 8)
+  assert priced._asdict() == pytest.approx(t._asdict())
 
 
 @pytest.mark.parametrize("kwargs,name", [

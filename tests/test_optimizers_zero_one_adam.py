@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import optimizers
+from jaxcomp import perfmodel
 from tests.test_optimizers_onebit_adam import ds_compressed_allreduce
 from tests.test_optimizers_onebit_adam import ds_padded
 
@@ -164,6 +165,13 @@ def test_zero_one_adam_is_the_papers_algorithm(mesh8, weight_decay):
   assert (t.dense_steps, t.compressed_steps) == (ref["dense"],
                                                  ref["compressed"]) == (4, 7)
   assert t.dense_total_bytes == 16 * t.dense_bytes_per_exchange
+  # The performance model's schedule and bytes for the same run.
+  priced = perfmodel.optimizer_traffic(
+      perfmodel.CompressedOptimizer(
+          "zero_one_adam", steps=16, freeze_step=HP["var_freeze_step"],
+          **{k: v for k, v in HP.items() if k != "var_freeze_step"}),
+      [int(np.prod(SHAPES[k])) for k in sorted(SHAPES)], P_)
+  assert priced._asdict() == pytest.approx(t._asdict())
 
 
 def test_zero_one_adam_resumes_from_orbax_bit_for_bit(mesh8, tmp_path):

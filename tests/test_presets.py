@@ -237,3 +237,34 @@ def test_profile_takes_a_train_state_and_whatif_reads_its_file(tmp_path, capsys)
   out = capsys.readouterr().out
   assert "device: cpu" in out and "encode/decode: measured on this machine (cpu:cpu)" in out
   assert "compute " in out and "(measured: jax.jit wall time on cpu:cpu" in out
+
+
+def test_whatif_prices_the_compressed_optimizers(no_timing, capsys):
+  """`jaxcomp whatif -c onebit_adam ...`: a row per optimizer; a run's
+  priced bytes are its phases' (dense warm-up, 1-bit exchanges, 0/1 Adam's
+  skipped rounds) as jaxcomp.optimizers.traffic would count them."""
+  assert cli.main(["whatif", "--profile", "bert-base", "-b", "1",
+                   "--buckets", "layer", "-c",
+                   "onebit_adam", "zero_one_adam:steps=1000,freeze_step=100",
+                   "onebit_lamb"]) == 0
+  out = capsys.readouterr().out
+  for name in ("onebit_adam", "zero_one_adam:steps=1000", "onebit_lamb"):
+    assert re.search(rf"^{re.escape(name)}\S*\s+own_exchange", out, re.M), out
+  profile = pm.builtin_profile("bert-base")
+  net = pm.Network(16, pm.Link.from_bandwidth(1.0, 50e-6))
+  opt = pm.CompressedOptimizer("zero_one_adam", steps=1000, freeze_step=100,
+                               local_step_scaler=100)
+  dense, onebit, skipped = pm.optimizer_phases(opt)
+  assert dense + onebit + skipped == 1000 and skipped > 0
+  pr = pm.predict(profile, opt, net)
+  t = pm.optimizer_traffic(opt, profile.layer_sizes, 16)
+  assert (t.dense_steps, t.compressed_steps) == (dense, onebit)
+  assert pr.bytes_per_worker * 1000 == pytest.approx(t.total_bytes)
+  full = pm.predict(profile, pm.DenseCompressor(), net)
+  # A dense step costs what the dense baseline does; a skipped round only
+  # the compute: the average lies between the compute and the dense step.
+  assert profile.compute_time < pr.step_time < full.step_time
+  with pytest.raises(ValueError, match="name must be one of"):
+    pm.CompressedOptimizer("adam")
+  with pytest.raises(ValueError, match="own exchange"):
+    pm.predict(profile, opt, net, sync_every=2)

@@ -24,7 +24,7 @@ def parse(argv=None):
       "learning_rate"))
   p.add_argument("--layers", type=int, default=defaults.num_layers)
   p.add_argument("--heads", type=int, default=defaults.num_heads)
-  p.add_argument("--optimizer", choices=common.OPTIMIZERS,
+  p.add_argument("--optimizer", choices=common.OPTIMIZERS + common.COMPRESSED_OPTIMIZERS,
                  default=defaults.optimizer,
                  help="after the compressed mean: adam, SGD with momentum, or "
                  "plain SGD (with --error-feedback dgc)")
@@ -46,6 +46,16 @@ def parse(argv=None):
   p.add_argument("--diloco-every", type=int, default=defaults.diloco_every,
                  help="> 0: DiLoCo, the optimizer per device and a compressed "
                  "pseudo-gradient exchange every this many steps")
+  p.add_argument("--freeze-step", type=int, default=defaults.freeze_step,
+                 help="onebit_adam / onebit_lamb: dense warm-up steps; "
+                 "zero_one_adam: the last step that updates the variance")
+  p.add_argument("--local-step-scaler", type=int,
+                 default=defaults.local_step_scaler,
+                 help="zero_one_adam: frozen steps before the local interval "
+                 "doubles")
+  p.add_argument("--local-step-clipper", type=int,
+                 default=defaults.local_step_clipper,
+                 help="zero_one_adam: the longest local interval")
   p.add_argument("--lr-schedule", choices=common.LR_SCHEDULES,
                  default=defaults.lr_schedule,
                  help="after the warm-up: constant, or cosine decay to 0 at the last step")
@@ -67,7 +77,9 @@ def main(argv=None) -> int:
       learning_rate=args.learning_rate, optimizer=args.optimizer,
       lr_schedule=args.lr_schedule, sharding=args.sharding, hosts=args.hosts,
       diloco_every=args.diloco_every, diloco_fragments=args.diloco_fragments,
-      param_compressor=args.param_compressor,
+      param_compressor=args.param_compressor, freeze_step=args.freeze_step,
+      local_step_scaler=args.local_step_scaler,
+      local_step_clipper=args.local_step_clipper,
       **common.compression_config(args))
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"compressor: {common.exchange_name(args)}", flush=True)

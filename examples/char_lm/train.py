@@ -124,9 +124,21 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   if config.diloco_every and (fsdp or hsdp or config.ratio_warmup_steps):
     raise ValueError("diloco_every runs with sharding='replicated' and no "
                      "ratio warm-up")
-  stage_bytes = common.stage_bytes(
+  onebit = config.optimizer in common.COMPRESSED_OPTIMIZERS
+  if onebit and (fsdp or hsdp or config.diloco_every
+                 or config.ratio_warmup_steps):
+    raise ValueError(f"optimizer {config.optimizer!r} runs with "
+                     "sharding='replicated', no DiLoCo and no ratio warm-up")
+  # The compressed optimizers count their bytes by phase in their state
+  # (jaxcomp.optimizers.traffic), read after the run.
+  stage_bytes = [] if onebit else common.stage_bytes(
       stages, params, mesh, "diloco" if config.diloco_every else config.sharding)
-  if config.diloco_every:
+  if config.optimizer == "zero_one_adam":
+    # Local steps between 1-bit syncs: one copy of the parameters per
+    # device, evaluated at the last synchronised one.
+    layout = jaxcomp.Islands()
+    stages_run = stages
+  elif config.diloco_every:
     # Per-device parameters between syncs; evaluated at the synchronized
     # ones. An exchange happens every diloco_every steps.
     layout = jaxcomp.Islands()
@@ -192,16 +204,21 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                     "valid_loss": valid_loss,
                     "bits_per_char": valid_loss / math.log(2),
                     "seconds": time.perf_counter() - t0})
+    if onebit:  # bytes so far, by the optimizer's own counts
+      history[-1]["total_wire_bytes"] = jaxcomp.optimizers.traffic(
+          state.opt_state).total_wire_bytes
+    if config.progress:
+      print(f"epoch {epoch + 1}: {done} steps, validation loss "
+            f"{valid_loss:.4f}", flush=True)
     if config.max_steps is not None and done >= config.max_steps:
       break
+  if onebit:
+    return _onebit_result(config, corpus, valid, history, done, num_params,
+                          state, traffic, memory)
   stats = common.exchange_stats(state.opt_state, config.sharding)
   per_sync = stats.every  # steps per exchange (DiLoCo: one per sync)
   return {
-      "dataset": (f"CPython {corpus.python_version} stdlib: "
-                  f"{len(corpus.train_files)} train files "
-                  f"({len(corpus.train)} bytes used), "
-                  f"{len(corpus.valid_files)} held out "
-                  f"({len(valid)} windows of {config.context})"),
+      "dataset": _dataset(config, corpus, valid),
       "epochs": history,
       "steps": done,
       "num_params": num_params,
@@ -211,6 +228,42 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
       "compression": float(stats.compression_factor) * per_sync,
       "wire_bytes_per_step": float(stats.wire_bytes) / per_sync,
       "wire_compression": float(stats.wire_compression_factor) * per_sync,
+      "total_wire_bytes": (float(stats.wire_bytes) / per_sync * done
+                           if len(stages) == 1 else None),
+      "hlo_operand_bytes": traffic.operand_bytes,
+      **memory,
+      "params": state.model_params(),
+  }
+
+
+def _dataset(config: Config, corpus, valid) -> str:
+  return (f"CPython {corpus.python_version} stdlib: "
+          f"{len(corpus.train_files)} train files "
+          f"({len(corpus.train)} bytes used), "
+          f"{len(corpus.valid_files)} held out "
+          f"({len(valid)} windows of {config.context})")
+
+
+def _onebit_result(config: Config, corpus, valid, history, done, num_params,
+                   state, traffic, memory) -> dict[str, Any]:
+  """:func:`train_and_evaluate`'s result for a compressed optimizer: the
+  bytes of its phases (dense warm-up, 1-bit exchanges, rounds that sent
+  nothing) from :func:`jaxcomp.optimizers.traffic`."""
+  t = jaxcomp.optimizers.traffic(state.opt_state)
+  return {
+      "dataset": _dataset(config, corpus, valid),
+      "epochs": history,
+      "steps": done,
+      "num_params": num_params,
+      "bytes_per_step": t.compressed_bytes_per_exchange,
+      "total_bytes": t.total_bytes,
+      "dense_bytes_per_step": t.dense_bytes_per_exchange,
+      "compression": t.reduction,
+      "wire_bytes_per_step": t.total_wire_bytes / max(done, 1),
+      "wire_compression": t.wire_reduction,
+      "total_wire_bytes": t.total_wire_bytes,
+      "dense_steps": t.dense_steps,
+      "compressed_steps": t.compressed_steps,
       "hlo_operand_bytes": traffic.operand_bytes,
       **memory,
       "params": state.model_params(),

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxcomp import optimizers
 from jaxcomp.transform import CompressionStats
 from jaxcomp.transform import transform_configs
 
@@ -78,11 +79,13 @@ def _flat(prefix: str, value) -> dict[str, Any]:
 
 
 def compression_config(tree) -> dict[str, Any]:
-  """The configuration of every ``compressed_mean`` in ``tree``, flattened
-  to ``{"<path>: compressor.ratio": 0.01, ...}`` (from
-  :func:`jaxcomp.transform_configs`)."""
+  """The configuration of every ``compressed_mean`` and compressed
+  optimizer in ``tree``, flattened to ``{"<path>: compressor.ratio": 0.01,
+  ...}`` (from :func:`jaxcomp.transform_configs` and
+  :func:`jaxcomp.optimizers.optimizer_configs`)."""
   out = {}
-  for path, config in transform_configs(tree).items():
+  configs = {**transform_configs(tree), **optimizers.optimizer_configs(tree)}
+  for path, config in configs.items():
     out.update({f"{path}: {k}": v for k, v in _flat("", config).items()})
   return out
 

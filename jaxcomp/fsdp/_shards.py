@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxcomp import _mesh
 from jaxcomp import compressors
 from jaxcomp import distributed
+from jaxcomp import optimizers
 from jaxcomp import placement
 from jaxcomp import transform
 from jaxcomp import wire
@@ -190,6 +191,15 @@ def check_transform(tx, shards, mesh, shard_axis, copies_over=None) -> None:
 
 
 def check_shard_outputs(opt_state, shard_axis, copies_over=None) -> None:
+  named = optimizers.compressed_optimizers_in(opt_state)
+  if named:
+    fix = ("layout=jaxcomp.Islands()" if named[0] == "zero_one_adam"
+           else "layout=jaxcomp.DataParallel()")
+    raise ValueError(
+        f"tx holds jaxcomp.{named[0]}, which keeps whole replicated "
+        "parameters, momentum and variance and runs its own exchange of "
+        "the whole momentum: an FSDP layout cannot shard it. Train it with "
+        f"{fix}")
   if holds_diloco(opt_state) and copies_over is None:
     raise ValueError(
         "tx holds jaxcomp.diloco, which FSDP cannot shard over the devices "

@@ -30,6 +30,9 @@ from jaxcomp.optimizers._exchange import compressed_allreduce
 from jaxcomp.optimizers._exchange import init_errors
 from jaxcomp.optimizers._exchange import phase_transfers
 from jaxcomp.optimizers._exchange import traffic
+from jaxcomp.optimizers._exchange import OptimizerConfig
+from jaxcomp.optimizers._find import compressed_optimizers_in
+from jaxcomp.optimizers._find import optimizer_configs
 from jaxcomp.optimizers._onebit_adam import OneBitAdamState
 from jaxcomp.optimizers._onebit_adam import onebit_adam
 from jaxcomp.optimizers._onebit_lamb import OneBitLambState

@@ -33,8 +33,11 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -322,3 +325,102 @@ def traffic(opt_state, *, steps: int | None = None) -> OneBitTraffic:
       dense_total_bytes=n * db, dense_total_wire_bytes=n * dw,
       reduction=n * db / total if total else 1.0,
       wire_reduction=n * dw / total_wire if total_wire else 1.0)
+
+
+NONFINITE = ("skip", "none")
+
+
+def check_nonfinite(nonfinite) -> str:
+  """``nonfinite`` if it is one of :data:`NONFINITE`, else ValueError."""
+  if nonfinite not in NONFINITE:
+    raise ValueError(f"nonfinite must be one of {NONFINITE}, got "
+                     f"{nonfinite=!r}")
+  return nonfinite
+
+
+def _any_nonfinite(leaves, axis_name: AxisName) -> jax.Array:
+  """Whether any device's gradient holds a NaN or Inf: one int32 scalar
+  all-reduce over every bound axis (identical on every device)."""
+  bad = jnp.zeros((), jnp.bool_)
+  for x in leaves:
+    bad = bad | ~jnp.all(jnp.isfinite(x))
+  everywhere = tuple(dict.fromkeys(_mesh.bound_axes() + _mesh.axes(axis_name)))
+  return lax.psum(_mesh.to_varying(bad.astype(jnp.int32), everywhere),
+                  everywhere) > 0
+
+
+def guard_nonfinite(update: Callable, axis_name: AxisName, nonfinite: str,
+                    who: str) -> Callable:
+  """``update`` (an optax update function) with the non-finite policy
+  ``nonfinite``: ``"skip"``, a step where any device's gradient holds a
+  NaN or Inf returns zero updates and leaves the whole state as it was
+  (nothing else is exchanged on it; the step counter does not move, so
+  the schedule resumes where it stopped), at the cost of one 4-byte
+  all-reduce every step; ``"none"``, no check (a NaN reaches the
+  momentum and, through the 1-bit exchange, every device)."""
+  if nonfinite == "none":
+    return update
+
+  def guarded(updates, state, params=None):
+    _mesh.check_bound(axis_name, f"{who}.update")
+    bad = _any_nonfinite(jax.tree.leaves(updates), axis_name)
+
+    def skip(_):
+      zeros = jax.tree.map(
+          lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), updates)
+      return zeros, state
+
+    return _mesh.cond(bad, skip, lambda _: update(updates, state, params),
+                      None)
+
+  return guarded
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class OptimizerConfig:
+  """A compressed optimizer's hyperparameters, as static pytree data of its
+  state (read by :func:`jaxcomp.optimizers.optimizer_configs`, saved by
+  :class:`jaxcomp.checkpoint.Checkpointer` beside ``compressed_mean``'s).
+
+  Like :class:`jaxcomp.transform.TransformConfig`, any two compare equal,
+  so that the configuration takes no part in the identity of the state's
+  tree structure. ``text``: JSON with sorted keys; a learning-rate
+  schedule reads ``"scheduled"``.
+  """
+
+  text: str = "{}"
+
+  @classmethod
+  def of(cls, name: str, spec, **extra) -> OptimizerConfig:
+    """From an optimizer's name, its spec dataclass (nested specs
+    flattened) and ``extra`` fields."""
+    fields: dict[str, Any] = {"optimizer": name}
+
+    def add(obj):
+      for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+          add(v)
+        else:
+          fields[f.name] = ("scheduled" if callable(v) else
+                            list(v) if isinstance(v, tuple) else v)
+
+    add(spec)
+    fields.update(extra)
+    return cls(json.dumps(fields, sort_keys=True))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, OptimizerConfig)
+
+  def __hash__(self) -> int:
+    return hash(OptimizerConfig)
+
+  def as_dict(self) -> dict[str, Any]:
+    """The configuration as a dict."""
+    return json.loads(self.text)
+
+
+def with_config(init: Callable, config: OptimizerConfig) -> Callable:
+  """``init`` whose state carries ``config`` (its ``config`` field)."""
+  return lambda params: init(params)._replace(config=config)

@@ -47,6 +47,8 @@ class ZeroOneAdamState(NamedTuple):
   worker_error: tuple  # per leaf, float32 (N_i,), varying
   server_error: tuple  # per leaf, float32 (N_i / p,), varying
   stats: OneBitStats
+  config: _exchange.OptimizerConfig = _exchange.OptimizerConfig()  # static:
+  #   the hyperparameters (jaxcomp.optimizers.optimizer_configs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,7 @@ def _update(spec: _Spec, updates, state: ZeroOneAdamState, params=None):
   compressed = (~frozen & ~var_step) | sync
   return unflat([d.astype(x.dtype) for d, x in zip(steps, g)]
                 ), ZeroOneAdamState(
+      config=state.config,
       count=k, mu=unflat(s["mu"]), mu_synced=unflat(s["mu_synced"]),
       nu=unflat(s["nu"]),
       accumulator=unflat(s["acc"]), lrs=s["lrs"],
@@ -211,7 +214,8 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
                   var_update_scaler: int = 16, local_step_scaler: int = 32678,
                   local_step_clipper: int = 16, b1: float = 0.9,
                   b2: float = 0.999, eps: float = 1e-8,
-                  weight_decay: float = 0.0) -> optax.GradientTransformation:
+                  weight_decay: float = 0.0, nonfinite: str = "skip"
+                  ) -> optax.GradientTransformation:
   """0/1 Adam: Adam whose variance is updated at exponentially spaced
   steps and then frozen, with 1-bit exchanges in between and local steps
   whose number between synchronisations grows.
@@ -258,6 +262,11 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
     b1, b2: Adam's decays, in [0, 1).
     eps: added to ``sqrt(v)``, >= 0.
     weight_decay: added to the update times the parameters, >= 0.
+    nonfinite: what a NaN or Inf in any device's gradient does:
+      ``"skip"`` (default) the step returns zero updates and leaves the
+      whole state (errors, momentum, counters) as it was, on every device,
+      at the cost of one 4-byte all-reduce per step (not in the byte
+      counts); ``"none"`` no check.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is
@@ -304,5 +313,9 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
       local_step_scaler=check_step("local_step_scaler", local_step_scaler),
       local_step_clipper=check_step("local_step_clipper", local_step_clipper))
   return optax.GradientTransformation(
-      functools.partial(_init, spec),
-      functools.partial(_update, spec))  # pyright: ignore[reportArgumentType]
+      _exchange.with_config(functools.partial(_init, spec),
+                            _exchange.OptimizerConfig.of(
+                                "zero_one_adam", spec, nonfinite=nonfinite)),
+      _exchange.guard_nonfinite(functools.partial(_update, spec), axis_name,
+                                _exchange.check_nonfinite(nonfinite),
+                                "zero_one_adam"))  # pyright: ignore[reportArgumentType]

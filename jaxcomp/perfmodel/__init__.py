@@ -26,6 +26,10 @@ from jaxcomp.perfmodel.pricing import bucket_transfers
 from jaxcomp.perfmodel.pricing import DeMoCompressor
 from jaxcomp.perfmodel.pricing import DenseCompressor
 from jaxcomp.perfmodel.pricing import IdealCompressor
+from jaxcomp.perfmodel.optimizer_pricing import OPTIMIZERS
+from jaxcomp.perfmodel.optimizer_pricing import CompressedOptimizer
+from jaxcomp.perfmodel.optimizer_pricing import optimizer_phases
+from jaxcomp.perfmodel.optimizer_pricing import optimizer_traffic
 from jaxcomp.perfmodel.model_profile import ModelProfile
 from jaxcomp.perfmodel.prediction import Prediction
 from jaxcomp.perfmodel.timeline import bucket_plan

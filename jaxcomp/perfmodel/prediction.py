@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel.model_profile import ModelProfile
+from jaxcomp.perfmodel import optimizer_pricing
+from jaxcomp.perfmodel.optimizer_pricing import CompressedOptimizer
 from jaxcomp.perfmodel.pricing import CodecCost
 from jaxcomp.perfmodel.pricing import DenseCompressor
 from jaxcomp.perfmodel.pricing import bucket_comm
@@ -134,6 +136,12 @@ def predict(profile: ModelProfile, compressor, network: costs.Network, *,
     A :class:`Prediction` (``speedup`` is NaN; :func:`compare` fills it).
   """
   _check_network_and_sync(network, sync_every)
+  if isinstance(compressor, CompressedOptimizer):
+    if output != "mean" or sync_every != 1 or collective is not None:
+      raise ValueError(f"{compressor.name} runs its own exchange over replicated "
+                       "parameters: output='mean', sync_every=1, collective=None")
+    return _compressed_optimizer(profile, compressor, network, codec=codec,
+                                 buckets=buckets, overlap=overlap)
   if output in ("islands", "islands_fsdp"):
     return _islands(profile, compressor, network, codec=codec, buckets=buckets,
                     overlap=overlap, collective=collective,
@@ -203,6 +211,38 @@ def compare(profile: ModelProfile, compressors: Mapping[str, Any], network: cost
                  collective=chosen.get(name), output=output, sync_every=sync_every)
     out[name] = dataclasses.replace(pr, speedup=dense.step_time / pr.step_time)
   return out
+
+
+def _compressed_optimizer(profile: ModelProfile, opt: CompressedOptimizer,
+                          network: costs.Network, *, codec, buckets, overlap
+                          ) -> Prediction:
+  """:func:`predict` for DeepSpeed's compressed optimizers: the average of
+  a run's dense steps (priced as the dense baseline), 1-bit steps (compute,
+  then the 1-bit exchange of the momentum, serial) and skipped rounds
+  (compute alone); see :mod:`jaxcomp.perfmodel.optimizer_pricing`."""
+  if network.algorithm == "hierarchical" and network.workers_per_node > 1:
+    raise ValueError(f"{opt.name}'s all-to-all is not modelled on a hierarchical "
+                     "network: pass a ring network")
+  dense = predict(profile, DenseCompressor(), network, buckets=buckets,
+                  overlap=overlap)
+  comm, work = optimizer_pricing.onebit_step(opt, profile.layer_sizes, network,
+                                             codec)
+  n_dense, n_onebit, n_skip = optimizer_pricing.optimizer_phases(opt)
+  compute = profile.compute_time
+  n = opt.steps
+  t = (n_dense * dense.step_time + n_onebit * (compute + work + comm)
+       + n_skip * compute) / n
+  traffic = optimizer_pricing.optimizer_traffic(opt, profile.layer_sizes,
+                                                network.workers)
+  return Prediction(
+      step_time=t,
+      comm_time=(n_dense * dense.comm_time + n_onebit * comm) / n,
+      exposed_comm=(n_dense * dense.exposed_comm + n_onebit * comm) / n,
+      compute_time=compute + n_onebit * work / n,
+      codec_time=n_onebit * work / n,
+      scaling_factor=compute / t if t > 0 else 1.0,
+      bytes_per_worker=traffic.total_bytes / n,
+      num_buckets=dense.num_buckets, collective="own_exchange")
 
 
 def _check_network_and_sync(network, sync_every) -> None:
