@@ -33,27 +33,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import _island_logs  # noqa: E402
 
 from jaxcomp import elastic  # noqa: E402
 
 ISLAND = os.path.join(ROOT, "examples", "elastic", "island.py")
-
-
-def _events(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def _wait(pred, timeout, what):
-  t0 = time.monotonic()
-  while time.monotonic() - t0 < timeout:
-    got = pred()
-    if got:
-      return got
-    time.sleep(0.05)
-  raise RuntimeError(f"timed out waiting for {what}")
+_events, _wait = _island_logs.events, _island_logs.wait
 
 
 def _syncs(events):

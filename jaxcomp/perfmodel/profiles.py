@@ -23,9 +23,9 @@ __all__ = ["BUILTIN_PROFILES", "builtin_profile", "load_profile", "DEFAULT_TFLOP
 DEFAULT_TFLOPS = 15.0
 
 
-def _resnet50_layers(batch: int, image: int = 224):
-  """(elements, forward FLOPs) per gradient tensor, forward order."""
-  out = []
+def _conv_bn(out: list, batch: int):
+  """``conv(cin, cout, k, hw_out)`` and ``bn(c, hw)``: each appends its
+  gradient tensors' (elements, forward FLOPs) to ``out``."""
 
   def conv(cin, cout, k, hw_out):
     out.append((k * k * cin * cout, 2.0 * k * k * cin * cout * hw_out * hw_out * batch))
@@ -35,6 +35,13 @@ def _resnet50_layers(batch: int, image: int = 224):
     out.append((c, flops / 2))  # scale
     out.append((c, flops / 2))  # bias
 
+  return conv, bn
+
+
+def _resnet50_layers(batch: int, image: int = 224):
+  """(elements, forward FLOPs) per gradient tensor, forward order."""
+  out = []
+  conv, bn = _conv_bn(out, batch)
   hw = image // 2
   conv(3, 64, 7, hw)
   bn(64, hw)
@@ -65,15 +72,7 @@ def _resnet18_cifar_layers(batch: int, image: int = 32):
   channels; a 1x1 projection where the shape changes), global average
   pooling and a 512x10 classifier."""
   out = []
-
-  def conv(cin, cout, k, hw_out):
-    out.append((k * k * cin * cout, 2.0 * k * k * cin * cout * hw_out * hw_out * batch))
-
-  def bn(c, hw):
-    flops = 4.0 * c * hw * hw * batch
-    out.append((c, flops / 2))  # scale
-    out.append((c, flops / 2))  # bias
-
+  conv, bn = _conv_bn(out, batch)
   hw, cin = image, 64
   conv(3, 64, 3, hw)
   bn(64, hw)
