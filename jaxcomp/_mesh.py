@@ -180,3 +180,16 @@ def varying_zeros(shape: int | Sequence[int], axis_name: AxisName,
   """Zeros of ``shape`` and ``dtype`` typed varying over ``axis_name``: a
   per-device state leaf."""
   return to_varying(jnp.zeros(shape, dtype), axis_name)
+
+
+def any_nonfinite(leaves, axis_name: AxisName) -> jax.Array:
+  """Whether any device saw a NaN or Inf in ``leaves``: one int32 scalar
+  all-reduce over every bound axis (also those beyond ``axis_name``: HSDP's
+  devices before its hosts, a model axis), so that no replica skips a step
+  the others take. A bool scalar, identical on every device."""
+  bad = jnp.zeros((), jnp.bool_)
+  for x in leaves:
+    bad = bad | ~jnp.all(jnp.isfinite(x))
+  everywhere = tuple(dict.fromkeys(bound_axes() + axes(axis_name)))
+  return lax.psum(to_varying(bad.astype(jnp.int32), everywhere),
+                  everywhere) > 0

@@ -271,6 +271,24 @@ class OneBitTraffic(NamedTuple):
   reduction: float  # dense_total_bytes / total_bytes (1 before any step)
   wire_reduction: float  # dense_total_wire_bytes / total_wire_bytes
 
+  @classmethod
+  def of(cls, *, dense_steps: int, compressed_steps: int, steps: int,
+         dense: tuple[float, float], compressed: tuple[float, float]
+         ) -> OneBitTraffic:
+    """The traffic of ``steps`` steps, ``dense_steps`` of them dense and
+    ``compressed_steps`` 1-bit exchanges, from the (operand, ring) bytes of
+    one ``dense`` step and of one ``compressed`` exchange."""
+    (db, dw), (cb, cw) = dense, compressed
+    total = dense_steps * db + compressed_steps * cb
+    total_wire = dense_steps * dw + compressed_steps * cw
+    return cls(
+        dense_steps=dense_steps, compressed_steps=compressed_steps,
+        dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
+        total_bytes=total, total_wire_bytes=total_wire,
+        dense_total_bytes=steps * db, dense_total_wire_bytes=steps * dw,
+        reduction=steps * db / total if total else 1.0,
+        wire_reduction=steps * dw / total_wire if total_wire else 1.0)
+
 
 def _has_stats(x) -> bool:
   return isinstance(x, tuple) and isinstance(getattr(x, "stats", None),
@@ -317,14 +335,8 @@ def traffic(opt_state, *, steps: int | None = None) -> OneBitTraffic:
   cb, cw = (float(get(stats.compressed_bytes)),
             float(get(stats.compressed_wire_bytes)))
   n = int(get(st.count)) if steps is None else int(steps)
-  total, total_wire = dense_n * db + comp_n * cb, dense_n * dw + comp_n * cw
-  return OneBitTraffic(
-      dense_steps=dense_n, compressed_steps=comp_n,
-      dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
-      total_bytes=total, total_wire_bytes=total_wire,
-      dense_total_bytes=n * db, dense_total_wire_bytes=n * dw,
-      reduction=n * db / total if total else 1.0,
-      wire_reduction=n * dw / total_wire if total_wire else 1.0)
+  return OneBitTraffic.of(dense_steps=dense_n, compressed_steps=comp_n,
+                          steps=n, dense=(db, dw), compressed=(cb, cw))
 
 
 NONFINITE = ("skip", "none")
@@ -336,17 +348,6 @@ def check_nonfinite(nonfinite) -> str:
     raise ValueError(f"nonfinite must be one of {NONFINITE}, got "
                      f"{nonfinite=!r}")
   return nonfinite
-
-
-def _any_nonfinite(leaves, axis_name: AxisName) -> jax.Array:
-  """Whether any device's gradient holds a NaN or Inf: one int32 scalar
-  all-reduce over every bound axis (identical on every device)."""
-  bad = jnp.zeros((), jnp.bool_)
-  for x in leaves:
-    bad = bad | ~jnp.all(jnp.isfinite(x))
-  everywhere = tuple(dict.fromkeys(_mesh.bound_axes() + _mesh.axes(axis_name)))
-  return lax.psum(_mesh.to_varying(bad.astype(jnp.int32), everywhere),
-                  everywhere) > 0
 
 
 def guard_nonfinite(update: Callable, axis_name: AxisName, nonfinite: str,
@@ -363,7 +364,7 @@ def guard_nonfinite(update: Callable, axis_name: AxisName, nonfinite: str,
 
   def guarded(updates, state, params=None):
     _mesh.check_bound(axis_name, f"{who}.update")
-    bad = _any_nonfinite(jax.tree.leaves(updates), axis_name)
+    bad = _mesh.any_nonfinite(jax.tree.leaves(updates), axis_name)
 
     def skip(_):
       zeros = jax.tree.map(

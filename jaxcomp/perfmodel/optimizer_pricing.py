@@ -151,15 +151,9 @@ def optimizer_traffic(opt: CompressedOptimizer, sizes: Sequence[int],
   cb = float(wire.operand_bytes(t["compressed"]))
   cw = float(wire.total_ring_bytes(t["compressed"]))
   dense, onebit, _ = optimizer_phases(opt)
-  n = opt.steps
-  total, total_wire = dense * db + onebit * cb, dense * dw + onebit * cw
-  return optimizers.OneBitTraffic(
-      dense_steps=dense, compressed_steps=onebit,
-      dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
-      total_bytes=total, total_wire_bytes=total_wire,
-      dense_total_bytes=n * db, dense_total_wire_bytes=n * dw,
-      reduction=n * db / total if total else 1.0,
-      wire_reduction=n * dw / total_wire if total_wire else 1.0)
+  return optimizers.OneBitTraffic.of(
+      dense_steps=dense, compressed_steps=onebit, steps=opt.steps,
+      dense=(db, dw), compressed=(cb, cw))
 
 
 def onebit_step(opt: CompressedOptimizer, sizes: Sequence[int],

@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxcomp import _mesh
 
@@ -39,19 +37,6 @@ class Policy:
     return m
 
 
-def _any_bad_everywhere(flat, axis_name) -> jax.Array:
-  """Whether any device of the mesh saw a NaN or Inf: one scalar
-  all-reduce over every bound axis (also those beyond ``axis_name``: HSDP's
-  devices before its hosts, a model axis), so that no replica skips a step
-  the others take."""
-  local_bad = jnp.zeros((), jnp.bool_)
-  for x in flat:
-    local_bad = local_bad | ~jnp.all(jnp.isfinite(x))
-  everywhere = tuple(dict.fromkeys(_mesh.bound_axes() + _mesh.axes(axis_name)))
-  return lax.psum(_mesh.to_varying(local_bad.astype(jnp.int32), everywhere),
-                  everywhere) > 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Skip(Policy):
   """The update is zero on every device and no state moves."""
@@ -59,7 +44,7 @@ class Skip(Policy):
   name: ClassVar[str] = "skip"
 
   def screen(self, flat, axis_name):
-    any_bad = _any_bad_everywhere(flat, axis_name)
+    any_bad = _mesh.any_nonfinite(flat, axis_name)
     # Compress zeros instead, so no NaN travels or reaches any state.
     return [jnp.where(any_bad, jnp.zeros_like(x), x) for x in flat], any_bad
 
@@ -88,7 +73,7 @@ class Propagate(Policy):
   name: ClassVar[str] = "propagate"
 
   def screen(self, flat, axis_name):
-    any_bad = _any_bad_everywhere(flat, axis_name)
+    any_bad = _mesh.any_nonfinite(flat, axis_name)
     return [jnp.where(jnp.isfinite(x), x, 0.0) for x in flat], any_bad
 
   def leaf(self, any_bad, m):
