@@ -34,6 +34,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+import optax
 
 from jaxcomp import _mesh
 from jaxcomp import wire
@@ -425,3 +427,21 @@ class OptimizerConfig:
 def with_config(init: Callable, config: OptimizerConfig) -> Callable:
   """``init`` whose state carries ``config`` (its ``config`` field)."""
   return lambda params: init(params)._replace(config=config)
+
+
+def transformation(name: str, spec, init: Callable, update: Callable,
+                   axis_name: AxisName, nonfinite: str
+                   ) -> optax.GradientTransformation:
+  """The optimizer ``name`` as an Optax transformation: ``init(spec,
+  params)`` with its config attached (:func:`with_config`) and
+  ``update(spec, updates, state, params)`` behind the non-finite guard
+  (:func:`guard_nonfinite`).
+
+  Raises:
+    ValueError: ``nonfinite`` is not one of :data:`NONFINITE`.
+  """
+  config = OptimizerConfig.of(name, spec, nonfinite=nonfinite)
+  return optax.GradientTransformation(
+      with_config(functools.partial(init, spec), config),
+      guard_nonfinite(functools.partial(update, spec), axis_name,
+                      check_nonfinite(nonfinite), name))  # pyright: ignore[reportArgumentType]

@@ -4,7 +4,6 @@ its exchange."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -262,10 +261,5 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, *,
                   freeze_step=check_step("freeze_step", freeze_step),
                   b1=float(b1), b2=float(b2), eps=float(eps),
                   weight_decay=float(weight_decay))
-  return optax.GradientTransformation(
-      _exchange.with_config(functools.partial(_init, spec),
-                            _exchange.OptimizerConfig.of(
-                                "onebit_adam", spec, nonfinite=nonfinite)),
-      _exchange.guard_nonfinite(functools.partial(_update, spec), axis_name,
-                                _exchange.check_nonfinite(nonfinite),
-                                "onebit_adam"))  # pyright: ignore[reportArgumentType]
+  return _exchange.transformation("onebit_adam", spec, _init, _update, axis_name,
+                                 nonfinite)

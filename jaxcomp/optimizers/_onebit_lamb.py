@@ -4,7 +4,6 @@ its exchange."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -305,10 +304,5 @@ def onebit_lamb(learning_rate: float | Callable = 1e-3, *,
       max_coeff=float(max_coeff), min_coeff=float(min_coeff),
       coeff_beta=float(coeff_beta), factor_max=float(factor_max),
       factor_min=float(factor_min), factor_threshold=float(factor_threshold))
-  return optax.GradientTransformation(
-      _exchange.with_config(functools.partial(_init, spec),
-                            _exchange.OptimizerConfig.of(
-                                "onebit_lamb", spec, nonfinite=nonfinite)),
-      _exchange.guard_nonfinite(functools.partial(_update, spec), axis_name,
-                                _exchange.check_nonfinite(nonfinite),
-                                "onebit_lamb"))  # pyright: ignore[reportArgumentType]
+  return _exchange.transformation("onebit_lamb", spec, _init, _update, axis_name,
+                                 nonfinite)

@@ -5,7 +5,6 @@ steps."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -312,10 +311,5 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
       var_update_scaler=check_step("var_update_scaler", var_update_scaler),
       local_step_scaler=check_step("local_step_scaler", local_step_scaler),
       local_step_clipper=check_step("local_step_clipper", local_step_clipper))
-  return optax.GradientTransformation(
-      _exchange.with_config(functools.partial(_init, spec),
-                            _exchange.OptimizerConfig.of(
-                                "zero_one_adam", spec, nonfinite=nonfinite)),
-      _exchange.guard_nonfinite(functools.partial(_update, spec), axis_name,
-                                _exchange.check_nonfinite(nonfinite),
-                                "zero_one_adam"))  # pyright: ignore[reportArgumentType]
+  return _exchange.transformation("zero_one_adam", spec, _init, _update, axis_name,
+                                 nonfinite)
