@@ -98,8 +98,29 @@ def spec_fields(args, ex: str, extra: dict) -> dict:
   subst = {WARMUP: warmup_stage(args, ex),
            FREEZE: max(1, round(args.freeze_fraction * steps)),
            LOCAL_SCALER: max(1, round(args.local_fraction * steps))}
-  return {k: subst.get(v, v) if isinstance(v, str) else v
-          for k, v in extra.items()}
+  fields = {k: subst.get(v, v) if isinstance(v, str) else v
+            for k, v in extra.items()}
+  if fields.get("optimizer") in ONEBIT:
+    fields.update(onebit_overrides(args))
+  return fields
+
+
+def onebit_overrides(args) -> dict:
+  """--onebit-set's KEY=VALUE pairs, the values parsed as numbers where
+  they are (ValueError naming a pair without '=')."""
+  out = {}
+  for pair in getattr(args, "onebit_set", None) or []:
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--onebit-set {pair!r}: expected KEY=VALUE")
+    try:
+      out[key] = int(value)
+    except ValueError:
+      try:
+        out[key] = float(value)
+      except ValueError:
+        out[key] = value
+  return out
 
 
 def _config(train_module, base: dict, compressor: str, hp: dict, ef):
@@ -436,6 +457,10 @@ def parse(argv=None):
   p.add_argument("--local-fraction", type=float, default=0.1,
                  help="0/1 Adam: local_step_scaler as a share of the steps "
                  "(frozen steps before the local interval doubles)")
+  p.add_argument("--onebit-set", nargs="+", default=[], metavar="KEY=VALUE",
+                 help="Config fields set for the compressed optimizers' rows "
+                 "only, e.g. learning_rate=1e-3 local_step_clipper=8 (kept "
+                 "in each row's fields)")
   p.add_argument("--progress", action="store_true",
                  help="the LM's progress bar on stderr (long runs)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0])
