@@ -37,6 +37,9 @@ Usage (root, iproute2 with tc):
   python benchmarks/validate_perfmodel.py --model cnn --workers 2 \
       --rates 100mbit 1gbit --compressors identity int8_block \
       topk:ratio=0.01 powersgd:rank=2 --compute local --out /tmp/val_cnn
+  python benchmarks/validate_perfmodel.py --model char_lm --workers 2 \
+      --rates 100mbit --compressors adam onebit_adam --compute local --pin \
+      --out /tmp/val_onebit   # dense Adam against 1-bit Adam after its freeze
 Writes OUT.txt (the printed report), OUT.json (all measurements) and
 OUT.png (measured and predicted speedup over dense against bandwidth).
 
@@ -67,6 +70,13 @@ COMPRESSORS = ("identity", "bf16", "topk:ratio=0.01", "random_block:ratio=0.01",
 LAYERS = (512, 1024, 512, 256, 10)  # MLP widths: input 512 ... 10 classes
 BATCH = 64  # per worker
 MODELS = ("mlp", "cnn", "char_lm")
+# Specs that name an optimizer instead of a compressor: dense Adam (a float32
+# all-reduce of the gradient, then optax.adam) and DeepSpeed's compressed
+# optimizers that own their exchange, timed after their freeze
+# (freeze_step=1: every timed step makes one 1-bit exchange). Give "adam"
+# first to measure the others' speedup against it.
+OPTIMIZER_SPECS = ("adam", "onebit_adam", "onebit_lamb")
+OPTIMIZER_LR = 1e-3
 # Per-worker batches of the examples' models, small enough that a step on
 # one CPU core takes tens of milliseconds (rows of images; windows of tokens).
 MODEL_BATCH = {"mlp": BATCH, "cnn": 32, "char_lm": 8}
@@ -267,6 +277,8 @@ def worker(args) -> None:
   out["codec_sizes"] = sizes
   codec_runs = {}
   for spec in args.compressors:
+    if spec in OPTIMIZER_SPECS:  # inside the step's exchange (--compute local)
+      continue
     name, kw = parse_compressor_spec(spec)
     comp = jaxcomp.compressors.get(name, **kw)
     if getattr(comp, "own_exchange", False):
@@ -283,16 +295,22 @@ def worker(args) -> None:
   #    over one device); ``--compute local`` predicts from it.
   def build_step(spec, on_mesh, prm, batch):
     """(jitted step, carry [TrainState]) of compressor ``spec``, warmed up."""
-    name, kw = parse_compressor_spec(spec)
-    tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
-                     optax.sgd(lr))
+    if spec == "adam":
+      tx = optax.chain(jaxcomp.compressed_mean("identity", "data", nonfinite="zero"),
+                       optax.adam(OPTIMIZER_LR))
+    elif spec in OPTIMIZER_SPECS:
+      tx = getattr(jaxcomp, spec)(OPTIMIZER_LR, axis_name="data", freeze_step=1)
+    else:
+      name, kw = parse_compressor_spec(spec)
+      tx = optax.chain(jaxcomp.compressed_mean(name, "data", nonfinite="zero", **kw),
+                       optax.sgd(lr))
     state = jaxcomp.init(tx, prm, on_mesh)
 
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx,
                                    mesh=on_mesh, donate=False,
                                    per_device_loss=True)
     carry = [state]
-    for _ in range(2):  # compile and warm up
+    for _ in range(3):  # compile and warm up (past a freeze_step of 1)
       carry[0], _ = jax.block_until_ready(step(carry[0], batch))
     return step, carry
 
@@ -479,7 +497,12 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   net = pm.Network(p, pm.Link(alpha, beta), per_collective=per_kind)
   comps = {}
   for spec in specs:
-    name, kw = parse_compressor_spec(spec)
+    if spec in OPTIMIZER_SPECS[1:]:
+      # The library's own transfers (the optimizer's phase_transfers), all
+      # steps after the freeze.
+      comps[spec] = pm.CompressedOptimizer(spec, steps=1_000_000, freeze_step=1)
+      continue
+    name, kw = parse_compressor_spec("identity" if spec == "adam" else spec)
     comps[spec] = compressors.get(name, **kw)
     if from_hlo:
       formula = sum(comps[spec].payload_bytes(n) for n in res["leaf_sizes"])
@@ -511,6 +534,16 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       prof_s = prof
     # Messages, not ops: a tuple-shaped collective runs one gloo collective
     # per operand (older result files only have the op count).
+    if s in OPTIMIZER_SPECS[1:]:
+      # --compute local: compute, 1-bit encode/decode and the update as the
+      # one-device step measured them; otherwise the compute alone.
+      preds[s] = pm.predict(prof_s, comps[s], net, buckets="layer", overlap="serial")
+      if sync:
+        preds[s] = dataclasses.replace(
+            preds[s], step_time=preds[s].step_time + sync,
+            compute_time=preds[s].compute_time + sync,
+            scaling_factor=prof_s.compute_time / (preds[s].step_time + sync))
+      continue
     n_msgs = len(res["collective_messages"][s]) if "collective_messages" in res \
         else res["collective_ops"][s]
     # Compressors that are not linear go through jaxcomp's default
@@ -625,10 +658,13 @@ def merge_ranks(res, others):
   return res
 
 
-def formula_bytes(spec, n):
-  from jaxcomp import compressors
+def formula_bytes(spec, n, workers=2):
+  from jaxcomp import compressors, optimizers, wire
   from jaxcomp.cli import parse_compressor_spec
-  name, kw = parse_compressor_spec(spec)
+  if spec in OPTIMIZER_SPECS[1:]:  # one 1-bit exchange's operand bytes
+    return wire.operand_bytes(optimizers.phase_transfers(
+        [int(n)], {"data": workers})["compressed"])
+  name, kw = parse_compressor_spec("identity" if spec == "adam" else spec)
   return compressors.get(name, **kw).payload_bytes(n)
 
 
@@ -667,8 +703,11 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
           "predicted_ms": pred * 1e3, "rel_error": (pred - meas) / meas,
           "formula_predicted_ms": formula[spec].step_time * 1e3,
           "profile_alone_predicted_ms": alone[spec].step_time * 1e3,
-          "wire_over_formula": res["wire_bytes"][spec] / sum(
-              formula_bytes(spec, n) for n in res["leaf_sizes"]),
+          # A compressed optimizer's compiled step holds both phases'
+          # collectives (a cond), so its wire bytes are not one step's.
+          "wire_over_formula": None if spec in OPTIMIZER_SPECS[1:] else
+          res["wire_bytes"][spec] / sum(
+              formula_bytes(spec, n, nproc) for n in res["leaf_sizes"]),
           "measured_speedup": res["steps"][specs[0]]["median"] / meas,
           "predicted_speedup": preds[specs[0]].step_time / pred,
           "measured_scaling": res["single_worker_step"] / meas,
@@ -682,7 +721,7 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
            f"{r['predicted_ms']:.1f}", f"{100 * r['rel_error']:+.1f}%",
            f"{r['measured_speedup']:.2f}", f"{r['predicted_speedup']:.2f}",
            f"{r['measured_scaling']:.3f}", f"{r['predicted_scaling']:.3f}",
-           f"{r['wire_over_formula']:.2f}",
+           "n/a" if r["wire_over_formula"] is None else f"{r['wire_over_formula']:.2f}",
            f"{r['formula_predicted_ms']:.1f} ({100 * (r['formula_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)",
            f"{r['profile_alone_predicted_ms']:.1f} "
            f"({100 * (r['profile_alone_predicted_ms'] / r['measured_ms'] - 1):+.0f}%)")
