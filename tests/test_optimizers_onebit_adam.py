@@ -139,7 +139,7 @@ def test_onebit_adam_is_the_papers_algorithm(mesh8, freeze_step, steps,
                                rtol=0, atol=1e-5 * scale)
   # Compressed steps happened: the errors are not zero.
   assert all(np.abs(np.asarray(e)).max() > 0 for e in st.worker_error)
-  t = optimizers.traffic(st)
+  t = jaxcomp.get_stats(st)
   assert (t.dense_steps, t.compressed_steps) == (freeze_step,
                                                  steps - freeze_step)
 
@@ -211,8 +211,8 @@ def test_onebit_adam_counts_the_bytes_of_each_phase(mesh8):
   step = jaxcomp.make_train_step(_loss, tx, mesh=mesh8)
   for g in _grads(5, seed=2):
     state, _ = step(state, _put(g, mesh8))
-  t = optimizers.traffic(state.opt_state)
-  assert (t.dense_steps, t.compressed_steps) == (3, 2)
+  t = jaxcomp.get_stats(state.opt_state)
+  assert (t.dense_steps, t.compressed_steps, t.silent_steps) == (3, 2, 0)
   assert t.total_bytes == 3 * dense + 2 * compressed
   assert t.dense_total_bytes == 5 * dense
   assert t.reduction == pytest.approx(5 * dense / (3 * dense + 2 * compressed))
@@ -224,8 +224,8 @@ def test_onebit_adam_counts_the_bytes_of_each_phase(mesh8):
       perfmodel.CompressedOptimizer("onebit_adam", steps=5, freeze_step=3),
       sizes, 8)
   assert priced._asdict() == pytest.approx(t._asdict())
-  # compressed_mean's get_stats does not count these (their own fields).
-  assert jaxcomp.get_stats(state.opt_state) is None
+  # By path, the same report at the optimizer state's path (the root).
+  assert jaxcomp.get_stats(state.opt_state, by_path=True) == {"": t}
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -304,7 +304,7 @@ def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(mesh8,
   after, _ = step(after, _put(g1, mesh8))
   assert all(np.isfinite(np.asarray(x)).all()
              for x in jax.tree.leaves((after.params, after.opt_state)))
-  assert optimizers.traffic(after.opt_state).compressed_steps == 1
+  assert jaxcomp.get_stats(after.opt_state).compressed_steps == 1
 
 
 def test_the_checkpoint_records_the_hyperparameters(mesh8):

@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import optimizers
 from jaxcomp import perfmodel
 from tests.test_optimizers_onebit_adam import ds_compressed_allreduce
 from tests.test_optimizers_onebit_adam import ds_padded
@@ -140,7 +139,7 @@ def test_onebit_lamb_is_the_papers_algorithm(mesh8, freeze_step, steps,
                              atol=1e-5 * scale)
   np.testing.assert_allclose(np.asarray(st.server_error[0]), server, rtol=0,
                              atol=1e-5 * scale)
-  t = optimizers.traffic(st)
+  t = jaxcomp.get_stats(st)
   assert (t.dense_steps, t.compressed_steps) == (freeze_step,
                                                  steps - freeze_step)
   # One fused buffer: one scale per exchange phase, 8 chunks of signs.

@@ -15,7 +15,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import optimizers
 from jaxcomp import perfmodel
 from tests.test_optimizers_onebit_adam import ds_compressed_allreduce
 from tests.test_optimizers_onebit_adam import ds_padded
@@ -161,9 +160,10 @@ def test_zero_one_adam_is_the_papers_algorithm(mesh8, weight_decay):
   assert np.abs(history[14][0] - history[14][1]).max() > 0
   # ... and a sync makes them one again.
   assert np.abs(history[11][0] - history[11][1]).max() == 0
-  t = optimizers.traffic(st)
+  t = jaxcomp.get_stats(st)
   assert (t.dense_steps, t.compressed_steps) == (ref["dense"],
                                                  ref["compressed"]) == (4, 7)
+  assert t.silent_steps == 16 - 4 - 7  # local steps between syncs
   assert t.dense_total_bytes == 16 * t.dense_bytes_per_exchange
   # The performance model's schedule and bytes for the same run.
   priced = perfmodel.optimizer_traffic(

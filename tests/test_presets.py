@@ -242,7 +242,7 @@ def test_profile_takes_a_train_state_and_whatif_reads_its_file(tmp_path, capsys)
 def test_whatif_prices_the_compressed_optimizers(no_timing, capsys):
   """`jaxcomp whatif -c onebit_adam ...`: a row per optimizer; a run's
   priced bytes are its phases' (dense warm-up, 1-bit exchanges, 0/1 Adam's
-  skipped rounds) as jaxcomp.optimizers.traffic would count them."""
+  skipped rounds) as jaxcomp.get_stats would count them."""
   assert cli.main(["whatif", "--profile", "bert-base", "-b", "1",
                    "--buckets", "layer", "-c",
                    "onebit_adam", "zero_one_adam:steps=1000,freeze_step=100",
@@ -258,7 +258,8 @@ def test_whatif_prices_the_compressed_optimizers(no_timing, capsys):
   assert dense + onebit + skipped == 1000 and skipped > 0
   pr = pm.predict(profile, opt, net)
   t = pm.optimizer_traffic(opt, profile.layer_sizes, 16)
-  assert (t.dense_steps, t.compressed_steps) == (dense, onebit)
+  assert (t.dense_steps, t.compressed_steps, t.silent_steps) == (dense, onebit,
+                                                                 skipped)
   assert pr.bytes_per_worker * 1000 == pytest.approx(t.total_bytes)
   full = pm.predict(profile, pm.DenseCompressor(), net)
   # A dense step costs what the dense baseline does; a skipped round only

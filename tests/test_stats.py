@@ -206,3 +206,34 @@ def test_multi_steps_exchanges_once_per_every_k_calls(mesh8):
   for steps in (1, 3, 4):
     stats = jaxcomp.get_stats(run_steps(tx, g, mesh8, steps=steps).state)
     assert (stats.every, float(stats.bytes_sent)) == (3, 2 * 100)
+
+
+def test_get_stats_reads_a_compressed_optimizer_and_never_half_a_state(mesh8):
+  """A compressed optimizer's state: get_stats returns its phases (a
+  OneBitTraffic), by path too; beside a compressed_mean, or beside another
+  compressed optimizer, it raises and names by_path; a state with neither
+  is None."""
+  params = {"w": jnp.zeros(4096)}
+  onebit = jaxcomp.init(jaxcomp.onebit_adam(1e-3, axis_name="data",
+                                            freeze_step=3),
+                        params, mesh8).opt_state
+  mean = jaxcomp.init(jaxcomp.compressed_mean("topk", "data", ratio=0.1),
+                      params, mesh8).opt_state
+  t = jaxcomp.get_stats(onebit)
+  assert isinstance(t, jaxcomp.transform.OneBitTraffic)
+  assert (t.dense_steps, t.compressed_steps, t.silent_steps) == (0, 0, 0)
+  assert (t.dense_bytes_per_exchange, t.compressed_bytes_per_exchange) == (
+      16384.0, 584.0)
+  both = (mean, onebit)
+  for kwargs in ({}, {"by_exchange": True}):
+    with pytest.raises(ValueError, match=r"by_path=True"):
+      jaxcomp.get_stats(both, **kwargs)
+  with pytest.raises(ValueError, match=r"2 compressed optimizers.*by_path"):
+    jaxcomp.get_stats((onebit, onebit))
+  each = jaxcomp.get_stats(both, by_path=True)
+  assert list(each) == ["[0]", "[1]"]
+  assert float(each["[0]"].bytes_sent) == float(jaxcomp.get_stats(mean).bytes_sent)
+  assert each["[1]"] == t
+  with pytest.raises(ValueError, match="outside jit"):
+    jax.jit(jaxcomp.get_stats)(onebit)
+  assert jaxcomp.get_stats(optax.adam(1e-3).init(params)) is None

@@ -130,7 +130,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     raise ValueError(f"optimizer {config.optimizer!r} runs with "
                      "sharding='replicated', no DiLoCo and no ratio warm-up")
   # The compressed optimizers count their bytes by phase in their state
-  # (jaxcomp.optimizers.traffic), read after the run.
+  # (jaxcomp.get_stats), read after the run.
   stage_bytes = [] if onebit else common.stage_bytes(
       stages, params, mesh, "diloco" if config.diloco_every else config.sharding)
   if config.optimizer == "zero_one_adam":
@@ -205,7 +205,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                     "bits_per_char": valid_loss / math.log(2),
                     "seconds": time.perf_counter() - t0})
     if onebit:  # bytes so far, by the optimizer's own counts
-      history[-1]["total_wire_bytes"] = jaxcomp.optimizers.traffic(
+      history[-1]["total_wire_bytes"] = jaxcomp.get_stats(
           state.opt_state).total_wire_bytes
     if config.progress:
       print(f"epoch {epoch + 1}: {done} steps, validation loss "
@@ -248,8 +248,8 @@ def _onebit_result(config: Config, corpus, valid, history, done, num_params,
                    state, traffic, memory) -> dict[str, Any]:
   """:func:`train_and_evaluate`'s result for a compressed optimizer: the
   bytes of its phases (dense warm-up, 1-bit exchanges, rounds that sent
-  nothing) from :func:`jaxcomp.optimizers.traffic`."""
-  t = jaxcomp.optimizers.traffic(state.opt_state)
+  nothing) from :func:`jaxcomp.get_stats`."""
+  t = jaxcomp.get_stats(state.opt_state)
   return {
       "dataset": _dataset(config, corpus, valid),
       "epochs": history,

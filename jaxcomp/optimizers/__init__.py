@@ -12,7 +12,8 @@ dense Adam while the variance settles, freezes it, and then compresses
 the momentum (the one quantity left that is linear in the gradients) with
 DeepSpeed's 1-bit all-reduce: sign and scale, with the compression error
 kept both by each worker and by the device that reduces each chunk (the
-"server"). :func:`traffic` reads the bytes of each phase from the state.
+"server"). :func:`jaxcomp.get_stats` reads the bytes of each phase from
+the state (:class:`jaxcomp.transform.OneBitTraffic`).
 
 References:
   Tang et al., 1-bit Adam: Communication Efficient Large-Scale Training
@@ -24,12 +25,9 @@ References:
   <https://arxiv.org/abs/2104.06069>, HiPC 2022.
 """
 
-from jaxcomp.optimizers._exchange import OneBitStats
-from jaxcomp.optimizers._exchange import OneBitTraffic
 from jaxcomp.optimizers._exchange import compressed_allreduce
 from jaxcomp.optimizers._exchange import init_errors
 from jaxcomp.optimizers._exchange import phase_transfers
-from jaxcomp.optimizers._exchange import traffic
 from jaxcomp.optimizers._exchange import OptimizerConfig
 from jaxcomp.optimizers._find import compressed_optimizers_in
 from jaxcomp.optimizers._find import optimizer_configs

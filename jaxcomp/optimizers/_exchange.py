@@ -38,7 +38,7 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ from jaxcomp import _mesh
 from jaxcomp import wire
 from jaxcomp._mesh import AxisName
 from jaxcomp.kernels import bitpack
+from jaxcomp.transform import OneBitStats
 
 
 def padded_size(n: int, p: int) -> int:
@@ -204,30 +205,6 @@ def phase_transfers(sizes: list[int], axis_sizes: dict[str, int], *,
               [sum(sizes)] if fused else list(sizes), axis_sizes)}
 
 
-class OneBitStats(NamedTuple):
-  """Traffic of DeepSpeed's compressed optimizers, by phase, carried in
-  their states (read with :func:`traffic`).
-
-  Per device. A dense step's bytes and a 1-bit exchange's bytes are each
-  one exchange's; the counters say how many of each the run made, so the
-  cadence (warm-up, then 1-bit; 0/1 Adam's skipped rounds) is read apart
-  from the sizes, never summed into one per-step figure here. Operand
-  bytes are what the device hands to collectives; wire bytes what it sends
-  by the ring algorithms (:mod:`jaxcomp.wire`).
-  """
-
-  dense_bytes: jax.Array  # shape=(), float32, operand bytes of one dense
-  #                         exchange (the all-reduce of the gradient)
-  dense_wire_bytes: jax.Array  # shape=(), float32, its ring bytes
-  compressed_bytes: jax.Array  # shape=(), float32, operand bytes of one
-  #                              1-bit exchange
-  compressed_wire_bytes: jax.Array  # shape=(), float32, its ring bytes
-  dense_steps: jax.Array  # shape=(), int32, steps that exchanged densely
-  compressed_steps: jax.Array  # shape=(), int32, 1-bit exchanges made
-  state_bytes: jax.Array  # shape=(), float32, bytes of this device's own
-  #                         state (worker and server errors)
-
-
 def init_stats(nbytes: list[int], sizes: list[int], axis_name: AxisName,
                held) -> OneBitStats:
   """Zero counters and the byte figures of leaves of ``nbytes`` bytes and
@@ -256,89 +233,6 @@ def count(stats: OneBitStats, dense, compressed) -> OneBitStats:
       dense_steps=stats.dense_steps + jnp.asarray(dense, jnp.int32),
       compressed_steps=stats.compressed_steps + jnp.asarray(compressed,
                                                             jnp.int32))
-
-
-class OneBitTraffic(NamedTuple):
-  """What a run of a compressed optimizer has sent so far, per device, in
-  Python numbers (:func:`traffic`)."""
-
-  dense_steps: int  # steps with a dense all-reduce (warm-up)
-  compressed_steps: int  # 1-bit exchanges
-  dense_bytes_per_exchange: float  # operand bytes of one dense step
-  compressed_bytes_per_exchange: float  # operand bytes of one 1-bit exchange
-  total_bytes: float  # operand bytes of the run so far, warm-up included
-  total_wire_bytes: float  # ring bytes of the run so far
-  dense_total_bytes: float  # operand bytes had every step been dense
-  dense_total_wire_bytes: float
-  reduction: float  # dense_total_bytes / total_bytes (1 before any step)
-  wire_reduction: float  # dense_total_wire_bytes / total_wire_bytes
-
-  @classmethod
-  def of(cls, *, dense_steps: int, compressed_steps: int, steps: int,
-         dense: tuple[float, float], compressed: tuple[float, float]
-         ) -> OneBitTraffic:
-    """The traffic of ``steps`` steps, ``dense_steps`` of them dense and
-    ``compressed_steps`` 1-bit exchanges, from the (operand, ring) bytes of
-    one ``dense`` step and of one ``compressed`` exchange."""
-    (db, dw), (cb, cw) = dense, compressed
-    total = dense_steps * db + compressed_steps * cb
-    total_wire = dense_steps * dw + compressed_steps * cw
-    return cls(
-        dense_steps=dense_steps, compressed_steps=compressed_steps,
-        dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
-        total_bytes=total, total_wire_bytes=total_wire,
-        dense_total_bytes=steps * db, dense_total_wire_bytes=steps * dw,
-        reduction=steps * db / total if total else 1.0,
-        wire_reduction=steps * dw / total_wire if total_wire else 1.0)
-
-
-def _has_stats(x) -> bool:
-  return isinstance(x, tuple) and isinstance(getattr(x, "stats", None),
-                                             OneBitStats)
-
-
-def traffic(opt_state, *, steps: int | None = None) -> OneBitTraffic:
-  """The bytes of each phase of a :func:`~jaxcomp.onebit_adam` (or
-  :func:`~jaxcomp.zero_one_adam`) run so far, from its state's counters.
-
-  Args:
-    opt_state: an optimizer state holding one such optimizer's state (the
-      global view, as :func:`jaxcomp.init` and the train step return it).
-    steps: the steps the dense comparison counts; default the steps taken
-      (dense plus 1-bit exchanges plus rounds with no exchange, read from
-      the state's ``count``).
-
-  Returns:
-    A :class:`OneBitTraffic` (it reads the state: call it outside ``jit``).
-
-  Raises:
-    ValueError: ``opt_state`` holds no such state, or several.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jaxcomp
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> tx = jaxcomp.onebit_adam(1e-3, axis_name="data", freeze_step=10)
-    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((4096,))}, mesh)
-    >>> t = jaxcomp.optimizers.traffic(state.opt_state)
-    >>> t.dense_bytes_per_exchange, t.compressed_bytes_per_exchange
-    (16384.0, 584.0)
-  """
-  found = []
-  jax.tree_util.tree_map(lambda x: found.append(x) if _has_stats(x) else None,
-                         opt_state, is_leaf=_has_stats)
-  if len(found) != 1:
-    raise ValueError("expected one onebit_adam / zero_one_adam / "
-                     f"onebit_lamb state in opt_state, found {len(found)}")
-  st = found[0]
-  get = lambda x: jax.device_get(x)
-  stats = st.stats
-  dense_n, comp_n = int(get(stats.dense_steps)), int(get(stats.compressed_steps))
-  db, dw = float(get(stats.dense_bytes)), float(get(stats.dense_wire_bytes))
-  cb, cw = (float(get(stats.compressed_bytes)),
-            float(get(stats.compressed_wire_bytes)))
-  n = int(get(st.count)) if steps is None else int(steps)
-  return OneBitTraffic.of(dense_steps=dense_n, compressed_steps=comp_n,
-                          steps=n, dense=(db, dw), compressed=(cb, cw))
 
 
 NONFINITE = ("skip", "none")

@@ -16,7 +16,7 @@ import optax
 from jaxcomp import _mesh
 from jaxcomp._mesh import AxisName
 from jaxcomp.optimizers import _exchange
-from jaxcomp.optimizers._exchange import OneBitStats
+from jaxcomp.transform import OneBitStats
 
 
 class OneBitAdamState(NamedTuple):
@@ -201,7 +201,7 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, *,
   are each device's own. The paper warns that resetting them (DeepSpeed
   does on every checkpoint load) hurts convergence when done often; here
   they are state like any other and an Orbax checkpoint restores them.
-  Traffic by phase: :func:`jaxcomp.optimizers.traffic` (one 1-bit exchange
+  Traffic by phase: :func:`jaxcomp.get_stats` (one 1-bit exchange
   sends about 1/32 of the dense all-reduce's bytes, plus 3 float32 scales
   per leaf).
 
@@ -246,7 +246,7 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, *,
     ...                        NamedSharding(mesh, P("data")))
     >>> for _ in range(4):  # two dense warm-up steps, two 1-bit ones
     ...   state, loss = step(state, batch)
-    >>> t = jaxcomp.optimizers.traffic(state.opt_state)
+    >>> t = jaxcomp.get_stats(state.opt_state)  # a OneBitTraffic
     >>> t.dense_steps, t.compressed_steps
     (2, 2)
 

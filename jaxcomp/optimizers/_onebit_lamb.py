@@ -15,7 +15,7 @@ import optax
 from jaxcomp import _mesh
 from jaxcomp._mesh import AxisName
 from jaxcomp.optimizers import _exchange
-from jaxcomp.optimizers._exchange import OneBitStats
+from jaxcomp.transform import OneBitStats
 from jaxcomp.optimizers._onebit_adam import AdamSpec
 from jaxcomp.optimizers._onebit_adam import check_adam_args
 from jaxcomp.optimizers._onebit_adam import check_per_device
@@ -272,7 +272,7 @@ def onebit_lamb(learning_rate: float | Callable = 1e-3, *,
     ...                        NamedSharding(mesh, P("data")))
     >>> for _ in range(4):  # two dense warm-up steps, two 1-bit ones
     ...   state, loss = step(state, batch)
-    >>> t = jaxcomp.optimizers.traffic(state.opt_state)
+    >>> t = jaxcomp.get_stats(state.opt_state)  # a OneBitTraffic
     >>> t.dense_steps, t.compressed_steps
     (2, 2)
 

@@ -16,7 +16,7 @@ import optax
 from jaxcomp import _mesh
 from jaxcomp._mesh import AxisName
 from jaxcomp.optimizers import _exchange
-from jaxcomp.optimizers._exchange import OneBitStats
+from jaxcomp.transform import OneBitStats
 from jaxcomp.optimizers._onebit_adam import AdamSpec
 from jaxcomp.optimizers._onebit_adam import check_adam_args
 from jaxcomp.optimizers._onebit_adam import check_per_device
@@ -244,7 +244,7 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
     plus ``c / (sqrt(v) + eps)``, ``m = -c / lrs``, and ``u``, ``lrs``
     restart. The other steps send nothing (the paper's skipped rounds).
 
-  Bytes: :func:`jaxcomp.optimizers.traffic` (dense variance steps, 1-bit
+  Bytes: :func:`jaxcomp.get_stats` (dense variance steps, 1-bit
   exchanges, and the steps that sent nothing: ``count`` minus both).
 
   Args:
@@ -293,9 +293,11 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
     ...                        NamedSharding(mesh, P("data")))
     >>> for _ in range(12):
     ...   state, loss = step(state, batch)
-    >>> t = jaxcomp.optimizers.traffic(state.opt_state)
+    >>> t = jaxcomp.get_stats(state.opt_state)  # a OneBitTraffic
     >>> t.dense_steps, t.compressed_steps  # 4 variance steps; syncs at 5, 6, 8, 12
     (4, 4)
+    >>> t.silent_steps  # the local steps between the syncs
+    4
 
   References:
     Lu et al., Maximizing Communication Efficiency for Large-scale

@@ -17,7 +17,7 @@ average over its steps of each kind:
 
 How many of each a run of ``steps`` steps takes follows the optimizer's
 own schedule (:func:`optimizer_phases`), and the bytes are the ones
-:func:`jaxcomp.optimizers.traffic` counts for that run
+:func:`jaxcomp.get_stats` counts for that run
 (:func:`optimizer_traffic`).
 
 References:
@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from jaxcomp import optimizers
 from jaxcomp import wire
+from jaxcomp.transform import OneBitTraffic
 from jaxcomp.perfmodel import costs
 from jaxcomp.perfmodel.pricing import CodecCost
 
@@ -140,10 +141,10 @@ def _transfers(sizes: tuple[int, ...], workers: int, fused: bool) -> dict:
 
 
 def optimizer_traffic(opt: CompressedOptimizer, sizes: Sequence[int],
-                      workers: int) -> optimizers.OneBitTraffic:
+                      workers: int) -> OneBitTraffic:
   """What a run of ``opt`` sends per device over ``workers`` devices for
   float32 leaves of ``sizes`` elements: the figures
-  :func:`jaxcomp.optimizers.traffic` reads from the state after the same
+  :func:`jaxcomp.get_stats` reads from the state after the same
   run (the same transfers, :func:`jaxcomp.optimizers.phase_transfers`)."""
   t = _transfers(tuple(sizes), workers, opt.fused)
   db = float(wire.operand_bytes(t["dense"]))
@@ -151,7 +152,7 @@ def optimizer_traffic(opt: CompressedOptimizer, sizes: Sequence[int],
   cb = float(wire.operand_bytes(t["compressed"]))
   cw = float(wire.total_ring_bytes(t["compressed"]))
   dense, onebit, _ = optimizer_phases(opt)
-  return optimizers.OneBitTraffic.of(
+  return OneBitTraffic.of(
       dense_steps=dense, compressed_steps=onebit, steps=opt.steps,
       dense=(db, dw), compressed=(cb, cw))
 

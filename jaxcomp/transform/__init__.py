@@ -1,6 +1,7 @@
 """The public transform, :func:`compressed_mean`, and what it carries in its
 state: its configuration (:func:`transform_configs`) and its traffic
-statistics (:func:`get_stats`).
+statistics (:func:`get_stats`, which also reads the compressed optimizers'
+per-phase counters, :class:`OneBitStats`).
 
 Pieces, each on one screen: the factory and its ``init`` and ``update``,
 functions of the resolved configuration (``_compressed_mean``), the bucket
@@ -22,6 +23,8 @@ from jaxcomp.transform._compressed_mean import with_cadence
 from jaxcomp.transform._config import TransformConfig
 from jaxcomp.transform._stats import CompressionStats
 from jaxcomp.transform._stats import ExchangeStats
+from jaxcomp.transform._stats import OneBitStats
+from jaxcomp.transform._stats import OneBitTraffic
 from jaxcomp.transform._stats import dense_bytes_of
 from jaxcomp.transform._stats import get_stats
 from jaxcomp.transform._stats import traffic_stats

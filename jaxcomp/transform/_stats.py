@@ -1,4 +1,5 @@
-"""Traffic statistics of a compressed exchange, carried in the state."""
+"""Traffic statistics carried in the state: of a compressed exchange
+(`compressed_mean`'s), and of the compressed optimizers' phases."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -174,6 +176,112 @@ class ExchangeStats(NamedTuple):
     return ",".join(axes) if isinstance(axes, tuple) else str(axes)
 
 
+class OneBitStats(NamedTuple):
+  """Traffic of DeepSpeed's compressed optimizers (:func:`jaxcomp.onebit_adam`,
+  :func:`jaxcomp.zero_one_adam`, :func:`jaxcomp.onebit_lamb`), by phase,
+  carried in their states (read with :func:`get_stats`, which returns a
+  :class:`OneBitTraffic`).
+
+  Per device. A dense step's bytes and a 1-bit exchange's bytes are each
+  one exchange's; the counters say how many of each the run made, so the
+  cadence (warm-up, then 1-bit; 0/1 Adam's skipped rounds) is read apart
+  from the sizes, never summed into one per-step figure here. Operand
+  bytes are what the device hands to collectives; wire bytes what it sends
+  by the ring algorithms (:mod:`jaxcomp.wire`).
+  """
+
+  dense_bytes: jax.Array  # shape=(), float32, operand bytes of one dense
+  #                         exchange (the all-reduce of the gradient)
+  dense_wire_bytes: jax.Array  # shape=(), float32, its ring bytes
+  compressed_bytes: jax.Array  # shape=(), float32, operand bytes of one
+  #                              1-bit exchange
+  compressed_wire_bytes: jax.Array  # shape=(), float32, its ring bytes
+  dense_steps: jax.Array  # shape=(), int32, steps that exchanged densely
+  compressed_steps: jax.Array  # shape=(), int32, 1-bit exchanges made
+  state_bytes: jax.Array  # shape=(), float32, bytes of this device's own
+  #                         state (worker and server errors)
+
+
+class OneBitTraffic(NamedTuple):
+  """What a run of a compressed optimizer has sent so far, per device, in
+  Python numbers, phase by phase: :func:`get_stats` of a state holding
+  :func:`jaxcomp.onebit_adam`, :func:`jaxcomp.zero_one_adam` or
+  :func:`jaxcomp.onebit_lamb` (read from its :class:`OneBitStats` and its
+  step count), and :func:`jaxcomp.perfmodel.optimizer_traffic`'s price of
+  a run. Bytes are operand bytes (handed to collectives) unless named wire
+  bytes (sent over the links by the ring algorithms, :mod:`jaxcomp.wire`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = jaxcomp.onebit_adam(1e-3, axis_name="data", freeze_step=10)
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros((4096,))}, mesh)
+    >>> t = jaxcomp.get_stats(state.opt_state)  # no step yet
+    >>> t.dense_bytes_per_exchange, t.compressed_bytes_per_exchange
+    (16384.0, 584.0)
+    >>> t.dense_steps, t.compressed_steps, t.silent_steps, t.total_bytes
+    (0, 0, 0, 0.0)
+  """
+
+  dense_steps: int  # steps with a dense all-reduce (warm-up, 0/1 Adam's
+  #                   variance steps)
+  compressed_steps: int  # 1-bit exchanges
+  silent_steps: int  # steps that sent nothing (0/1 Adam's local steps)
+  dense_bytes_per_exchange: float  # operand bytes of one dense step
+  compressed_bytes_per_exchange: float  # operand bytes of one 1-bit exchange
+  total_bytes: float  # operand bytes of the run so far, warm-up included
+  total_wire_bytes: float  # ring bytes of the run so far
+  dense_total_bytes: float  # operand bytes had every step been dense
+  dense_total_wire_bytes: float
+  reduction: float  # dense_total_bytes / total_bytes (1 before any step)
+  wire_reduction: float  # dense_total_wire_bytes / total_wire_bytes
+
+  @classmethod
+  def of(cls, *, dense_steps: int, compressed_steps: int, steps: int,
+         dense: tuple[float, float], compressed: tuple[float, float]
+         ) -> OneBitTraffic:
+    """The traffic of ``steps`` steps, ``dense_steps`` of them dense and
+    ``compressed_steps`` 1-bit exchanges (the rest sent nothing), from the
+    (operand, ring) bytes of one ``dense`` step and of one ``compressed``
+    exchange."""
+    (db, dw), (cb, cw) = dense, compressed
+    total = dense_steps * db + compressed_steps * cb
+    total_wire = dense_steps * dw + compressed_steps * cw
+    return cls(
+        dense_steps=dense_steps, compressed_steps=compressed_steps,
+        silent_steps=steps - dense_steps - compressed_steps,
+        dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
+        total_bytes=total, total_wire_bytes=total_wire,
+        dense_total_bytes=steps * db, dense_total_wire_bytes=steps * dw,
+        reduction=steps * db / total if total else 1.0,
+        wire_reduction=steps * dw / total_wire if total_wire else 1.0)
+
+
+def _has_phases(x) -> bool:
+  """Whether ``x`` is a compressed optimizer's state, carrying
+  :class:`OneBitStats` in a ``stats`` field."""
+  return isinstance(x, tuple) and isinstance(getattr(x, "stats", None),
+                                             OneBitStats)
+
+
+def _phases_of(x) -> OneBitTraffic:
+  """The :class:`OneBitTraffic` of one compressed optimizer's state ``x``
+  (global view): its counters, its bytes, the steps it took (``count``).
+  Reads the arrays to Python numbers: outside ``jit``."""
+  if isinstance(x.count, jax.core.Tracer):
+    raise ValueError("get_stats reads a compressed optimizer's counters as "
+                     "Python numbers: call it outside jit")
+  get = lambda a: jax.device_get(a)
+  stats = x.stats
+  return OneBitTraffic.of(
+      dense_steps=int(get(stats.dense_steps)),
+      compressed_steps=int(get(stats.compressed_steps)),
+      steps=int(get(x.count)),
+      dense=(float(get(stats.dense_bytes)), float(get(stats.dense_wire_bytes))),
+      compressed=(float(get(stats.compressed_bytes)),
+                  float(get(stats.compressed_wire_bytes))))
+
+
 def _has_stats(x) -> bool:
   """Whether ``x`` is a transform state carrying :class:`CompressionStats`
   in a ``stats`` field (``compressed_mean``'s, ``jaxcomp.demo``'s)."""
@@ -245,6 +353,30 @@ def _describe(s: ExchangeStats) -> str:
   return f"{s.name!r}: {s.collective} {when}"
 
 
+def _phases_report(items, exchanges: dict[str, ExchangeStats],
+                   by_exchange: bool) -> OneBitTraffic:
+  """The one compressed optimizer's report of a state whose ``items``
+  (``(path, state)`` in tree order) hold compressed optimizers, or the
+  ValueError that sends the caller to ``by_path``."""
+  paths = [k or "the root" for k, x in items if _has_phases(x)]
+  if by_exchange:
+    raise ValueError(
+        f"this state holds a compressed optimizer (at {', '.join(paths)}), "
+        "whose phases are not an exchange of one cadence: read it with "
+        "get_stats(state), or everything with get_stats(state, by_path=True)")
+  if exchanges:
+    raise ValueError(
+        "this state holds compressed_mean exchanges ("
+        + "; ".join(_describe(s) for s in exchanges.values())
+        + f") and a compressed optimizer's phases (at {', '.join(paths)}), "
+        "which are not summed: read each with get_stats(state, by_path=True)")
+  if len(paths) > 1:
+    raise ValueError(
+        f"this state holds {len(paths)} compressed optimizers (at "
+        f"{', '.join(paths)}): read each with get_stats(state, by_path=True)")
+  return _phases_of(next(x for _, x in items if _has_phases(x)))
+
+
 def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
   """The statistics of the exchanges of the :func:`compressed_mean`
   transforms (and :func:`jaxcomp.demo`, :func:`jaxcomp.diloco`) in an
@@ -262,23 +394,37 @@ def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
   Bytes are per device per exchange (:class:`ExchangeStats`); exchanges of
   different cadences or axes are never summed.
 
+  A compressed optimizer (:func:`jaxcomp.onebit_adam`,
+  :func:`jaxcomp.zero_one_adam`, :func:`jaxcomp.onebit_lamb`) owns its
+  exchange and changes it by phase (dense warm-up, 1-bit exchanges, 0/1
+  Adam's steps that send nothing): for it ``get_stats`` returns the run so
+  far, phase by phase (:class:`OneBitTraffic`, Python numbers read from
+  the state's counters: call it outside ``jit``).
+
   Args:
-    state: an optimizer state (global or per-device view).
+    state: an optimizer state (global or per-device view; the global view
+      where it holds a compressed optimizer).
     by_exchange: return every exchange, by name.
-    by_path: return each transform's statistics by its path in ``state``.
+    by_path: return each transform's statistics (each compressed
+      optimizer's report) by its path in ``state``.
 
   Returns:
-    By default the :class:`ExchangeStats` of the state's one exchange, or
-    None if there is none. With ``by_exchange=True``: ``{name:
+    By default the :class:`ExchangeStats` of the state's one exchange, the
+    :class:`OneBitTraffic` of its one compressed optimizer, or None if
+    there is neither. With ``by_exchange=True``: ``{name:
     ExchangeStats}``, the name the exchange's axis name (several axes
     joined by ``","``), in tree order. With ``by_path=True``: ``{path
-    string: ExchangeStats}`` of each transform, in tree order.
+    string: ExchangeStats or OneBitTraffic}`` of each transform and
+    compressed optimizer, in tree order.
 
   Raises:
     ValueError: the state holds several exchanges and neither
       ``by_exchange`` nor ``by_path`` was asked for (the message lists
       them); with ``by_exchange``, two exchanges over the same axes that
-      differ in collective or cadence (read them ``by_path``); both
+      differ in collective or cadence (read them ``by_path``); a
+      compressed optimizer beside a ``compressed_mean`` or another
+      compressed optimizer, or with ``by_exchange`` (read them
+      ``by_path``); a compressed optimizer's state inside ``jit``; both
       ``by_exchange`` and ``by_path``.
 
   Example:
@@ -294,6 +440,23 @@ def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
     (128.0, 4.0)
     >>> list(jaxcomp.get_stats(state.opt_state, by_path=True))  # by the chain's index
     ['[0]']
+
+    1-bit Adam, 3 dense steps then 1-bit exchanges (one leaf of 4096
+    float32 values over 8 devices: 16384 bytes dense, 584 in 1 bit).
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = jaxcomp.onebit_adam(1e-3, axis_name="data", freeze_step=3)
+    >>> state = jaxcomp.init(tx, {"w": jnp.zeros(4096)}, mesh)
+    >>> step = jaxcomp.make_train_step(
+    ...     lambda p, x: jnp.sum((p["w"] - x[0]) ** 2), tx, mesh=mesh)
+    >>> batch = jax.device_put(jnp.ones((8, 4096)),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> for _ in range(5):
+    ...   state, _ = step(state, batch)
+    >>> t = jaxcomp.get_stats(state.opt_state)
+    >>> t.dense_steps, t.compressed_steps, t.total_bytes
+    (3, 2, 50320.0)
 
     DiLoCo across 2 islands, an exact float32 mean inside each island
     every step and an int8 sync across islands every 50 steps (1024 int8
@@ -312,16 +475,21 @@ def get_stats(state, *, by_exchange: bool = False, by_path: bool = False):
   """
   if by_exchange and by_path:
     raise ValueError("get_stats takes by_exchange or by_path, not both")
-  found = []
+  items = []
+  is_leaf = lambda x: _has_stats(x) or _has_phases(x)
 
   def visit(path, x):
-    if _has_stats(x):
-      found.append((jax.tree_util.keystr(path), _exchange_of(x)))
+    if is_leaf(x):
+      items.append((jax.tree_util.keystr(path), x))
 
-  jax.tree_util.tree_map_with_path(visit, state, is_leaf=_has_stats)
+  jax.tree_util.tree_map_with_path(visit, state, is_leaf=is_leaf)
   if by_path:
-    return dict(found)
-  exchanges = _by_exchange([s for _, s in found])
+    return {k: _exchange_of(x) if _has_stats(x) else _phases_of(x)
+            for k, x in items}
+  exchanges = _by_exchange([_exchange_of(x) for _, x in items
+                            if _has_stats(x)])
+  if any(_has_phases(x) for _, x in items):
+    return _phases_report(items, exchanges, by_exchange)
   if by_exchange:
     return exchanges
   if len(exchanges) > 1:
