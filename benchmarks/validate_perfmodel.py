@@ -553,14 +553,27 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     coll = None
     if not comps[s].linear and "all-to-all" in kinds:
       coll = "auto"
+    # The buckets: compressed_mean's default plan (bucketing="auto": a large
+    # tensor alone, the small ones packed into one bucket) for a compressor
+    # that encodes; a linear one without its own exchange (dense) is one
+    # all-reduce per tensor, which XLA combines into one op of one operand
+    # per tensor.
+    per_bucket = 2 if coll else 1  # two-phase: two collectives per array
+    inner = getattr(comps[s], "inner", comps[s])  # under OnWire
+    dense = inner.linear and not getattr(inner, "own_exchange", False)
+    plan = "layer" if dense else "auto"
+    n_buckets = len(pm.bucket_plan(plan, prof_s))
     if n_msgs == 1:
       buckets, msgs = "single", 1
-    else:
-      per_bucket = 2 if coll else 1  # two-phase: two collectives per array
+    elif n_msgs % (n_buckets * per_bucket) == 0:
+      buckets, msgs = plan, n_msgs // (n_buckets * per_bucket)
+    else:  # a plan this script does not know: per tensor, messages averaged
       buckets, msgs = "layer", max(1, round(n_msgs / leaves / per_bucket))
     # from_hlo: the compiled step's bytes and messages (OnWire); otherwise
     # the library's own collective and transfers, as compressed_mean runs.
     how = dict(messages_per_bucket=msgs, collective=coll) if from_hlo else {}
+    if not from_hlo:
+      buckets = plan
     preds[s] = pm.predict(prof_s, comps[s], net, codec=codecs[s], buckets=buckets,
                           overlap="serial", **how)
     extra = sync
