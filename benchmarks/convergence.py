@@ -369,7 +369,12 @@ def _onebit_check(r, dense) -> str:
           f"{fewer:.1f}x fewer wire bytes; {r['dense_steps']} dense steps, "
           f"{r['compressed_steps']} 1-bit exchanges, "
           f"{r['steps'] - r['dense_steps'] - r['compressed_steps']} "
-          f"skipped).")
+          f"skipped; {_fields_text(r.get('fields', {}))}).")
+
+
+def _fields_text(fields: dict) -> str:
+  """The optimizer's settings of a row, ``key value`` pairs."""
+  return ", ".join(f"{k} {v}" for k, v in fields.items() if k != "optimizer")
 
 
 def plot_curves(summary, path):

@@ -247,6 +247,14 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, *,
   Bytes: :func:`jaxcomp.get_stats` (dense variance steps, 1-bit
   exchanges, and the steps that sent nothing: ``count`` minus both).
 
+  The learning rate: as DeepSpeed's, there is no bias correction, and the
+  variance is frozen after few updates when ``var_freeze_step`` is short
+  (87 updates by step 720 at ``var_update_scaler=16``), so ``v`` holds
+  about ``1 - b2**updates`` of the gradient's second moment and each step
+  is larger than Adam's at the same rate (about 3.5x there). On the
+  character LM of docs/optimizers.md, Adam's tuned 3e-3 ended 14.5% above
+  Adam's validation loss and 1e-3 within 2.5%.
+
   Args:
     learning_rate: a number, or an optax schedule of the step count.
     axis_name: the data-parallel mesh axis (or axes).
