@@ -436,3 +436,16 @@ def _default_burst(rate: str) -> str:
     return "256kb"
   bits = float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
   return f"{max(64, int(bits / 8 / 1000 / 1024))}kb"  # ~1 ms of traffic
+
+
+def burst_for(rate: str, ms: float) -> str:
+  """A tbf burst of ``ms`` milliseconds of traffic at ``rate`` (tc syntax),
+  at least two full-size Ethernet frames (3 KiB). A small burst makes the
+  link serialise a short message at the rate, as a real link of that rate
+  does; tbf's default here (1 ms, at least 64 KiB) lets up to 64 KiB
+  through at once."""
+  m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.lower())
+  if not m:
+    raise ValueError(f"rate must be like '100mbit', got {rate!r}")
+  bits = float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+  return f"{max(3, int(bits / 8 * ms / 1000 / 1024))}kb"

@@ -601,7 +601,10 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
 
 def run_one(cluster, nproc, rate, args, tmpdir):
   result = os.path.join(tmpdir, f"r{nproc}_{rate}.json")
-  cluster.set_rate(None if rate == "unlimited" else rate)
+  import netns  # benchmarks/netns.py, beside this script
+  burst = (netns.burst_for(rate, args.tbf_burst_ms)
+           if args.tbf_burst_ms is not None and rate != "unlimited" else None)
+  cluster.set_rate(None if rate == "unlimited" else rate, burst=burst)
   coord = f"{cluster.namespaces[0].address}:{args.port}"
   procs, logs = [], []
   for i in range(nproc):
@@ -864,6 +867,10 @@ def main(argv=None) -> int:
                   help="time the one-worker and local steps after a barrier, so that "
                   "all workers compute together as in a synchronous step; 'auto': "
                   "where workers outnumber this machine's cores")
+  ap.add_argument("--tbf-burst-ms", type=float, default=None,
+                  help="tbf burst as milliseconds of traffic at the link's rate "
+                  "(at least 3 KiB); default: netns.py's (1 ms, at least 64 KiB, "
+                  "which lets short messages through faster than the rate)")
   ap.add_argument("--pin", action="store_true",
                   help="pin worker i to core i %% cores (taskset)")
   ap.add_argument("--fit", choices=("per-kind", "link", "nominal"), default="per-kind",
