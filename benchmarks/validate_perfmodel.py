@@ -510,8 +510,8 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   codecs = {s: pm.CodecCost.from_dict(res["codecs"][s]) for s in specs}
   # XLA:CPU runs the step's collectives in program order on the compute
   # thread, so nothing overlaps the backward pass. The buckets are what the
-  # compiled program sends: compressed_mean(bucketing="layerwise") makes one
-  # bucket per tensor, and a payload of k arrays travels as k messages. XLA's
+  # compiled program sends: compressed_mean's default plan (below), and a
+  # payload of k arrays travels as k messages. XLA's
   # combiner merges same-typed collectives into one tuple-shaped op, but
   # XLA:CPU still runs one gloo collective per operand.
   if compute == "local":
@@ -532,8 +532,6 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       prof_s = prof_s.scaled(res["local_steps"][s] / prof_s.compute_time)
     else:
       prof_s = prof
-    # Messages, not ops: a tuple-shaped collective runs one gloo collective
-    # per operand (older result files only have the op count).
     if s in OPTIMIZER_SPECS[1:]:
       # --compute local: compute, 1-bit encode/decode and the update as the
       # one-device step measured them; otherwise the compute alone.
@@ -544,6 +542,8 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
             compute_time=preds[s].compute_time + sync,
             scaling_factor=prof_s.compute_time / (preds[s].step_time + sync))
       continue
+    # Messages, not ops: a tuple-shaped collective runs one gloo collective
+    # per operand (older result files only have the op count).
     n_msgs = len(res["collective_messages"][s]) if "collective_messages" in res \
         else res["collective_ops"][s]
     # Compressors that are not linear go through jaxcomp's default
