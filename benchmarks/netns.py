@@ -430,11 +430,18 @@ def _delete_matching(match) -> list[str]:
   return gone
 
 
-def _default_burst(rate: str) -> str:
+def _bits_per_second(rate: str) -> float | None:
+  """``rate`` in tc syntax ("100mbit") as bit/s; None if not of that form."""
   m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.lower())
   if not m:
+    return None
+  return float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def _default_burst(rate: str) -> str:
+  bits = _bits_per_second(rate)
+  if bits is None:
     return "256kb"
-  bits = float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
   return f"{max(64, int(bits / 8 / 1000 / 1024))}kb"  # ~1 ms of traffic
 
 
@@ -444,8 +451,7 @@ def burst_for(rate: str, ms: float) -> str:
   link serialise a short message at the rate, as a real link of that rate
   does; tbf's default here (1 ms, at least 64 KiB) lets up to 64 KiB
   through at once."""
-  m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.lower())
-  if not m:
+  bits = _bits_per_second(rate)
+  if bits is None:
     raise ValueError(f"rate must be like '100mbit', got {rate!r}")
-  bits = float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
   return f"{max(3, int(bits / 8 * ms / 1000 / 1024))}kb"
