@@ -75,7 +75,8 @@ MODELS = ("mlp", "cnn", "char_lm")
 # optimizers that own their exchange, timed after their freeze
 # (freeze_step=1: every timed step makes one 1-bit exchange). Give "adam"
 # first to measure the others' speedup against it.
-OPTIMIZER_SPECS = ("adam", "onebit_adam", "onebit_lamb")
+OWN_EXCHANGE = ("onebit_adam", "onebit_lamb")  # priced as CompressedOptimizer
+OPTIMIZER_SPECS = ("adam",) + OWN_EXCHANGE
 OPTIMIZER_LR = 1e-3
 # Per-worker batches of the examples' models, small enough that a step on
 # one CPU core takes tens of milliseconds (rows of images; windows of tokens).
@@ -497,7 +498,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
   net = pm.Network(p, pm.Link(alpha, beta), per_collective=per_kind)
   comps = {}
   for spec in specs:
-    if spec in OPTIMIZER_SPECS[1:]:
+    if spec in OWN_EXCHANGE:
       # The library's own transfers (the optimizer's phase_transfers), all
       # steps after the freeze.
       comps[spec] = pm.CompressedOptimizer(spec, steps=1_000_000, freeze_step=1)
@@ -532,7 +533,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
       prof_s = prof_s.scaled(res["local_steps"][s] / prof_s.compute_time)
     else:
       prof_s = prof
-    if s in OPTIMIZER_SPECS[1:]:
+    if s in OWN_EXCHANGE:
       # --compute local: compute, 1-bit encode/decode and the update as the
       # one-device step measured them; otherwise the compute alone.
       preds[s] = pm.predict(prof_s, comps[s], net, buckets="layer", overlap="serial")
@@ -677,7 +678,7 @@ def merge_ranks(res, others):
 def formula_bytes(spec, n, workers=2):
   from jaxcomp import compressors, optimizers, wire
   from jaxcomp.cli import parse_compressor_spec
-  if spec in OPTIMIZER_SPECS[1:]:  # one 1-bit exchange's operand bytes
+  if spec in OWN_EXCHANGE:  # one 1-bit exchange's operand bytes
     return wire.operand_bytes(optimizers.phase_transfers(
         [int(n)], {"data": workers})["compressed"])
   name, kw = parse_compressor_spec("identity" if spec == "adam" else spec)
@@ -721,7 +722,7 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
           "profile_alone_predicted_ms": alone[spec].step_time * 1e3,
           # A compressed optimizer's compiled step holds both phases'
           # collectives (a cond), so its wire bytes are not one step's.
-          "wire_over_formula": None if spec in OPTIMIZER_SPECS[1:] else
+          "wire_over_formula": None if spec in OWN_EXCHANGE else
           res["wire_bytes"][spec] / sum(
               formula_bytes(spec, n, nproc) for n in res["leaf_sizes"]),
           "measured_speedup": res["steps"][specs[0]]["median"] / meas,
