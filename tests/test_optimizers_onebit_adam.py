@@ -277,13 +277,15 @@ def test_an_fsdp_layout_refuses_the_compressed_optimizers_by_name(mesh8, name):
     jaxcomp.init(tx, {"w": jnp.zeros((64,))}, mesh8, layout=jaxcomp.FSDP())
 
 
-# 1-bit LAMB runs the same guard (optimizers._exchange.guard_nonfinite).
-@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam",
+                                  "onebit_lamb"])
 def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(mesh8,
                                                                       name):
-  """nonfinite="skip" (the default): a NaN in device 3's gradient on a 1-bit
-  step leaves every device's state (errors, momentum, counters) and
-  parameters as they were; the next finite step goes on from there."""
+  """nonfinite="skip" (the default, optimizers._exchange.guard_nonfinite):
+  a NaN in device 3's gradient on a 1-bit step leaves every device's
+  parameters and state (errors, momentum, step and phase counters) bit for
+  bit as they were but for one more stats.skipped_steps, which get_stats
+  reports; the next finite step goes on from there."""
   make = getattr(jaxcomp, name)
   tx = (make(1e-2, var_freeze_step=1) if name == "zero_one_adam"
         else make(1e-2, freeze_step=1))
@@ -297,14 +299,28 @@ def test_a_nonfinite_gradient_on_one_device_skips_the_step_everywhere(mesh8,
   state, _ = step(state, _put(g0, mesh8))  # the dense step
   bad = {k: v.copy() for k, v in g1.items()}
   bad["w"][3, 0, 0] = np.nan
-  after, _ = step(state, _put(bad, mesh8))
-  before = jax.tree.leaves((state.params, state.opt_state))
-  for x, y in zip(before, jax.tree.leaves((after.params, after.opt_state))):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  after = state
+  for skipped in (1, 2):
+    before = after
+    after, _ = step(before, _put(bad, mesh8))
+    stats = before.opt_state.stats
+    want = before.opt_state._replace(stats=stats._replace(
+        skipped_steps=stats.skipped_steps + 1))
+    got = jax.tree.leaves((after.params, after.opt_state))
+    assert len(got) == len(jax.tree.leaves((before.params, want)))
+    for x, y in zip(jax.tree.leaves((before.params, want)), got):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.all(np.asarray(after.opt_state.stats.skipped_steps) == skipped)
+    assert jaxcomp.get_stats(after.opt_state).skipped_steps == skipped
   after, _ = step(after, _put(g1, mesh8))
   assert all(np.isfinite(np.asarray(x)).all()
              for x in jax.tree.leaves((after.params, after.opt_state)))
-  assert jaxcomp.get_stats(after.opt_state).compressed_steps == 1
+  t = jaxcomp.get_stats(after.opt_state)
+  assert (t.compressed_steps, t.skipped_steps) == (1, 2)
+  # The skipped steps are not among the steps taken, nor in the totals.
+  assert t.dense_steps + t.compressed_steps + t.silent_steps == 2
+  assert t.total_bytes == (t.dense_steps * t.dense_bytes_per_exchange
+                           + t.compressed_bytes_per_exchange)
 
 
 def test_the_checkpoint_records_the_hyperparameters(mesh8):

@@ -223,7 +223,8 @@ def init_stats(nbytes: list[int], sizes: list[int], axis_name: AxisName,
       dense_steps=jnp.zeros((), jnp.int32),
       compressed_steps=jnp.zeros((), jnp.int32),
       state_bytes=f32(sum(x.size * x.dtype.itemsize
-                          for x in jax.tree.leaves(held))))
+                          for x in jax.tree.leaves(held))),
+      skipped_steps=jnp.zeros((), jnp.int32))
 
 
 def count(stats: OneBitStats, dense, compressed) -> OneBitStats:
@@ -251,10 +252,12 @@ def guard_nonfinite(update: Callable, axis_name: AxisName, nonfinite: str,
   """``update`` (an optax update function) with the non-finite policy
   ``nonfinite``: ``"skip"``, a step where any device's gradient holds a
   NaN or Inf returns zero updates and leaves the whole state as it was
-  (nothing else is exchanged on it; the step counter does not move, so
+  but for one more ``state.stats.skipped_steps`` (:class:`OneBitStats`;
+  nothing else is exchanged on it; the step counter does not move, so
   the schedule resumes where it stopped), at the cost of one 4-byte
   all-reduce every step; ``"none"``, no check (a NaN reaches the
-  momentum and, through the 1-bit exchange, every device)."""
+  momentum and, through the 1-bit exchange, every device). ``update``'s
+  state is the optimizer's own (a named tuple with a ``stats`` field)."""
   if nonfinite == "none":
     return update
 
@@ -265,7 +268,9 @@ def guard_nonfinite(update: Callable, axis_name: AxisName, nonfinite: str,
     def skip(_):
       zeros = jax.tree.map(
           lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), updates)
-      return zeros, state
+      stats = state.stats
+      return zeros, state._replace(stats=stats._replace(
+          skipped_steps=stats.skipped_steps + jnp.int32(1)))
 
     return _mesh.cond(bad, skip, lambda _: update(updates, state, params),
                       None)

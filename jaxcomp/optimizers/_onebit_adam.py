@@ -218,8 +218,9 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, *,
     nonfinite: what a NaN or Inf in any device's gradient does:
       ``"skip"`` (default) the step returns zero updates and leaves the
       whole state (errors, momentum, counters) as it was, on every device,
-      at the cost of one 4-byte all-reduce per step (not in the byte
-      counts); ``"none"`` no check.
+      but for one more ``stats.skipped_steps`` (``get_stats``'
+      ``skipped_steps``), at the cost of one 4-byte all-reduce per step
+      (not in the byte counts); ``"none"`` no check.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is

@@ -154,6 +154,7 @@ def optimizer_traffic(opt: CompressedOptimizer, sizes: Sequence[int],
   dense, onebit, _ = optimizer_phases(opt)
   return OneBitTraffic.of(
       dense_steps=dense, compressed_steps=onebit, steps=opt.steps,
+      skipped_steps=0,
       dense=(db, dw), compressed=(cb, cw))
 
 

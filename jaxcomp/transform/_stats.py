@@ -200,6 +200,10 @@ class OneBitStats(NamedTuple):
   compressed_steps: jax.Array  # shape=(), int32, 1-bit exchanges made
   state_bytes: jax.Array  # shape=(), float32, bytes of this device's own
   #                         state (worker and server errors)
+  skipped_steps: jax.Array  # shape=(), int32, steps skipped under
+  #                           nonfinite="skip" because some device's
+  #                           gradient held a NaN or Inf (the only field
+  #                           such a step changes)
 
 
 class OneBitTraffic(NamedTuple):
@@ -211,6 +215,14 @@ class OneBitTraffic(NamedTuple):
   a run. Bytes are operand bytes (handed to collectives) unless named wire
   bytes (sent over the links by the ring algorithms, :mod:`jaxcomp.wire`).
 
+  The totals count the dense exchanges and the 1-bit exchanges only:
+  ``total_bytes = dense_steps * dense_bytes_per_exchange + compressed_steps
+  * compressed_bytes_per_exchange`` (wire bytes likewise), and the dense
+  comparison prices the steps taken (``dense_steps + compressed_steps +
+  silent_steps``) as dense. Neither counts the non-finite check of
+  ``nonfinite="skip"`` (one 4-byte all-reduce on every step) nor the
+  ``skipped_steps``, on which that check is all a device sends.
+
   Example:
     >>> import jax, jax.numpy as jnp, jaxcomp
     >>> mesh = jax.make_mesh((8,), ("data",))
@@ -219,14 +231,19 @@ class OneBitTraffic(NamedTuple):
     >>> t = jaxcomp.get_stats(state.opt_state)  # no step yet
     >>> t.dense_bytes_per_exchange, t.compressed_bytes_per_exchange
     (16384.0, 584.0)
-    >>> t.dense_steps, t.compressed_steps, t.silent_steps, t.total_bytes
-    (0, 0, 0, 0.0)
+    >>> t.dense_steps, t.compressed_steps, t.silent_steps, t.skipped_steps
+    (0, 0, 0, 0)
+    >>> t.total_bytes
+    0.0
   """
 
   dense_steps: int  # steps with a dense all-reduce (warm-up, 0/1 Adam's
   #                   variance steps)
   compressed_steps: int  # 1-bit exchanges
   silent_steps: int  # steps that sent nothing (0/1 Adam's local steps)
+  skipped_steps: int  # steps skipped for a non-finite gradient
+  #                     (nonfinite="skip"): each sent only the 4-byte
+  #                     check, in no byte total; not among the steps taken
   dense_bytes_per_exchange: float  # operand bytes of one dense step
   compressed_bytes_per_exchange: float  # operand bytes of one 1-bit exchange
   total_bytes: float  # operand bytes of the run so far, warm-up included
@@ -238,18 +255,20 @@ class OneBitTraffic(NamedTuple):
 
   @classmethod
   def of(cls, *, dense_steps: int, compressed_steps: int, steps: int,
-         dense: tuple[float, float], compressed: tuple[float, float]
-         ) -> OneBitTraffic:
-    """The traffic of ``steps`` steps, ``dense_steps`` of them dense and
-    ``compressed_steps`` 1-bit exchanges (the rest sent nothing), from the
-    (operand, ring) bytes of one ``dense`` step and of one ``compressed``
-    exchange."""
+         skipped_steps: int, dense: tuple[float, float],
+         compressed: tuple[float, float]) -> OneBitTraffic:
+    """The traffic of ``steps`` steps taken, ``dense_steps`` of them dense
+    and ``compressed_steps`` 1-bit exchanges (the rest sent nothing), and
+    of ``skipped_steps`` more skipped for a non-finite gradient (in no
+    total), from the (operand, ring) bytes of one ``dense`` step and of
+    one ``compressed`` exchange."""
     (db, dw), (cb, cw) = dense, compressed
     total = dense_steps * db + compressed_steps * cb
     total_wire = dense_steps * dw + compressed_steps * cw
     return cls(
         dense_steps=dense_steps, compressed_steps=compressed_steps,
         silent_steps=steps - dense_steps - compressed_steps,
+        skipped_steps=skipped_steps,
         dense_bytes_per_exchange=db, compressed_bytes_per_exchange=cb,
         total_bytes=total, total_wire_bytes=total_wire,
         dense_total_bytes=steps * db, dense_total_wire_bytes=steps * dw,
@@ -277,6 +296,7 @@ def _phases_of(x) -> OneBitTraffic:
       dense_steps=int(get(stats.dense_steps)),
       compressed_steps=int(get(stats.compressed_steps)),
       steps=int(get(x.count)),
+      skipped_steps=int(get(stats.skipped_steps)),
       dense=(float(get(stats.dense_bytes)), float(get(stats.dense_wire_bytes))),
       compressed=(float(get(stats.compressed_bytes)),
                   float(get(stats.compressed_wire_bytes))))
