@@ -211,7 +211,8 @@ def worker(example: str, args, out_path: str) -> None:
              "dataset": r["dataset"]}
       if "dense_steps" in r:  # a compressed optimizer's phases
         row.update(dense_steps=r["dense_steps"],
-                   compressed_steps=r["compressed_steps"], fields=fields)
+                   compressed_steps=r["compressed_steps"],
+                   skipped_steps=r.get("skipped_steps", 0), fields=fields)
       # (steps, validation loss, wire bytes so far) after each epoch.
       per = r["steps"] // len(r["epochs"])
       row["curve"] = [
@@ -268,7 +269,8 @@ def summarize(rows, args):
           "total_wire_bytes": rs[0].get("total_wire_bytes"),
           "curve": rs[0].get("curve"), "fields": rs[0].get("fields"),
           "dense_steps": rs[0].get("dense_steps"),
-          "compressed_steps": rs[0].get("compressed_steps")})
+          "compressed_steps": rs[0].get("compressed_steps"),
+          "skipped_steps": rs[0].get("skipped_steps", 0)})
   return out
 
 
@@ -362,14 +364,17 @@ def _onebit_check(r, dense) -> str:
   pct, fewer_min = ONEBIT_TARGETS[r["spec_name"]]
   rel = 100 * (r["metric"] / dense["metric"] - 1)
   fewer = dense["total_wire_bytes"] / r["total_wire_bytes"]
-  ok = rel <= pct and fewer >= fewer_min
+  nan_skipped = r.get("skipped_steps") or 0
+  ok = rel <= pct and fewer >= fewer_min and not nan_skipped
   return (f"- char_lm, {r['label']}: within {pct:g}% of dense Adam's "
           f"validation loss at >= {fewer_min:g}x fewer wire bytes: "
           f"**{'met' if ok else 'missed'}** ({rel:+.2f}% loss at "
           f"{fewer:.1f}x fewer wire bytes; {r['dense_steps']} dense steps, "
           f"{r['compressed_steps']} 1-bit exchanges, "
-          f"{r['steps'] - r['dense_steps'] - r['compressed_steps']} "
-          f"skipped; {_fields_text(r.get('fields', {}))}).")
+          f"{r['steps'] - r['dense_steps'] - r['compressed_steps'] - nan_skipped} "
+          f"skipped; "
+          + (f"{nan_skipped} steps skipped for a non-finite gradient; " if nan_skipped else "")
+          + f"{_fields_text(r.get('fields', {}))}).")
 
 
 def _fields_text(fields: dict) -> str:

@@ -264,6 +264,8 @@ def _onebit_result(config: Config, corpus, valid, history, done, num_params,
       "total_wire_bytes": t.total_wire_bytes,
       "dense_steps": t.dense_steps,
       "compressed_steps": t.compressed_steps,
+      "silent_steps": t.silent_steps,
+      "skipped_steps": t.skipped_steps,  # for a NaN/Inf gradient (nonfinite="skip")
       "hlo_operand_bytes": traffic.operand_bytes,
       **memory,
       "params": state.model_params(),
