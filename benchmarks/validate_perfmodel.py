@@ -8,8 +8,10 @@ of bursts of steady-state calls:
 
 1. the link: the one-worker compute followed by a psum / all_gather of K
    float32 arrays (4 KiB .. 2 MiB; K = 1 and 8) in one program on the global
-   mesh; less the compute, alpha, beta (per collective kind) and a per-step
-   synchronisation cost are fitted (``fit_alpha_beta``);
+   mesh; the start-up cost per message is their difference between K = 8
+   and K = 1, per collective kind, at the link's rate (``fit_startup``,
+   the default ``--fit startup``), or alpha, beta and a per-step
+   synchronisation cost are fitted (``fit_alpha_beta``, ``--fit per-kind``);
 2. the one-worker step, the per-tensor backward times
    (jaxcomp.perfmodel.profile) and each compressor's encode/decode
    (measure_codec);
@@ -53,6 +55,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import signal
 import statistics
@@ -77,7 +80,13 @@ MODELS = ("mlp", "cnn", "char_lm")
 # first to measure the others' speedup against it.
 OWN_EXCHANGE = ("onebit_adam", "onebit_lamb")  # priced as CompressedOptimizer
 OPTIMIZER_SPECS = ("adam",) + OWN_EXCHANGE
-OPTIMIZER_LR = 1e-3
+# Small: with freeze_step=1 the frozen variance holds one step's (1 - b2)
+# g^2, so each 1-bit step moves a parameter by about 3 learning rates, and
+# 1-bit Adam at 1e-3 (and 1e-4) reached NaN in about 20 steps on the char LM;
+# its default nonfinite="skip" then skips the exchange, and the step timed
+# is not a 1-bit step. The timing does not depend on the values; the worker
+# records each step's last loss and the report refuses a non-finite one.
+OPTIMIZER_LR = 1e-5
 # Per-worker batches of the examples' models, small enough that a step on
 # one CPU core takes tens of milliseconds (rows of images; windows of tokens).
 MODEL_BATCH = {"mlp": BATCH, "cnn": 32, "char_lm": 8}
@@ -310,16 +319,21 @@ def worker(args) -> None:
     step = jaxcomp.make_train_step(lambda p_, b: loss_fn(p_, *b), tx,
                                    mesh=on_mesh, donate=False,
                                    per_device_loss=True)
-    carry = [state]
+    carry = [state, None]
     for _ in range(3):  # compile and warm up (past a freeze_step of 1)
-      carry[0], _ = jax.block_until_ready(step(carry[0], batch))
+      carry[0], carry[1] = jax.block_until_ready(step(carry[0], batch))
     return step, carry
 
   def step_call(step, carry, batch):
-    """One training step that advances ``carry`` ([TrainState])."""
+    """One training step that advances ``carry`` ([TrainState, its loss])."""
     def call():
-      carry[0], _ = jax.block_until_ready(step(carry[0], batch))
+      carry[0], carry[1] = jax.block_until_ready(step(carry[0], batch))
     return call
+
+  def last_loss(carry):
+    """The mean of the last step's per-device losses (a Python float)."""
+    return float(np.mean(np.asarray(jax.device_get(
+        [s.data for s in carry[1].addressable_shards]))))
 
   gparams = global_array(params, P())
   gbatch = (global_array(xs, P("data")), global_array(ys, P("data")))
@@ -331,8 +345,10 @@ def worker(args) -> None:
   out["collective_ops"] = ops
   out["collective_messages"] = msgs
   out["leaf_sizes"] = [int(np.prod(a.shape)) for a in jax.tree.leaves(params)]
+  carries = {}  # (spec, "mesh" | "local") -> carry, for the losses at the end
   for spec in args.compressors:
     step, carry = build_step(spec, mesh, gparams, gbatch)
+    carries[(spec, "mesh")] = carry
     # What the compiled program really puts into collectives (XLA:CPU, for
     # one, promotes a bf16 all-reduce to f32).
     traffic = jaxcomp.collective_traffic(step.lower(carry[0], gbatch).compile())
@@ -340,8 +356,9 @@ def worker(args) -> None:
     ops[spec] = len(traffic.ops)
     msgs[spec] = traffic.messages
     train[spec] = burst_timer(step_call(step, carry, gbatch), barrier=False)
-    timed[f"local_step:{spec}"] = burst_timer(
-        step_call(*build_step(spec, local_mesh, lparams, lbatch), lbatch), after_barrier)
+    lstep, lcarry = build_step(spec, local_mesh, lparams, lbatch)
+    carries[(spec, "local")] = lcarry
+    timed[f"local_step:{spec}"] = burst_timer(step_call(lstep, lcarry, lbatch), after_barrier)
 
   # Interleaved rounds: background load on this shared machine then affects
   # the link measurements, the compute and the training steps alike.
@@ -378,6 +395,15 @@ def worker(args) -> None:
     dec = [med(r[1][i] for r in runs) for i in range(len(sizes))]
     out["codecs"][spec] = fit_codec(sizes, enc, dec, device_name()).to_dict()
   out["steps"] = {s: {"median": med(v), "all": v} for s, v in step_samples.items()}
+  # A non-finite loss means the steps timed were not training steps (a
+  # compressed optimizer skips its exchange on a NaN gradient).
+  out["last_loss"] = {f"{s}:{where}": last_loss(c) for (s, where), c in carries.items()}
+  for s in args.compressors:
+    if s in OWN_EXCHANGE:
+      t = jaxcomp.get_stats(carries[(s, "mesh")][0].opt_state)
+      out.setdefault("optimizer_steps", {})[s] = {
+          f: getattr(t, f) for f in ("dense_steps", "compressed_steps", "silent_steps",
+                                      "skipped_steps") if hasattr(t, f)}
   out["codec_samples"] = codec_samples
   path = args.result if jax.process_index() == 0 else f"{args.result}.rank{jax.process_index()}"
   with open(path, "w") as f:
@@ -438,6 +464,56 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
 
 
 NOMINAL_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}  # tc tbf rates, bit/s
+
+
+def fit_startup(collectives, p, rate):
+  """The link as ``--fit startup`` prices it: the bandwidth is the link's
+  rate as named (``rate``, the tc tbf rate, as a user names the network to
+  ``jaxcomp whatif``), and the start-up cost of one message is measured,
+  per collective kind, as the marginal cost of one more operand of a
+  small collective: ``(t(K) - t(1)) / (K - 1)`` at the smallest measured
+  size with K = 1 and K > 1 operands, per ring message, less its bytes at
+  the rate.
+
+  A difference of two programs that both run the step's compute and
+  then synchronise the workers, so the compute, its noise and the
+  per-step synchronisation cancel; no per-step sync is fitted. (The
+  alternating fit of :func:`fit_alpha_beta` trades those three against
+  each other: on a 2-core machine whose compute varies by +-20% it put
+  13 to 15 ms of sync into every step in one run, and tbf's burst pulls
+  its start-up cost to 0 in others.)
+
+  Returns ``{kind: (alpha, beta)}`` for ``"allreduce"`` and
+  ``"allgather"``: seconds per message, seconds per byte.
+
+  Raises:
+    ValueError: ``rate`` is not a rated link (:data:`NOMINAL_BITS`), the
+      collectives lack a small size with 1 and more operands, or the
+      extra operands did not cost more than their bytes (a noisy run).
+  """
+  from jaxcomp import wire
+  if rate not in NOMINAL_BITS:
+    raise ValueError(f"--fit startup needs a rated link ({', '.join(NOMINAL_BITS)}), "
+                     f"got {rate!r}")
+  beta = 8 / NOMINAL_BITS[rate]
+  out = {}
+  for kind in ("allreduce", "allgather"):
+    name = "all-reduce" if kind == "allreduce" else "all-gather"
+    t = {(c["bytes"], c.get("count", 1)): c["seconds"]
+         for c in collectives if c["kind"] == kind}
+    pairs = sorted((m, k) for m, k in t if k > 1 and (m, 1) in t)
+    if not pairs:
+      raise ValueError(f"need {kind} collectives of one size with 1 and more operands; "
+                       f"got {sorted(t)}")
+    m, k = pairs[0]
+    per_operand = (t[(m, k)] - t[(m, 1)]) / (k - 1)
+    alpha = (per_operand - wire.ring_bytes(name, m, p) * beta) / wire.ring_messages(name, p)
+    if alpha <= 0:
+      raise ValueError(f"{k} {kind} operands of {m} bytes took no longer than 1 "
+                       f"({t[(m, k)] * 1e3:.2f} against {t[(m, 1)] * 1e3:.2f} ms); "
+                       "rerun on a quieter machine")
+    out[kind] = (alpha, beta)
+  return out
 NOMINAL_ALPHA = 50e-6  # s per message: jaxcomp whatif's default (assumed)
 ZERO_CODEC = {"encode_fixed": 0.0, "encode_per_element": 0.0,
               "decode_fixed": 0.0, "decode_per_element": 0.0}
@@ -457,7 +533,7 @@ class OnWire:
     return self.inner.payload_bytes(n) * self.factor
 
 
-def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
+def predict_run(res, specs, *, from_hlo=True, compute="single", fit="startup"):
   from jaxcomp import compressors
   from jaxcomp import perfmodel as pm
   from jaxcomp.cli import parse_compressor_spec
@@ -474,10 +550,19 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="per-kind"):
     if res.get("rate") not in NOMINAL_BITS:
       raise ValueError(f"--fit nominal needs a link of {', '.join(NOMINAL_BITS)}")
     alpha, beta, c0 = NOMINAL_ALPHA, 8 / NOMINAL_BITS[res["rate"]], 0.0
+  elif fit == "startup":
+    kinds = fit_startup(res["collectives"], p, res.get("rate"))
+    beta = kinds["allreduce"][1]
+    alpha, c0 = statistics.mean(a for a, _ in kinds.values()), 0.0
   else:
     alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
   fits = {"link": (alpha, beta)}
   per_kind = None
+  if fit == "startup":
+    fits.update(kinds)
+    per_kind = {"all-reduce": pm.Link(*kinds["allreduce"]),
+                "all-gather": pm.Link(*kinds["allgather"])}
+    per_kind["all-to-all"] = per_kind["all-gather"]  # as below
   if fit == "per-kind":
     per_kind = {}
     for kind in ("allreduce", "allgather"):
@@ -685,7 +770,7 @@ def formula_bytes(spec, n, workers=2):
   return compressors.get(name, **kw).payload_bytes(n)
 
 
-def report(runs, specs, print_=print, compute="single", fit="per-kind"):
+def report(runs, specs, print_=print, compute="single", fit="startup"):
   lines = []
   say = lambda s="": (lines.append(s), print_(s))
   table = []
@@ -700,19 +785,32 @@ def report(runs, specs, print_=print, compute="single", fit="per-kind"):
     _, formula = predict_run(res, specs, from_hlo=False, compute=compute, fit=fit)
     _, alone = predict_run(res, specs, compute="profile", fit=fit)
     alpha, beta = fits["link"]
-    say(f"{nproc} workers, {rate}: fitted alpha = {alpha * 1e6:.0f} us, beta = "
-        f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-step sync "
-        f"{fits['sync'] * 1e3:.2f} ms; one-worker step "
-        f"{res['single_worker_step'] * 1e3:.1f} ms")
+    if fit == "startup":
+      say(f"{nproc} workers, {rate}: bandwidth {8 / beta / 1e9:.3f} Gbit/s (the link's "
+          f"rate), start-up per message measured: all-reduce "
+          f"{fits['allreduce'][0] * 1e6:.0f} us, all-gather {fits['allgather'][0] * 1e6:.0f} us; "
+          f"one-worker step {res['single_worker_step'] * 1e3:.1f} ms")
+    else:
+      say(f"{nproc} workers, {rate}: fitted alpha = {alpha * 1e6:.0f} us, beta = "
+          f"{beta * 1e9:.2f} ns/B ({8 / beta / 1e9:.3f} Gbit/s), per-step sync "
+          f"{fits['sync'] * 1e3:.2f} ms; one-worker step "
+          f"{res['single_worker_step'] * 1e3:.1f} ms")
     if res.get("loadavg"):  # os.getloadavg() at each round's start
       say(f"  1-min load average per round: {', '.join(f'{la[0]:.1f}' for la in res['loadavg'])} "
           f"(machine of {os.cpu_count()} cores)")
     for kind in ("allreduce", "allgather"):
-      if kind in fits:
+      if kind in fits and fit != "startup":
         a, b = fits[kind]
         say(f"  {kind} alone: alpha = {a * 1e6:.0f} us, beta = {b * 1e9:.2f} ns/B "
             f"({8 / b / 1e9:.3f} Gbit/s){'  (used)' if fit == 'per-kind' else ''}")
     for spec in specs:
+      losses = {k: v for k, v in res.get("last_loss", {}).items()
+                if k.rsplit(":", 1)[0] == spec}
+      bad = {k: v for k, v in losses.items() if not math.isfinite(v)}
+      if bad:  # not training steps: no measurement to compare with
+        say(f"  {spec}: no comparison, the last loss was not finite ({bad}); "
+            "the steps timed skipped their exchange or trained on NaN")
+        continue
       meas = res["steps"][spec]["median"]
       pred = preds[spec].step_time
       table.append({
@@ -874,9 +972,13 @@ def main(argv=None) -> int:
                   "which lets short messages through faster than the rate)")
   ap.add_argument("--pin", action="store_true",
                   help="pin worker i to core i %% cores (taskset)")
-  ap.add_argument("--fit", choices=("per-kind", "link", "nominal"), default="per-kind",
-                  help="alpha/beta per collective kind (default), one pair for the link, "
-                  "or not fitted: the tc rate and an assumed 50 us per message")
+  ap.add_argument("--fit", choices=("startup", "per-kind", "link", "nominal"),
+                  default="startup",
+                  help="'startup' (default): the tc rate as the bandwidth and, per "
+                  "collective kind, the measured start-up cost of one more operand "
+                  "(fit_startup); 'per-kind': alpha, beta and a per-step sync fitted "
+                  "per collective kind; 'link': one such fit for the link; 'nominal': "
+                  "the tc rate and an assumed 50 us per message")
   ap.add_argument("--report-from", nargs="+", metavar="JSON",
                   help="recompute the report from saved OUT.json files (no runs)")
   args = ap.parse_args(argv)

@@ -535,6 +535,49 @@ def test_validation_fit_recovers_alpha_beta():
     mod.fit_alpha_beta([c for c in meas if c["bytes"] >= 524288], p)
 
 
+def test_validation_startup_fit_is_the_marginal_operand_at_the_rate():
+  # --fit startup (the default): bandwidth the tc rate; per kind the
+  # start-up cost from t(K) - t(1) at the smallest size, so the per-step
+  # sync c0 and the compute (both in every program) cancel exactly.
+  mod = _validation_module()
+  p, c0 = 2, 7e-3
+  links = {"allreduce": pm.Link(3.5e-3, 8e-9), "allgather": pm.Link(1.5e-3, 8e-9)}
+  fns = {"allreduce": pm.allreduce_time, "allgather": pm.allgather_time}
+  meas = [{"kind": kind, "bytes": m, "count": k,
+           "seconds": c0 + k * fns[kind](m, p, links[kind])}
+          for m, k in mod.COLL_CASES for kind in links for m in [4 * m]]
+  fits = mod.fit_startup(meas, p, "1gbit")
+  for kind, link in links.items():
+    assert fits[kind] == (pytest.approx(link.alpha, rel=1e-9), 8e-9)
+  # Not the fitted bandwidth: the rate, whatever the large messages took.
+  slow = [dict(c, seconds=2 * c["seconds"]) if c["bytes"] >= 1 << 19 else c for c in meas]
+  assert mod.fit_startup(slow, p, "1gbit")["allreduce"][1] == 8e-9
+  with pytest.raises(ValueError, match="rated link"):
+    mod.fit_startup(meas, p, "unlimited")
+  with pytest.raises(ValueError, match="1 and more operands"):
+    mod.fit_startup([c for c in meas if c["count"] == 1], p, "1gbit")
+  flat = [dict(c, seconds=c0) for c in meas]  # 8 operands no slower than 1
+  with pytest.raises(ValueError, match="no longer than 1"):
+    mod.fit_startup(flat, p, "1gbit")
+
+
+def test_validation_report_refuses_steps_with_a_nonfinite_loss():
+  # A compressed optimizer skips its exchange on a NaN gradient
+  # (nonfinite="skip"): such steps are not the steps to compare with.
+  mod = _validation_module()
+  root = os.path.join(os.path.dirname(__file__), "..")
+  runs = mod.load_runs([os.path.join(root, "docs", "perfmodel_validation_p2.json")])
+  specs = ["identity", "bf16"]
+  for res in runs.values():
+    res["last_loss"] = {"identity:mesh": 2.3, "identity:local": 2.3,
+                        "bf16:mesh": float("nan"), "bf16:local": 2.3}
+  lines = []
+  table, _ = mod.report(runs, specs, print_=lines.append, compute="local", fit="per-kind")
+  assert {r["compressor"] for r in table} == {"identity"}
+  assert len(table) == len(runs)
+  assert any("bf16: no comparison, the last loss was not finite" in ln for ln in lines)
+
+
 def test_serial_overlap_is_the_sum_of_everything():
   # Two buckets, codec costs on: "serial" adds every collective and every
   # decode to the compute, where "after_backward" lets bucket 1's decode
@@ -615,7 +658,8 @@ def test_results_page_validation_table_is_the_saved_measurements_report():
   mod = _validation_module()
   runs = mod.load_runs([os.path.join(root, "docs", f"perfmodel_validation_p{p}.json")
                         for p in (2, 4)])
-  table, _ = mod.report(runs, list(mod.COMPRESSORS), print_=lambda s: None, compute="local")
+  table, _ = mod.report(runs, list(mod.COMPRESSORS), print_=lambda s: None, compute="local",
+                        fit="per-kind")
   with open(os.path.join(root, "docs", "real_links.md")) as f:
     page = f.read()
   cells = {}
