@@ -483,24 +483,36 @@ def fit_startup(collectives, p, rate):
   13 to 15 ms of sync into every step in one run, and tbf's burst pulls
   its start-up cost to 0 in others.)
 
+  On a link with no rate to name (``"unlimited"``) the bandwidth is
+  measured instead, per kind, from the difference between the two largest
+  single-operand collectives.
+
   Returns ``{kind: (alpha, beta)}`` for ``"allreduce"`` and
   ``"allgather"``: seconds per message, seconds per byte.
 
   Raises:
-    ValueError: ``rate`` is not a rated link (:data:`NOMINAL_BITS`), the
-      collectives lack a small size with 1 and more operands, or the
-      extra operands did not cost more than their bytes (a noisy run).
+    ValueError: the collectives lack a small size with 1 and more
+      operands (or, on an unrated link, two sizes of one operand), or the
+      extra operands (the larger message) did not cost more (a noisy run).
   """
   from jaxcomp import wire
-  if rate not in NOMINAL_BITS:
-    raise ValueError(f"--fit startup needs a rated link ({', '.join(NOMINAL_BITS)}), "
-                     f"got {rate!r}")
-  beta = 8 / NOMINAL_BITS[rate]
   out = {}
   for kind in ("allreduce", "allgather"):
     name = "all-reduce" if kind == "allreduce" else "all-gather"
     t = {(c["bytes"], c.get("count", 1)): c["seconds"]
          for c in collectives if c["kind"] == kind}
+    if rate in NOMINAL_BITS:
+      beta = 8 / NOMINAL_BITS[rate]
+    else:  # no rate to name (unlimited): the two largest messages' difference
+      big = sorted(m for m, k in t if k == 1)[-2:]
+      if len(big) < 2:
+        raise ValueError(f"an unrated link ({rate!r}) needs {kind} collectives of two "
+                         f"sizes with 1 operand; got {sorted(t)}")
+      beta = ((t[(big[1], 1)] - t[(big[0], 1)])
+              / (wire.ring_bytes(name, big[1], p) - wire.ring_bytes(name, big[0], p)))
+      if beta <= 0:
+        raise ValueError(f"{kind} of {big[1]} bytes took no longer than of {big[0]}; "
+                         "cannot measure the bandwidth (rerun on a quieter machine)")
     pairs = sorted((m, k) for m, k in t if k > 1 and (m, 1) in t)
     if not pairs:
       raise ValueError(f"need {kind} collectives of one size with 1 and more operands; "

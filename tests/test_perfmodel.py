@@ -552,8 +552,12 @@ def test_validation_startup_fit_is_the_marginal_operand_at_the_rate():
   # Not the fitted bandwidth: the rate, whatever the large messages took.
   slow = [dict(c, seconds=2 * c["seconds"]) if c["bytes"] >= 1 << 19 else c for c in meas]
   assert mod.fit_startup(slow, p, "1gbit")["allreduce"][1] == 8e-9
-  with pytest.raises(ValueError, match="rated link"):
-    mod.fit_startup(meas, p, "unlimited")
+  # No rate to name: the bandwidth from the two largest messages.
+  fits = mod.fit_startup(meas, p, "unlimited")
+  for kind, link in links.items():
+    assert fits[kind] == (pytest.approx(link.alpha, rel=1e-9), pytest.approx(8e-9, rel=1e-9))
+  with pytest.raises(ValueError, match="two sizes with 1 operand"):
+    mod.fit_startup([c for c in meas if c["bytes"] == 4096], p, "unlimited")
   with pytest.raises(ValueError, match="1 and more operands"):
     mod.fit_startup([c for c in meas if c["count"] == 1], p, "1gbit")
   flat = [dict(c, seconds=c0) for c in meas]  # 8 operands no slower than 1
