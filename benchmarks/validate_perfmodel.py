@@ -403,7 +403,7 @@ def worker(args) -> None:
       t = jaxcomp.get_stats(carries[(s, "mesh")][0].opt_state)
       out.setdefault("optimizer_steps", {})[s] = {
           f: getattr(t, f) for f in ("dense_steps", "compressed_steps", "silent_steps",
-                                      "skipped_steps") if hasattr(t, f)}
+                                      "skipped_steps")}
   out["codec_samples"] = codec_samples
   path = args.result if jax.process_index() == 0 else f"{args.result}.rank{jax.process_index()}"
   with open(path, "w") as f:
@@ -464,6 +464,7 @@ def fit_alpha_beta(collectives, p, kinds=("allreduce", "allgather")):
 
 
 NOMINAL_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}  # tc tbf rates, bit/s
+NOMINAL_ALPHA = 50e-6  # s per message: jaxcomp whatif's default (assumed)
 
 
 def fit_startup(collectives, p, rate):
@@ -526,7 +527,8 @@ def fit_startup(collectives, p, rate):
                        "rerun on a quieter machine")
     out[kind] = (alpha, beta)
   return out
-NOMINAL_ALPHA = 50e-6  # s per message: jaxcomp whatif's default (assumed)
+
+
 ZERO_CODEC = {"encode_fixed": 0.0, "encode_per_element": 0.0,
               "decode_fixed": 0.0, "decode_per_element": 0.0}
 
@@ -554,6 +556,7 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="startup"):
   # all-reduces and all-gathers together, and (fit="per-kind") one pair per
   # collective kind: gloo's all-gather is not the ideal ring (at 100 Mbit it
   # moves the same bytes 1.3-1.45x slower than its all-reduce).
+  kinds = None  # {"allreduce" | "allgather": (alpha, beta)}, one link per kind
   if fit == "nominal":
     # Not fitted: the tc rate as the bandwidth and jaxcomp whatif's assumed
     # start-up cost, as a user would ask the model; no per-step sync. The
@@ -568,20 +571,15 @@ def predict_run(res, specs, *, from_hlo=True, compute="single", fit="startup"):
     alpha, c0 = statistics.mean(a for a, _ in kinds.values()), 0.0
   else:
     alpha, beta, c0 = fit_alpha_beta(res["collectives"], p)
+    if fit == "per-kind":
+      kinds = {kind: fit_alpha_beta(res["collectives"], p, kinds=(kind,))[:2]
+               for kind in ("allreduce", "allgather")}
   fits = {"link": (alpha, beta)}
   per_kind = None
-  if fit == "startup":
+  if kinds:
     fits.update(kinds)
     per_kind = {"all-reduce": pm.Link(*kinds["allreduce"]),
                 "all-gather": pm.Link(*kinds["allgather"])}
-    per_kind["all-to-all"] = per_kind["all-gather"]  # as below
-  if fit == "per-kind":
-    per_kind = {}
-    for kind in ("allreduce", "allgather"):
-      a, b, _ = fit_alpha_beta(res["collectives"], p, kinds=(kind,))
-      fits[kind] = (a, b)
-      per_kind[{"allreduce": "all-reduce", "allgather": "all-gather"}[kind]] = (
-          pm.Link(a, b))
     # Not calibrated: the all-to-all (two-phase's first phase) is priced on
     # the all-gather's link; both are (p - 1) point-to-point exchanges.
     per_kind["all-to-all"] = per_kind["all-gather"]
